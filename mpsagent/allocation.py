@@ -1,0 +1,103 @@
+"""Per-resource request handling: checks kubelet requests, asks the ledger, builds each container's grant.
+
+Plain synchronous code; the gRPC servicer translates messages to and from these calls. A refused request raises
+RequestError before anything is recorded, so it changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpsagent.devices import GpuUuid, ReplicaId
+from mpsagent.errors import RequestError
+from mpsagent.ledger import Ledger, RecordResult
+from mpsagent.placement import preferred_replicas
+from mpsagent.plan import CapMode, ContainerGrant, ResourcePlan, container_grant, daemon_mode_for
+
+MAX_NAMED_IDS = 3
+MAX_SHOWN_ID_CHARS = 80
+
+def _show(replica_id: str) -> str:
+    shown = replica_id if len(replica_id) <= MAX_SHOWN_ID_CHARS else replica_id[:MAX_SHOWN_ID_CHARS] + "..."
+    return f"'{shown}'" if shown.isascii() and shown.isprintable() else ascii(shown)
+
+def describe_ids(ids: Sequence[str]) -> str:
+    """Name the first few IDs and count the rest, so that a message stays well under a gRPC status's limit."""
+    named = ", ".join(_show(i) for i in ids[:MAX_NAMED_IDS])
+    rest = len(ids) - MAX_NAMED_IDS
+    return f"{named} and {rest} more" if rest > 0 else named
+
+def size_error(count: int) -> RequestError:
+    return RequestError(f"maximum request size for shared resources is 1; found {count}")
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Allocation:
+    grant: ContainerGrant
+    record: RecordResult
+
+class ResourceAllocator:
+    """Answers Allocate and GetPreferredAllocation for one resource."""
+
+    def __init__(self, resource: ResourcePlan, shm_directory: Path, ledger: Ledger | None = None) -> None:
+        self.resource = resource
+        self.ledger = ledger or Ledger()
+        self._shm = shm_directory
+        self._known = frozenset(resource.device_ids)
+        self._gpu_replicas: dict[GpuUuid, tuple[ReplicaId, ...]] = {
+            gpu.uuid: tuple(r for r in resource.device_ids if r.rpartition("::")[0] == gpu.uuid)
+            for gpu in resource.gpus
+        }
+
+    def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:
+        unique = tuple(dict.fromkeys(ids))
+        unknown = [i for i in unique if i not in self._known]
+        if unknown:
+            raise RequestError(
+                f"{self.resource.name}: unknown device ID{'s' if len(unknown) > 1 else ''} {describe_ids(unknown)}"
+                f" in {what}; this resource advertises IDs of the form <GPU UUID>::<replica>"
+            )
+        return tuple(ReplicaId(i) for i in unique)
+
+    def check_request(self, ids: Sequence[str]) -> tuple[ReplicaId, ...]:
+        """Deduplicate and check one container's IDs; raises RequestError naming what is wrong."""
+        if not ids:
+            raise RequestError(f"{self.resource.name}: a container request must name at least one device ID")
+        unique = self._known_ids(ids, "the request")
+        if self.resource.fail_requests_greater_than_one and len(unique) > 1:
+            raise size_error(len(unique))
+        return unique
+
+    def grant_for(self, ids: Sequence[str]) -> ContainerGrant:
+        """What a container asking for these IDs would get; records nothing (the dry run calls this too)."""
+        return container_grant(self.resource, self.check_request(ids), self._shm)
+
+    def allocate(self, requests: Sequence[Sequence[str]]) -> list[Allocation]:
+        """Check every container request, then record them all; a refusal records nothing."""
+        grants = [self.grant_for(ids) for ids in requests]
+        return [Allocation(grant=g, record=self.ledger.record(g.replica_ids, g.kind)) for g in grants]
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[ReplicaId]:
+        if size < 1:
+            raise RequestError(f"{self.resource.name}: allocation size must be at least 1, not {size}")
+        if self.resource.fail_requests_greater_than_one and size > 1:
+            raise size_error(size)
+        return preferred_replicas(
+            gpu_replicas=self._gpu_replicas,
+            available=self._known_ids(available, "the available devices"),
+            must_include=self._known_ids(must_include, "the devices that must be included"),
+            size=size,
+            policy=self.resource.allocation_policy,
+            resource=self.resource.name,
+        )
+
+    def daemon_mode(self) -> CapMode:
+        """The cap mode the resource's daemon must hold for the grants the ledger believes live."""
+        return daemon_mode_for(self.resource, self.ledger.has_live(CapMode.CAPPED))
+
+    def mode_for_grant(self, ids: Sequence[str]) -> CapMode:
+        """The daemon mode a container holding these IDs needs (PreStartContainer re-asserts it)."""
+        return CapMode.FULL if set(ids) >= self._known else daemon_mode_for(self.resource, True)
+
+GrantListener = Callable[[Allocation], None]

@@ -1,0 +1,100 @@
+"""The command line: flags, their environment variables, and what each run mode does with them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from mpsagent import __version__
+from mpsagent.config import LOG_LEVELS, Settings, resolve_settings
+from mpsagent.devices import NodeGpus
+from mpsagent.errors import (
+    AgentLockedError,
+    ConfigError,
+    DaemonError,
+    GpuDiscoveryError,
+    MpsAgentError,
+    SnapshotError,
+    UsageError,
+)
+from mpsagent.gpu.port import GpuSource
+from mpsagent.logs import configure_logging, get_logger
+from mpsagent.plan import NodePlan, build_plan
+from mpsagent.report import plan_report, render_json, render_text
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+log = get_logger("mpsagent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpsagent",
+        description="Kubernetes device plugin that shares NVIDIA GPUs through MPS. "
+        "Flags win over environment variables, which win over the config file's `flags`.",
+        argument_default=None,
+    )
+    add = parser.add_argument
+    add("--config-file", metavar="FILE", help="NVIDIA device plugin v1 config, YAML or JSON [env CONFIG_FILE]")
+    add("--kubelet-socket", metavar="PATH", help="kubelet registration socket [env KUBELET_SOCKET; default "
+        "/var/lib/kubelet/device-plugins/kubelet.sock]")
+    add("--mps-root", metavar="DIR", help="MPS pipe, log and shm directories [env MPS_ROOT; default /run/nvidia/mps]")
+    add("--mps-control-bin", metavar="PATH", help="nvidia-cuda-mps-control to run [env MPS_CONTROL_BIN; "
+        "default from PATH]")
+    add("--mps-on-exit", choices=("keep", "quit"), help="leave the MPS daemons running on exit (keep, default) or "
+        "quit them [env MPS_ON_EXIT]")
+    add("--node-snapshot", metavar="FILE", help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` "
+        "output instead of NVML [env NODE_SNAPSHOT]")
+    add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
+    add("--output", choices=("text", "json"), help="--once output format (default text)")
+    add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")
+    add("--log-level", choices=LOG_LEVELS, type=str.lower, help="[env LOG_LEVEL; default info]")
+    add("--version", action="version", version=f"mpsagent {__version__}")
+    return parser
+
+
+def _gpu_source(settings: Settings) -> GpuSource:
+    if settings.node_snapshot is not None:
+        from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
+
+        return SnapshotGpuSource(settings.node_snapshot)
+    from mpsagent.gpu.nvml import NvmlGpuSource  # noqa: PLC0415  (loads libnvidia-ml only when needed)
+
+    return NvmlGpuSource()
+
+
+def _plan(settings: Settings, source: GpuSource) -> tuple[NodeGpus, NodePlan]:
+    node = source.discover()
+    return node, build_plan(settings.sharing, node, settings.mps_root)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = resolve_settings(vars(args))
+        configure_logging(settings.log_format, settings.log_level)
+        for key in settings.sharing.ignored_keys:
+            log.info("config key ignored", key=key, reason="no meaning for MPS sharing through mpsagent")
+        source = _gpu_source(settings)
+        _, plan = _plan(settings, source)
+        if settings.once:
+            report = plan_report(
+                plan, control_bin=settings.mps_control_bin, manages_compute_mode=source.manages_compute_mode
+            )
+            print(render_json(report) if settings.output == "json" else render_text(report))
+            return EXIT_OK
+        from mpsagent.app import run_agent  # noqa: PLC0415
+
+        anyio.run(run_agent, settings, plan, source)
+        return EXIT_OK
+    except (UsageError, ConfigError, SnapshotError) as exc:
+        print(f"mpsagent: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (AgentLockedError, GpuDiscoveryError, DaemonError, MpsAgentError) as exc:
+        print(f"mpsagent: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME

@@ -1,0 +1,451 @@
+"""The configuration: the NVIDIA device plugin's `v1` config file, plus the agent's own settings.
+
+The only module that reads files or the environment for configuration. `load_config` parses and checks the
+file's shape; checks that need the GPUs (device references, replica limits) live in `plan.build_plan`.
+`resolve_settings` applies the precedence flag > environment variable > config `flags` > default.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import yaml
+
+from mpsagent.errors import ConfigError, UsageError
+
+DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
+DEFAULT_MPS_CONTROL_BIN = "nvidia-cuda-mps-control"
+DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
+MAX_REPLICAS = 48
+MAX_REPLICAS_BEFORE_VOLTA = 16
+
+
+class _Strict(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base for config sections: camelCase keys, unknown keys refused (a typo must not pass silently)."""
+
+
+DeviceSelector = Literal["all"] | int | list[int | str]
+
+
+class MpsResource(_Strict):
+    name: str
+    replicas: int
+    rename: str | None = None
+    devices: DeviceSelector = "all"
+
+
+class MpsSharing(_Strict):
+    rename_by_default: bool = False
+    # Omitted means true: the NVIDIA plugin refuses multi-replica requests unless told otherwise.
+    fail_requests_greater_than_one: bool = True
+    enforce_caps: bool = True
+    resources: list[MpsResource] = msgspec.field(default_factory=list)
+
+
+class Sharing(_Strict):
+    mps: MpsSharing | None = None
+    time_slicing: dict[str, Any] | None = None
+
+
+class PluginFlags(_Strict):
+    device_list_strategy: str | list[str] | None = None
+    device_id_strategy: str | None = msgspec.field(default=None, name="deviceIDStrategy")
+    shared_devices_allocation_policy: str | None = None
+    # NVIDIA keys without meaning here: accepted so that the same file works, reported as ignored.
+    pass_device_specs: bool | None = None
+    cdi_annotation_prefix: str | None = None
+    nvidia_ctk_path: str | None = msgspec.field(default=None, name="nvidiaCTKPath")
+    container_driver_root: str | None = None
+
+
+class Flags(_Strict):
+    mig_strategy: str | None = None
+    mps_root: str | None = None
+    plugin: PluginFlags | None = None
+    # The agent's own settings, for operators who keep everything in one file.
+    kubelet_socket: str | None = None
+    log_format: str | None = None
+    log_level: str | None = None
+    mps_control_bin: str | None = None
+    mps_on_exit: str | None = None
+    # NVIDIA keys without meaning here.
+    fail_on_init_error: bool | None = None
+    nvidia_driver_root: str | None = None
+    nvidia_dev_root: str | None = None
+    gds_enabled: bool | None = None
+    mofed_enabled: bool | None = None
+    use_node_feature_api: bool | None = msgspec.field(default=None, name="useNodeFeatureAPI")
+    device_discovery_strategy: str | None = None
+    gfd: dict[str, Any] | None = None
+
+
+class ConfigFile(_Strict):
+    version: str | None = None
+    flags: Flags = msgspec.field(default_factory=Flags)
+    sharing: Sharing | None = None
+    # NVIDIA sections without meaning here.
+    resources: dict[str, Any] | None = None
+    imex: dict[str, Any] | None = None
+
+
+_IGNORED_FLAG_KEYS = {
+    "fail_on_init_error": "flags.failOnInitError",
+    "nvidia_driver_root": "flags.nvidiaDriverRoot",
+    "nvidia_dev_root": "flags.nvidiaDevRoot",
+    "gds_enabled": "flags.gdsEnabled",
+    "mofed_enabled": "flags.mofedEnabled",
+    "use_node_feature_api": "flags.useNodeFeatureAPI",
+    "device_discovery_strategy": "flags.deviceDiscoveryStrategy",
+    "gfd": "flags.gfd",
+}
+_IGNORED_PLUGIN_KEYS = {
+    "pass_device_specs": "flags.plugin.passDeviceSpecs",
+    "cdi_annotation_prefix": "flags.plugin.cdiAnnotationPrefix",
+    "nvidia_ctk_path": "flags.plugin.nvidiaCTKPath",
+    "container_driver_root": "flags.plugin.containerDriverRoot",
+}
+
+
+class DeviceListStrategy(enum.StrEnum):
+    ENVVAR = "envvar"
+    CDI_CRI = "cdi-cri"
+
+
+class DeviceIdStrategy(enum.StrEnum):
+    UUID = "uuid"
+    INDEX = "index"
+
+
+class AllocationPolicy(enum.StrEnum):
+    DISTRIBUTED = "distributed"
+    PACKED = "packed"
+
+
+class LogFormat(enum.StrEnum):
+    AUTO = "auto"
+    JSON = "json"
+    CONSOLE = "console"
+
+
+class MpsOnExit(enum.StrEnum):
+    KEEP = "keep"
+    QUIT = "quit"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResourceSpec:
+    """One `sharing.mps.resources[]` entry, normalised; `path` is its key path for error messages."""
+
+    path: str
+    name: str
+    advertised_name: str
+    replicas: int
+    devices: DeviceSelector
+    renamed: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharingConfig:
+    """What the config file says about sharing and allocation, checked and with defaults applied."""
+
+    resources: tuple[ResourceSpec, ...]
+    fail_requests_greater_than_one: bool
+    enforce_caps: bool
+    device_list_strategy: DeviceListStrategy
+    device_id_strategy: DeviceIdStrategy
+    allocation_policy: AllocationPolicy
+    ignored_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    """Everything the agent runs with, after precedence is applied."""
+
+    config_file: Path
+    sharing: SharingConfig
+    kubelet_socket: Path
+    mps_root: Path
+    mps_control_bin: str
+    mps_on_exit: MpsOnExit
+    node_snapshot: Path | None
+    once: bool
+    output: Literal["text", "json"]
+    log_format: LogFormat
+    log_level: str
+
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+# --- reading the file -------------------------------------------------------------------------------------
+
+_MSGSPEC_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+
+
+def _key_path(msgspec_path: str) -> str:
+    return msgspec_path.lstrip(".")
+
+
+def _explain(exc: msgspec.ValidationError) -> ConfigError:
+    match = _MSGSPEC_PATH.match(str(exc))
+    what, path = (match.group("what"), match.group("path") or "") if match else (str(exc), "")
+    unknown = re.match(r"Object contains unknown field `(?P<key>[^`]*)`", what)
+    if unknown:
+        key = unknown.group("key")
+        full = f"{_key_path(path)}.{key}" if path else key
+        return ConfigError(full, "unknown key (check its spelling; see docs/configuration.md)")
+    missing = re.match(r"Object missing required field `(?P<key>[^`]*)`", what)
+    if missing:
+        return ConfigError(_key_path(path), f"required key `{missing.group('key')}` is missing")
+    return ConfigError(_key_path(path), what[:1].lower() + what[1:])
+
+
+def parse_config(text: str, source: str) -> ConfigFile:
+    """Parse YAML or JSON text into the file's structure; shape errors name the key path."""
+    try:
+        document = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("", f"{source} is not valid YAML or JSON{where}") from exc
+    if document is None:
+        raise ConfigError("", f"{source} is empty: it must configure sharing.mps.resources")
+    if not isinstance(document, dict):
+        raise ConfigError("", f"{source} must hold a mapping at the top level, not a {type(document).__name__}")
+    try:
+        # YAML gives dates, sets and non-string keys that JSON cannot carry; going through JSON makes them plain.
+        plain = json.loads(json.dumps(document, default=str))
+        return msgspec.convert(plain, ConfigFile, str_keys=True)
+    except msgspec.ValidationError as exc:
+        raise _explain(exc) from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("", f"{source} holds values that are neither YAML nor JSON data: {exc}") from exc
+
+
+def load_config(path: Path) -> ConfigFile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise UsageError(f"--config-file {path}: no such file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--config-file {path}: cannot read it ({exc})") from exc
+    return parse_config(text, str(path))
+
+
+# --- checking it ------------------------------------------------------------------------------------------
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def qualify_resource_name(name: str) -> str:
+    """A name without a domain means one under `nvidia.com`, as in the NVIDIA device plugin."""
+    return name if "/" in name else f"{DEFAULT_RESOURCE_DOMAIN}/{name}"
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why the kubelet would refuse this extended resource name, or None when it is acceptable."""
+    domain, _, short = name.partition("/")
+    if not short or "/" in short:
+        return f"`{name}` must be of the form domain/name"
+    if len(domain) > 253 or not _DNS_SUBDOMAIN.match(domain):
+        return f"domain `{domain}` must be a lowercase DNS subdomain"
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return f"`{name}` is in the kubernetes.io domain, which the kubelet keeps for native resources"
+    if name.startswith("requests."):
+        return f"`{name}` must not start with `requests.`"
+    if len(short) > 63 or not _QUALIFIED_NAME.match(short):
+        return (
+            f"name part `{short}` must be at most 63 characters of [A-Za-z0-9_.-], "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _one_of(kind: type[_E], value: str | None, default: _E, path: str) -> _E:
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise ConfigError(path, f"`{value}` is not supported; use one of: {choices}") from None
+
+
+def _device_list_strategy(value: str | list[str] | None) -> DeviceListStrategy:
+    path = "flags.plugin.deviceListStrategy"
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ConfigError(path, f"give exactly one strategy (envvar or cdi-cri), not {len(value)}")
+        value = value[0]
+    return _one_of(DeviceListStrategy, value, DeviceListStrategy.ENVVAR, path)
+
+
+def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> ResourceSpec:
+    path = f"sharing.mps.resources[{index}]"
+    name = qualify_resource_name(entry.name)
+    problem = resource_name_problem(name)
+    if problem:
+        raise ConfigError(f"{path}.name", problem)
+    if entry.rename is not None:
+        advertised = qualify_resource_name(entry.rename)
+        problem = resource_name_problem(advertised)
+        if problem:
+            raise ConfigError(f"{path}.rename", problem)
+    elif rename_by_default:
+        advertised = f"{name}.shared"
+        problem = resource_name_problem(advertised)
+        if problem:
+            raise ConfigError(f"{path}.name", f"with renameByDefault the advertised name is invalid: {problem}")
+    else:
+        advertised = name
+    if not 1 <= entry.replicas <= MAX_REPLICAS:
+        raise ConfigError(
+            f"{path}.replicas", f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {entry.replicas}"
+        )
+    if isinstance(entry.devices, int) and entry.devices < 1:
+        raise ConfigError(f"{path}.devices", f"a device count must be at least 1, not {entry.devices}")
+    if isinstance(entry.devices, list) and not entry.devices:
+        raise ConfigError(f"{path}.devices", "the device list is empty; omit the key to mean all GPUs")
+    return ResourceSpec(
+        path=path,
+        name=name,
+        advertised_name=advertised,
+        replicas=entry.replicas,
+        devices=entry.devices,
+        renamed=advertised != name,
+    )
+
+
+def check_config(config: ConfigFile) -> SharingConfig:
+    """Apply the checks that need no GPUs; raises ConfigError naming the key path."""
+    if config.version != "v1":
+        shown = "missing" if config.version is None else f"`{config.version}`"
+        raise ConfigError("version", f"{shown} is not supported; this agent reads `version: v1` files")
+    if config.sharing is not None and config.sharing.time_slicing is not None:
+        raise ConfigError(
+            "sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only"
+        )
+    mps = config.sharing.mps if config.sharing else None
+    if mps is None or not mps.resources:
+        raise ConfigError(
+            "sharing.mps.resources", "no MPS sharing is configured; list at least one resource to share"
+        )
+    flags = config.flags
+    mig = _one_of(_MigStrategy, flags.mig_strategy, _MigStrategy.NONE, "flags.migStrategy")
+    if mig is _MigStrategy.MIXED:
+        raise ConfigError("flags.migStrategy", "`mixed` is not supported with MPS sharing; use none or single")
+    plugin = flags.plugin or PluginFlags()
+    resources = tuple(_resource_spec(i, r, mps.rename_by_default) for i, r in enumerate(mps.resources))
+    seen: dict[str, str] = {}
+    for spec in resources:
+        if spec.advertised_name in seen:
+            raise ConfigError(
+                f"{spec.path}.name", f"`{spec.advertised_name}` is already advertised by {seen[spec.advertised_name]}"
+            )
+        seen[spec.advertised_name] = spec.path
+    ignored = [key for attr, key in _IGNORED_FLAG_KEYS.items() if getattr(flags, attr) is not None]
+    ignored += [key for attr, key in _IGNORED_PLUGIN_KEYS.items() if getattr(plugin, attr) is not None]
+    ignored += [key for key in ("resources", "imex") if getattr(config, key) is not None]
+    return SharingConfig(
+        resources=resources,
+        fail_requests_greater_than_one=mps.fail_requests_greater_than_one,
+        enforce_caps=mps.enforce_caps,
+        device_list_strategy=_device_list_strategy(plugin.device_list_strategy),
+        device_id_strategy=_one_of(
+            DeviceIdStrategy, plugin.device_id_strategy, DeviceIdStrategy.UUID, "flags.plugin.deviceIDStrategy"
+        ),
+        allocation_policy=_one_of(
+            AllocationPolicy,
+            plugin.shared_devices_allocation_policy,
+            AllocationPolicy.DISTRIBUTED,
+            "flags.plugin.sharedDevicesAllocationPolicy",
+        ),
+        ignored_keys=tuple(ignored),
+    )
+
+
+class _MigStrategy(enum.StrEnum):
+    NONE = "none"
+    SINGLE = "single"
+    MIXED = "mixed"
+
+
+# --- precedence -------------------------------------------------------------------------------------------
+
+_ENV = {
+    "config_file": "CONFIG_FILE",
+    "kubelet_socket": "KUBELET_SOCKET",
+    "mps_root": "MPS_ROOT",
+    "mps_control_bin": "MPS_CONTROL_BIN",
+    "mps_on_exit": "MPS_ON_EXIT",
+    "node_snapshot": "NODE_SNAPSHOT",
+    "log_format": "LOG_FORMAT",
+    "log_level": "LOG_LEVEL",
+}
+
+
+def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None) -> str | None:
+    if cli.get(name) is not None:
+        return str(cli[name])
+    env = environ.get(_ENV[name])
+    if env:
+        return env
+    return from_file
+
+
+def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
+    chosen = _pick("config_file", cli, environ, None)
+    if not chosen:
+        raise UsageError(
+            "no configuration given: pass --config-file (or set CONFIG_FILE) with a file that configures "
+            "sharing.mps.resources"
+        )
+    return Path(chosen)
+
+
+def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the config file and apply precedence: flag, then environment variable, then file `flags`, then default.
+
+    `cli` holds the parsed command-line flags, None for those not given.
+    """
+    environ = os.environ if environ is None else environ
+    path = config_file_path(cli, environ)
+    config = load_config(path)
+    sharing = check_config(config)
+    flags = config.flags
+    log_level = (_pick("log_level", cli, environ, flags.log_level) or "info").lower()
+    if log_level not in LOG_LEVELS:
+        raise UsageError(f"log level `{log_level}` is not one of: {', '.join(LOG_LEVELS)}")
+    try:
+        log_format = LogFormat(_pick("log_format", cli, environ, flags.log_format) or "auto")
+        mps_on_exit = MpsOnExit(_pick("mps_on_exit", cli, environ, flags.mps_on_exit) or "keep")
+    except ValueError as exc:
+        raise UsageError(f"{exc}; see --help for the accepted values") from None
+    snapshot = _pick("node_snapshot", cli, environ, None)
+    return Settings(
+        config_file=path,
+        sharing=sharing,
+        kubelet_socket=Path(_pick("kubelet_socket", cli, environ, flags.kubelet_socket) or DEFAULT_KUBELET_SOCKET),
+        mps_root=Path(_pick("mps_root", cli, environ, flags.mps_root) or DEFAULT_MPS_ROOT),
+        mps_control_bin=_pick("mps_control_bin", cli, environ, flags.mps_control_bin) or DEFAULT_MPS_CONTROL_BIN,
+        mps_on_exit=mps_on_exit,
+        node_snapshot=Path(snapshot) if snapshot else None,
+        once=bool(cli.get("once")),
+        output=cli.get("output") or "text",
+        log_format=log_format,
+        log_level=log_level,
+    )

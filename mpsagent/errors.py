@@ -1,0 +1,54 @@
+"""The agent's exception tree; every module raises these, the entry point maps them to exit codes.
+
+    MpsAgentError                 base, never raised itself
+    ├── UsageError                bad flag or environment variable (exit 2)
+    ├── ConfigError               bad configuration file or plan (exit 2); carries the key path
+    ├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
+    ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
+    ├── AgentLockedError          another agent already serves a resource (exit 1)
+    └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
+        └── DaemonCommandError    one control command failed or timed out
+"""
+
+from __future__ import annotations
+
+
+class MpsAgentError(Exception):
+    """Base of every error the agent raises on purpose."""
+
+
+class UsageError(MpsAgentError):
+    """A flag or environment variable is wrong."""
+
+
+class ConfigError(MpsAgentError):
+    """The configuration is wrong; `path` names the offending key (e.g. `sharing.mps.resources[0].replicas`)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class GpuDiscoveryError(MpsAgentError):
+    """The GPUs of this node could not be discovered."""
+
+
+class SnapshotError(GpuDiscoveryError):
+    """A node snapshot file is unreadable or malformed (a user error: exit 2)."""
+
+
+class RequestError(MpsAgentError):
+    """A kubelet request is refused; the ledger is left exactly as it was."""
+
+
+class AgentLockedError(MpsAgentError):
+    """Another mpsagent process already serves the resource."""
+
+
+class DaemonError(MpsAgentError):
+    """The MPS control daemon is not usable."""
+
+
+class DaemonCommandError(DaemonError):
+    """A control command failed, timed out or read back a value other than the one set."""

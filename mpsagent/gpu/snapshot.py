@@ -1,0 +1,177 @@
+"""The node-snapshot adapter: GPUs from a YAML/JSON file or from `nvidia-smi -q -x` XML (`--node-snapshot`)."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus
+from mpsagent.errors import SnapshotError
+from mpsagent.gpu.port import ComputeMode
+
+
+class _SnapshotGpu(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    uuid: str
+    index: int
+    name: str
+    memory_bytes: int
+    compute_capability: str
+    pci_bus_id: str = ""
+    numa_node: int | None = None
+    mig_enabled: bool = False
+
+
+class _Snapshot(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    driver_version: str = "unknown"
+    gpus: list[_SnapshotGpu]
+
+
+_CAPABILITY = re.compile(r"^(\d+)\.(\d+)$")
+
+# nvidia-smi's XML has no compute capability; the architecture (and, where it is ambiguous, the product) tells it.
+_ARCHITECTURE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "kepler": (3, 5),
+    "maxwell": (5, 2),
+    "pascal": (6, 1),
+    "volta": (7, 0),
+    "turing": (7, 5),
+    "ampere": (8, 6),
+    "ada lovelace": (8, 9),
+    "hopper": (9, 0),
+    "blackwell": (10, 0),
+}
+_PRODUCT_CAPABILITY: tuple[tuple[str, tuple[int, int]], ...] = (
+    ("P100", (6, 0)),
+    ("A100", (8, 0)),
+    ("A30", (8, 0)),
+    ("RTX PRO", (12, 0)),
+    ("RTX 50", (12, 0)),
+)
+
+
+def _capability(text: str, where: str) -> tuple[int, int]:
+    match = _CAPABILITY.match(text.strip())
+    if not match:
+        raise SnapshotError(f"{where}: computeCapability `{text}` must look like \"9.0\"")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _from_document(document: object, source: str) -> NodeGpus:
+    try:
+        snapshot = msgspec.convert(document, _Snapshot, str_keys=True)
+    except msgspec.ValidationError as exc:
+        raise SnapshotError(f"node snapshot {source}: {exc}") from exc
+    gpus = tuple(
+        Gpu(
+            uuid=GpuUuid(entry.uuid),
+            index=entry.index,
+            name=entry.name,
+            memory_bytes=entry.memory_bytes,
+            compute_capability=_capability(entry.compute_capability, f"{source}: gpus[{position}]"),
+            pci_bus_id=entry.pci_bus_id,
+            numa_node=entry.numa_node if entry.numa_node is not None and entry.numa_node >= 0 else None,
+            mig_enabled=entry.mig_enabled,
+        )
+        for position, entry in enumerate(snapshot.gpus)
+    )
+    return _checked(gpus, snapshot.driver_version, source)
+
+
+def _text(element: ET.Element, path: str, default: str = "") -> str:
+    found = element.find(path)
+    return (found.text or "").strip() if found is not None else default
+
+
+def _xml_capability(gpu: ET.Element, product: str, where: str) -> tuple[int, int]:
+    explicit = _text(gpu, "compute_cap")
+    if explicit:
+        return _capability(explicit, where)
+    for marker, capability in _PRODUCT_CAPABILITY:
+        if marker in product:
+            return capability
+    architecture = _text(gpu, "product_architecture").lower()
+    if architecture in _ARCHITECTURE_CAPABILITY:
+        return _ARCHITECTURE_CAPABILITY[architecture]
+    raise SnapshotError(
+        f"{where}: cannot tell the compute capability of `{product}` (architecture `{architecture or 'missing'}`); "
+        "use a YAML snapshot with computeCapability instead"
+    )
+
+
+def _from_smi_xml(text: str, source: str) -> NodeGpus:
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as exc:
+        raise SnapshotError(f"node snapshot {source}: not valid XML ({exc})") from exc
+    if root.tag != "nvidia_smi_log":
+        raise SnapshotError(f"node snapshot {source}: expected <nvidia_smi_log> from `nvidia-smi -q -x`")
+    gpus = []
+    for index, gpu in enumerate(root.findall("gpu")):
+        where = f"{source}: gpu {index}"
+        product = _text(gpu, "product_name")
+        memory = re.match(r"^(\d+)\s*MiB$", _text(gpu, "fb_memory_usage/total"))
+        uuid = _text(gpu, "uuid")
+        if not uuid or not memory:
+            raise SnapshotError(f"{where}: needs <uuid> and <fb_memory_usage><total> in MiB")
+        gpus.append(
+            Gpu(
+                uuid=GpuUuid(uuid),
+                index=index,  # nvidia-smi lists GPUs in index order
+                name=product,
+                memory_bytes=int(memory.group(1)) * MIB,
+                compute_capability=_xml_capability(gpu, product, where),
+                pci_bus_id=_text(gpu, "pci/pci_bus_id", gpu.get("id", "")),
+                numa_node=None,
+                mig_enabled=_text(gpu, "mig_mode/current_mig").lower() == "enabled",
+            )
+        )
+    return _checked(tuple(gpus), _text(root, "driver_version", "unknown"), source)
+
+
+def _checked(gpus: tuple[Gpu, ...], driver_version: str, source: str) -> NodeGpus:
+    if not gpus:
+        raise SnapshotError(f"node snapshot {source}: lists no GPUs")
+    for field in ("uuid", "index"):
+        values = [getattr(gpu, field) for gpu in gpus]
+        duplicates = sorted({str(v) for v in values if values.count(v) > 1})
+        if duplicates:
+            raise SnapshotError(f"node snapshot {source}: duplicate GPU {field} {', '.join(duplicates)}")
+    for gpu in gpus:
+        if "::" in gpu.uuid or not gpu.uuid.isprintable() or " " in gpu.uuid:
+            raise SnapshotError(f"node snapshot {source}: GPU uuid `{gpu.uuid}` is not a valid device ID")
+        if gpu.memory_bytes < MIB:
+            raise SnapshotError(f"node snapshot {source}: GPU {gpu.uuid} has implausible memory {gpu.memory_bytes}")
+    ordered = tuple(sorted(gpus, key=lambda g: g.index))
+    return NodeGpus(driver_version=driver_version, gpus=ordered, source=f"snapshot {source}")
+
+
+class SnapshotGpuSource:
+    """GPUs read once from a file; compute modes are not managed (there is no NVML to manage them with)."""
+
+    manages_compute_mode = False
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def discover(self) -> NodeGpus:
+        try:
+            text = self._path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SnapshotError(f"--node-snapshot {self._path}: cannot read it ({exc})") from exc
+        if text.lstrip().startswith("<"):
+            return _from_smi_xml(text, str(self._path))
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SnapshotError(f"--node-snapshot {self._path}: not YAML, JSON or nvidia-smi XML") from exc
+        return _from_document(document, str(self._path))
+
+    def compute_mode(self, uuid: GpuUuid) -> ComputeMode:
+        raise NotImplementedError("a node snapshot has no compute modes")
+
+    def set_compute_mode(self, uuid: GpuUuid, mode: ComputeMode) -> None:
+        raise NotImplementedError("a node snapshot has no compute modes")

@@ -1,0 +1,89 @@
+"""The advertised replicas of one resource, their health, and a generation counter ListAndWatch waits on.
+
+Health has several independent sources (the MPS daemon for the whole resource, NVML per GPU); a replica is
+Healthy only while no source holds it unhealthy. Every change bumps the generation, so a watcher that compares
+generations never misses a wake-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from mpsagent.devices import GpuUuid, Health, ReplicaId
+from mpsagent.plan import ResourcePlan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdvertisedDevice:
+    replica_id: ReplicaId
+    health: Health
+    numa_node: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InventorySnapshot:
+    generation: int
+    devices: tuple[AdvertisedDevice, ...]
+
+
+class Inventory:
+    """Must be used from the event loop's thread (threads hand changes over with anyio.from_thread)."""
+
+    def __init__(self, resource: ResourcePlan, *, daemon_ready: bool = False) -> None:
+        self._resource = resource
+        self._gpu_problems: dict[GpuUuid, set[str]] = {gpu.uuid: set() for gpu in resource.gpus}
+        self._resource_problems: set[str] = set() if daemon_ready else {"mps daemon"}
+        self._generation = 0
+        self._changed: anyio.Event | None = None  # created by the first waiter, inside the event loop
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def gpu_health(self, uuid: GpuUuid) -> Health:
+        return Health.UNHEALTHY if self._gpu_problems[uuid] or self._resource_problems else Health.HEALTHY
+
+    def snapshot(self) -> InventorySnapshot:
+        health = {gpu.uuid: self.gpu_health(gpu.uuid) for gpu in self._resource.gpus}
+        numa = {gpu.uuid: gpu.numa_node for gpu in self._resource.gpus}
+        devices = tuple(
+            AdvertisedDevice(
+                replica_id=replica, health=health[gpu], numa_node=numa[gpu]
+            )
+            for replica, gpu in ((r, GpuUuid(r.rpartition("::")[0])) for r in self._resource.device_ids)
+        )
+        return InventorySnapshot(generation=self._generation, devices=devices)
+
+    def set_resource_problem(self, source: str, present: bool) -> bool:
+        """Mark (or clear) a problem that makes every replica of the resource Unhealthy; True when it changed."""
+        return self._update(self._resource_problems, source, present)
+
+    def set_gpu_problem(self, uuid: GpuUuid, source: str, present: bool) -> bool:
+        """Mark (or clear) a problem that makes every replica of one GPU Unhealthy; True when it changed."""
+        return self._update(self._gpu_problems[uuid], source, present)
+
+    def _update(self, problems: set[str], source: str, present: bool) -> bool:
+        if (source in problems) == present:
+            return False
+        if present:
+            problems.add(source)
+        else:
+            problems.discard(source)
+        self._bump()
+        return True
+
+    def _bump(self) -> None:
+        self._generation += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait_changed(self, since: int) -> int:
+        """Wait until the generation differs from `since`; returns the new generation."""
+        while self._generation == since:
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+        return self._generation

@@ -1,0 +1,152 @@
+"""One resource's plugin endpoint: serve on a socket in the kubelet's directory, register, and do both again
+whenever the kubelet restarts (it deletes every socket in its directory when it does)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.server import Server
+
+from mpsagent.kubelet.registration import register
+from mpsagent.kubelet.servicer import DevicePluginServicer
+from mpsagent.logs import get_logger
+
+log = get_logger(__name__)
+
+WATCH_INTERVAL_S = 0.2
+REGISTER_BACKOFF_INITIAL_S = 0.1
+REGISTER_BACKOFF_MAX_S = 5.0
+CLOSE_GRACE_S = 1.0
+
+
+def socket_name(resource_name: str, pid: int) -> str:
+    """Unique to this process, so that an old instance's exit never removes a new instance's socket."""
+    return f"mpsagent-{re.sub(r'[^A-Za-z0-9_.-]', '_', resource_name)}-{pid}.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class _FileIdentity:
+    device: int
+    inode: int
+
+
+def _identity(path: Path) -> _FileIdentity | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return _FileIdentity(stat.st_dev, stat.st_ino)
+
+
+@dataclass(kw_only=True, slots=True)
+class PluginStatistics:
+    registrations: int = 0
+    registration_failures: int = 0
+
+
+class PluginEndpoint:
+    """Owns the gRPC server of one resource and its registration; `run` is its long-lived task."""
+
+    def __init__(
+        self,
+        *,
+        resource_name: str,
+        servicer: DevicePluginServicer,
+        kubelet_socket: Path,
+        pre_start_required: bool,
+    ) -> None:
+        self.resource_name = resource_name
+        self._servicer = servicer
+        self._kubelet_socket = kubelet_socket
+        self._pre_start_required = pre_start_required
+        self.socket_path = kubelet_socket.parent / socket_name(resource_name, os.getpid())
+        self._stats = PluginStatistics()
+        self._registered = False
+        self._log = log.bind(resource=resource_name)
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    def statistics(self) -> PluginStatistics:
+        return PluginStatistics(
+            registrations=self._stats.registrations, registration_failures=self._stats.registration_failures
+        )
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve and register until cancelled; reports started once the socket is first served."""
+        started = False
+        while True:
+            server = await self._serve()
+            try:
+                if not started:
+                    task_status.started()
+                    started = True
+                kubelet = await self._register_with_backoff()
+                await self._wait_for_kubelet_restart(kubelet)
+            finally:
+                self._registered = False
+                await self._close(server)
+
+    async def _serve(self) -> Server:
+        self.socket_path.unlink(missing_ok=True)
+        server = Server([self._servicer])
+        # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
+        old_umask = os.umask(0o177)
+        try:
+            await server.start(path=str(self.socket_path))
+        finally:
+            os.umask(old_umask)
+        self._log.info("plugin serving", socket=str(self.socket_path))
+        return server
+
+    async def _close(self, server: Server) -> None:
+        self._servicer.close()
+        server.close()
+        with anyio.move_on_after(CLOSE_GRACE_S, shield=True):
+            await server.wait_closed()
+        self.socket_path.unlink(missing_ok=True)
+        self._servicer.reopen()
+
+    async def _register_with_backoff(self) -> _FileIdentity | None:
+        delay = REGISTER_BACKOFF_INITIAL_S
+        while True:
+            kubelet = _identity(self._kubelet_socket)
+            try:
+                await register(
+                    self._kubelet_socket,
+                    endpoint=self.socket_path.name,
+                    resource_name=self.resource_name,
+                    pre_start_required=self._pre_start_required,
+                )
+            except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
+                self._stats.registration_failures += 1
+                self._log.warning(
+                    "kubelet registration failed", kubelet_socket=str(self._kubelet_socket), reason=str(exc) or
+                    type(exc).__name__, retry_in_s=round(delay, 2)
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, REGISTER_BACKOFF_MAX_S)
+                continue
+            self._registered = True
+            self._stats.registrations += 1
+            self._log.info("registered with kubelet", endpoint=self.socket_path.name)
+            return kubelet
+
+    async def _wait_for_kubelet_restart(self, kubelet: _FileIdentity | None) -> None:
+        """Return when our socket is gone or the kubelet's socket was re-created: the kubelet restarted."""
+        own = _identity(self.socket_path)
+        while True:
+            await anyio.sleep(WATCH_INTERVAL_S)
+            if _identity(self.socket_path) != own or own is None:
+                self._log.warning("plugin socket removed; kubelet restarted, registering again")
+                return
+            if _identity(self._kubelet_socket) != kubelet:
+                self._log.warning("kubelet socket re-created; registering again")
+                return

@@ -1,0 +1,165 @@
+"""The DevicePlugin gRPC servicer: translates messages to the allocator and inventory, and maps errors to gRPC
+status. The only place that raises GRPCError."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import anyio
+from grpclib import GRPCError, Status
+
+from mpsagent._proto import v1beta1 as pb
+from mpsagent.allocation import Allocation, ResourceAllocator
+from mpsagent.errors import MpsAgentError, RequestError
+from mpsagent.inventory import Inventory, InventorySnapshot
+from mpsagent.logs import get_logger
+
+log = get_logger(__name__)
+
+AfterAllocate = Callable[[Sequence[Allocation]], Awaitable[None]]
+BeforeStart = Callable[[Sequence[str]], Awaitable[None]]
+
+
+async def _nothing_after_allocate(allocations: Sequence[Allocation]) -> None:
+    return None
+
+
+async def _nothing_before_start(replica_ids: Sequence[str]) -> None:
+    return None
+
+
+def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchResponse:
+    return pb.ListAndWatchResponse(
+        devices=[
+            pb.Device(
+                id=device.replica_id,
+                health=device.health.value,
+                topology=pb.TopologyInfo(nodes=[pb.NumaNode(id=device.numa_node)])
+                if device.numa_node is not None
+                else None,
+            )
+            for device in snapshot.devices
+        ]
+    )
+
+
+class DevicePluginServicer(pb.DevicePluginBase):
+    def __init__(
+        self,
+        allocator: ResourceAllocator,
+        inventory: Inventory,
+        *,
+        pre_start_required: bool = False,
+        after_allocate: AfterAllocate = _nothing_after_allocate,
+        before_start: BeforeStart = _nothing_before_start,
+    ) -> None:
+        self._allocator = allocator
+        self._inventory = inventory
+        self._pre_start_required = pre_start_required
+        self._after_allocate = after_allocate
+        self._before_start = before_start
+        self._closing = anyio.Event()
+        self._log = log.bind(resource=allocator.resource.name)
+
+    def close(self) -> None:
+        """End every open ListAndWatch stream."""
+        self._closing.set()
+
+    def reopen(self) -> None:
+        """Serve streams again after a close (the endpoint re-serves after a kubelet restart)."""
+        if self._closing.is_set():
+            self._closing = anyio.Event()
+
+    async def get_device_plugin_options(self, message: pb.Empty) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(
+            pre_start_required=self._pre_start_required, get_preferred_allocation_available=True
+        )
+
+    async def _next_generation(self, since: int) -> int | None:
+        """The next inventory generation, or None once the server is closing."""
+        result: int | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def changed() -> None:
+                nonlocal result
+                result = await self._inventory.wait_changed(since)
+                tg.cancel_scope.cancel()
+
+            async def closing() -> None:
+                await self._closing.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(changed)
+            tg.start_soon(closing)
+        return result
+
+    async def list_and_watch(self, message: pb.Empty) -> AsyncIterator[pb.ListAndWatchResponse]:
+        self._log.info("kubelet watching devices")
+        generation: int | None = self._inventory.generation
+        while generation is not None and not self._closing.is_set():
+            snapshot = self._inventory.snapshot()
+            yield list_and_watch_response(snapshot)
+            generation = await self._next_generation(snapshot.generation)
+
+    async def allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
+        requests = [list(container.devices_ids) for container in message.container_requests]
+        try:
+            allocations = self._allocator.allocate(requests)
+            await self._after_allocate(allocations)
+        except RequestError as exc:
+            self._log.warning("allocate refused", reason=str(exc), containers=len(requests))
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
+        except MpsAgentError as exc:
+            self._log.error("allocate failed", reason=str(exc))
+            raise GRPCError(Status.UNAVAILABLE, f"{self._allocator.resource.name}: {exc}") from exc
+        except Exception as exc:
+            self._log.exception("allocate failed unexpectedly", containers=len(requests))
+            raise GRPCError(Status.INTERNAL, "internal error in Allocate; the mpsagent log has the details") from exc
+        return pb.AllocateResponse(
+            container_responses=[
+                pb.ContainerAllocateResponse(
+                    envs=dict(a.grant.envs),
+                    mounts=[
+                        pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+                        for m in a.grant.mounts
+                    ],
+                    cdi_devices=[pb.CdiDevice(name=name) for name in a.grant.cdi_devices],
+                )
+                for a in allocations
+            ]
+        )
+
+    async def get_preferred_allocation(
+        self, message: pb.PreferredAllocationRequest
+    ) -> pb.PreferredAllocationResponse:
+        try:
+            chosen = [
+                self._allocator.preferred(
+                    list(request.available_deviceIDs),
+                    list(request.must_include_deviceIDs),
+                    request.allocation_size,
+                )
+                for request in message.container_requests
+            ]
+        except RequestError as exc:
+            self._log.warning("preferred allocation refused", reason=str(exc))
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
+        except Exception as exc:
+            self._log.exception("preferred allocation failed unexpectedly")
+            raise GRPCError(
+                Status.INTERNAL, "internal error in GetPreferredAllocation; the mpsagent log has the details"
+            ) from exc
+        return pb.PreferredAllocationResponse(
+            container_responses=[pb.ContainerPreferredAllocationResponse(device_i_ds=ids) for ids in chosen]
+        )
+
+    async def pre_start_container(self, message: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
+        try:
+            await self._before_start(list(message.devices_ids))
+        except MpsAgentError as exc:
+            self._log.error("pre-start failed", reason=str(exc))
+            raise GRPCError(Status.UNAVAILABLE, f"{self._allocator.resource.name}: {exc}") from exc
+        except Exception as exc:
+            self._log.exception("pre-start failed unexpectedly")
+            raise GRPCError(Status.INTERNAL, "internal error in PreStartContainer; see the mpsagent log") from exc
+        return pb.PreStartContainerResponse()

@@ -1,0 +1,72 @@
+"""Directories under the MPS root, and the per-resource lock that keeps two agents from serving one resource."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from mpsagent.errors import AgentLockedError, MpsAgentError
+from mpsagent.plan import NodePlan, ResourcePlan
+
+LOCK_FILE = "agent.lock"
+# MPS clients in containers run as any user: they need to reach the daemon's sockets and share /dev/shm.
+PIPE_MODE = 0o755
+SHM_MODE = 0o1777
+PRIVATE_MODE = 0o700
+
+
+def _make_directory(path: Path, mode: int) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, mode)
+    except OSError as exc:
+        raise MpsAgentError(f"cannot create {path} ({exc.strerror}); check --mps-root and the agent's rights") from exc
+
+
+def prepare_directories(plan: NodePlan) -> None:
+    _make_directory(plan.mps_root, 0o755)
+    _make_directory(plan.shm_directory, SHM_MODE)
+    for resource in plan.resources:
+        _make_directory(resource.directory, 0o755)
+        _make_directory(resource.pipe_directory, PIPE_MODE)
+        _make_directory(resource.log_directory, 0o755)
+
+
+class ResourceLock:
+    """An exclusive flock on `<resource dir>/agent.lock`, holding the owner's PID; released when closed."""
+
+    def __init__(self, resource: ResourcePlan) -> None:
+        self._resource = resource
+        self._path = resource.directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise AgentLockedError(
+                f"another mpsagent (PID {holder}) already serves {self._resource.name} (lock {self._path}); "
+                "stop it before starting this one"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ResourceLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

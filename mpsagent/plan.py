@@ -1,0 +1,298 @@
+"""The plan: config + GPUs -> what is advertised, what each daemon is told, and what a grant gets.
+
+Pure functions only. `Allocate`, the daemon supervisor and `--once` all call these, so the dry run shows exactly
+what the running agent does.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from mpsagent.config import (
+    MAX_REPLICAS_BEFORE_VOLTA,
+    AllocationPolicy,
+    DeviceIdStrategy,
+    DeviceListStrategy,
+    ResourceSpec,
+    SharingConfig,
+)
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
+from mpsagent.errors import ConfigError
+
+CONTAINER_MPS_ROOT = PurePosixPath("/mps")
+CONTAINER_SHM = PurePosixPath("/dev/shm")
+ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+CDI_KIND = "nvidia.com/gpu"
+
+
+class CapMode(enum.StrEnum):
+    """What the MPS daemon's defaults hold: the full hardware, or the per-replica share."""
+
+    FULL = "full"
+    CAPPED = "capped"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResourcePlan:
+    """One advertised resource: its GPUs (host-index order, as the daemon numbers them), replicas and paths."""
+
+    config_path: str
+    name: ResourceName
+    replicas: int
+    renamed: bool
+    gpus: tuple[Gpu, ...]
+    device_ids: tuple[ReplicaId, ...]
+    directory: Path
+    fail_requests_greater_than_one: bool
+    enforce_caps: bool
+    device_list_strategy: DeviceListStrategy
+    device_id_strategy: DeviceIdStrategy
+    allocation_policy: AllocationPolicy
+    ordinals: dict[GpuUuid, int] = field(compare=False)
+
+    @property
+    def pipe_directory(self) -> Path:
+        return self.directory / "pipe"
+
+    @property
+    def log_directory(self) -> Path:
+        return self.directory / "log"
+
+    @property
+    def container_pipe_directory(self) -> PurePosixPath:
+        return CONTAINER_MPS_ROOT / self.name / "pipe"
+
+    @property
+    def visible_devices(self) -> str:
+        """CUDA_VISIBLE_DEVICES for the daemon: the resource's GPUs, so that it numbers them from 0."""
+        return ",".join(gpu.uuid for gpu in self.gpus)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodePlan:
+    driver_version: str
+    gpu_source: str
+    gpus: tuple[Gpu, ...]
+    resources: tuple[ResourcePlan, ...]
+    labels: dict[str, str]
+    mps_root: Path
+
+    @property
+    def shm_directory(self) -> Path:
+        return self.mps_root / "shm"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContainerGrant:
+    """What one container is given: its replicas, whether it is a full grant, and its environment."""
+
+    replica_ids: tuple[ReplicaId, ...]
+    full: bool
+    envs: dict[str, str]
+    mounts: tuple[Mount, ...]
+    cdi_devices: tuple[str, ...]
+
+    @property
+    def kind(self) -> CapMode:
+        return CapMode.FULL if self.full else CapMode.CAPPED
+
+
+# --- building the plan ------------------------------------------------------------------------------------
+
+
+def _resolve_reference(ref: int | str, gpus: tuple[Gpu, ...], path: str) -> Gpu:
+    by_uuid = {gpu.uuid: gpu for gpu in gpus}
+    by_index = {gpu.index: gpu for gpu in gpus}
+    if isinstance(ref, str) and ref in by_uuid:
+        return by_uuid[GpuUuid(ref)]
+    index = ref if isinstance(ref, int) else (int(ref) if ref.isascii() and ref.isdigit() else None)
+    if index is not None and index in by_index:
+        return by_index[index]
+    known = ", ".join(str(gpu.index) for gpu in gpus)
+    raise ConfigError(path, f"`{ref}` matches no GPU on this node (indices {known}, or a GPU UUID)")
+
+
+def _select_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
+    path = f"{spec.path}.devices"
+    if spec.devices == "all":
+        return gpus
+    if isinstance(spec.devices, int):
+        if spec.devices > len(gpus):
+            raise ConfigError(path, f"asks for {spec.devices} GPUs but this node has {len(gpus)}")
+        return gpus[: spec.devices]
+    chosen: dict[GpuUuid, Gpu] = {}
+    for position, ref in enumerate(spec.devices):
+        gpu = _resolve_reference(ref, gpus, f"{path}[{position}]")
+        if gpu.uuid in chosen:
+            raise ConfigError(f"{path}[{position}]", f"GPU {gpu.index} ({gpu.uuid}) is listed twice")
+        chosen[gpu.uuid] = gpu
+    return tuple(sorted(chosen.values(), key=lambda g: g.index))
+
+
+def _check_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> None:
+    for gpu in gpus:
+        if gpu.mig_enabled:
+            raise ConfigError(
+                f"{spec.path}.devices",
+                f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled; MPS sharing needs MIG disabled "
+                "(nvidia-smi -i <index> -mig 0), or leave the GPU out of this resource",
+            )
+        if gpu.compute_capability < (7, 0) and spec.replicas > MAX_REPLICAS_BEFORE_VOLTA:
+            raise ConfigError(
+                f"{spec.path}.replicas",
+                f"GPU {gpu.index} has compute capability {gpu.compute_capability_text}, where MPS allows at most "
+                f"{MAX_REPLICAS_BEFORE_VOLTA} clients; {spec.replicas} is too many",
+            )
+
+
+def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePlan:
+    """Combine the checked config with the node's GPUs; raises ConfigError naming the key path."""
+    owners: dict[GpuUuid, str] = {}
+    resources = []
+    for spec in sharing.resources:
+        gpus = _select_gpus(spec, node.gpus)
+        _check_gpus(spec, gpus)
+        for gpu in gpus:
+            if gpu.uuid in owners:
+                raise ConfigError(
+                    f"{spec.path}.devices",
+                    f"GPU {gpu.index} ({gpu.uuid}) is already shared by {owners[gpu.uuid]}; "
+                    "each GPU can be in one resource only",
+                )
+            owners[gpu.uuid] = spec.path
+        resources.append(
+            ResourcePlan(
+                config_path=spec.path,
+                name=ResourceName(spec.advertised_name),
+                replicas=spec.replicas,
+                renamed=spec.renamed,
+                gpus=gpus,
+                device_ids=tuple(format_replica_id(g.uuid, i) for g in gpus for i in range(spec.replicas)),
+                directory=mps_root / spec.advertised_name,
+                fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
+                enforce_caps=sharing.enforce_caps,
+                device_list_strategy=sharing.device_list_strategy,
+                device_id_strategy=sharing.device_id_strategy,
+                allocation_policy=sharing.allocation_policy,
+                ordinals={gpu.uuid: ordinal for ordinal, gpu in enumerate(gpus)},
+            )
+        )
+    shared = tuple(resources)
+    return NodePlan(
+        driver_version=node.driver_version,
+        gpu_source=node.source,
+        gpus=node.gpus,
+        resources=shared,
+        labels=node_labels(node.gpus, shared),
+        mps_root=mps_root,
+    )
+
+
+_LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> dict[str, str]:
+    """The labels the NVIDIA GPU feature discovery would set for this plan (first resource decides replicas)."""
+    first = resources[0]
+    product = _LABEL_VALUE_UNSAFE.sub("", gpus[0].name.replace(" ", "-")) if gpus else "unknown"
+    if not first.renamed:
+        product = f"{product}-SHARED"
+    return {
+        "nvidia.com/gpu.count": str(len(gpus)),
+        "nvidia.com/gpu.product": product[:63].strip("-_."),
+        "nvidia.com/gpu.replicas": str(first.replicas),
+        "nvidia.com/gpu.sharing-strategy": "mps",
+        "nvidia.com/mps.capable": "true",
+    }
+
+
+# --- caps ---------------------------------------------------------------------------------------------------
+
+
+def thread_percentage(resource: ResourcePlan, mode: CapMode) -> int:
+    return 100 if mode is CapMode.FULL else 100 // resource.replicas
+
+
+def pinned_memory_limits(resource: ResourcePlan, mode: CapMode) -> tuple[tuple[int, int], ...]:
+    """(daemon ordinal, limit in MiB) for every GPU of the resource, ascending by ordinal."""
+    divisor = 1 if mode is CapMode.FULL else resource.replicas
+    return tuple((resource.ordinals[gpu.uuid], gpu.memory_bytes // divisor // MIB) for gpu in resource.gpus)
+
+
+def daemon_default_commands(resource: ResourcePlan, mode: CapMode) -> tuple[str, ...]:
+    """The control commands that set the daemon's defaults (its hard ceilings) for a cap mode."""
+    return (
+        f"set_default_active_thread_percentage {thread_percentage(resource, mode)}",
+        *(f"set_default_device_pinned_mem_limit {o} {m}M" for o, m in pinned_memory_limits(resource, mode)),
+    )
+
+
+def daemon_mode_for(resource: ResourcePlan, capped_grants_live: bool) -> CapMode:
+    """What the daemon must hold: capped while any capped grant is live (when enforcing), else the full hardware."""
+    return CapMode.CAPPED if resource.enforce_caps and capped_grants_live else CapMode.FULL
+
+
+# --- grants -------------------------------------------------------------------------------------------------
+
+
+def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
+    if resource.device_id_strategy is DeviceIdStrategy.INDEX:
+        return ",".join(str(gpu.index) for gpu in gpus)
+    return ",".join(gpu.uuid for gpu in gpus)
+
+
+def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
+    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
+    full = set(replica_ids) == set(resource.device_ids)
+    granted = {replica.rpartition("::")[0] for replica in replica_ids}
+    gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
+    envs = {ENV_PIPE_DIRECTORY: str(resource.container_pipe_directory)}
+    cdi: tuple[str, ...] = ()
+    if resource.device_list_strategy is DeviceListStrategy.CDI_CRI:
+        cdi = tuple(f"{CDI_KIND}={gpu.uuid}" for gpu in gpus)
+    else:
+        envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
+    if not full:
+        envs[ENV_THREAD_PERCENTAGE] = str(thread_percentage(resource, CapMode.CAPPED))
+        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in pinned_memory_limits(resource, CapMode.CAPPED))
+    mounts = (
+        Mount(container_path=str(resource.container_pipe_directory), host_path=str(resource.pipe_directory)),
+        Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
+    )
+    return ContainerGrant(replica_ids=replica_ids, full=full, envs=envs, mounts=mounts, cdi_devices=cdi)
+
+
+# --- the daemon ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonLaunch:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+
+def daemon_launch(resource: ResourcePlan, control_bin: str) -> DaemonLaunch:
+    """How the resource's control daemon is started: in the foreground (so the agent sees it exit at once), for
+    the resource's GPUs only."""
+    return DaemonLaunch(
+        argv=(control_bin, "-f"),
+        env={
+            "CUDA_VISIBLE_DEVICES": resource.visible_devices,
+            "CUDA_MPS_PIPE_DIRECTORY": str(resource.pipe_directory),
+            "CUDA_MPS_LOG_DIRECTORY": str(resource.log_directory),
+        },
+    )

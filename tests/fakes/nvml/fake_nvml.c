@@ -1,0 +1,1256 @@
+/* Fake libnvidia-ml.so.1 for tests: a JSON-configured NVML subset that lets the real pynvml run without a GPU. */
+
+/*
+ * Configuration (read by every nvmlInit*):
+ *   FAKE_NVML_CONFIG  path to a JSON file:
+ *     {"driverVersion": "550.54.15", "cudaDriverVersion": 12040, "initError": 0,
+ *      "gpus": [{"uuid": "GPU-...", "name": "...", "memoryTotal": 85520809984, "memoryUsed": 0,
+ *                "major": 9, "minor": 0, "pciBusId": "00000000:18:00.0",
+ *                "pciDeviceId": 2335379678, "pciSubSystemId": 381751518, "minorNumber": 0,
+ *                "migMode": 0, "computeMode": 0, "setComputeModeError": 0, "lost": false}]}
+ *     Every key is optional; unknown keys are ignored. A GPU's index is its position in "gpus".
+ *   FAKE_NVML_STATE   optional path of the shared compute-mode state, {"computeModes": {"GPU-...": 3}}.
+ *     It stands in for the driver: nvmlDeviceGetComputeMode reads it, nvmlDeviceSetComputeMode
+ *     rewrites it (temp file + rename, under flock of "<path>.lock"), so other processes see changes.
+ */
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------------------------------------
+ * NVML types (ABI-compatible subset of nvml.h)
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
+    NVML_ERROR_ALREADY_INITIALIZED = 5,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
+    NVML_ERROR_OPERATING_SYSTEM = 17,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+    NVML_ERROR_IN_USE = 19,
+    NVML_ERROR_MEMORY = 20,
+    NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_DEPRECATED = 26,
+    NVML_ERROR_NOT_READY = 27,
+    NVML_ERROR_GPU_NOT_FOUND = 28,
+    NVML_ERROR_INVALID_STATE = 29,
+    NVML_ERROR_UNKNOWN = 999
+} nvmlReturn_t;
+
+typedef unsigned int nvmlComputeMode_t;
+
+#define NVML_COMPUTEMODE_COUNT 4
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE 16
+#define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96
+#define NVML_DEVICE_NAME_V2_BUFFER_SIZE 96
+#define NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE 80
+
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+#define NVML_STRUCT_VERSION(type, ver) ((unsigned int)(sizeof(type) | ((ver) << 24U)))
+#define nvmlMemory_v2 NVML_STRUCT_VERSION(nvmlMemory_v2_t, 2)
+
+/* Layout used by nvmlDeviceGetPciInfo and nvmlDeviceGetPciInfo_v2. */
+typedef struct {
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    unsigned int reserved0;
+    unsigned int reserved1;
+    unsigned int reserved2;
+    unsigned int reserved3;
+} nvmlPciInfo_v2_t;
+
+/* Layout used by nvmlDeviceGetPciInfo_v3 (nvml.h's current nvmlPciInfo_t). */
+typedef struct {
+    char busIdLegacy[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+/* ------------------------------------------------------------------------------------------------
+ * Fake state
+ * ---------------------------------------------------------------------------------------------- */
+
+#define MAX_GPUS 64
+
+struct fake_gpu {
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    unsigned int index;
+    unsigned int minor_number;
+    unsigned long long memory_total;
+    unsigned long long memory_used;
+    int cc_major;
+    int cc_minor;
+    unsigned int pci_domain, pci_bus, pci_device, pci_function;
+    unsigned int pci_device_id;
+    unsigned int pci_subsystem_id;
+    int mig_mode;                /* -1: MIG not supported */
+    unsigned int config_compute_mode; /* from FAKE_NVML_CONFIG */
+    unsigned int compute_mode;   /* effective: state file entry if any, else config */
+    int set_compute_mode_error;  /* non-zero: nvmlDeviceSetComputeMode returns it */
+    int lost;
+};
+
+typedef struct fake_gpu *nvmlDevice_t;
+
+struct fake_system {
+    char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+    int cuda_driver_version;
+    int init_error;
+    unsigned int gpu_count;
+    struct fake_gpu gpus[MAX_GPUS];
+};
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned int g_init_count;   /* nvmlInit/nvmlShutdown reference count */
+static struct fake_system g_sys;    /* handles point into g_sys.gpus, so it is updated in place */
+static struct fake_system g_scratch; /* config being loaded; copied to g_sys on success */
+
+static void complain(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void complain(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("fake_nvml: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Minimal JSON reader
+ * ---------------------------------------------------------------------------------------------- */
+
+enum json_type { J_NULL, J_BOOL, J_NUMBER, J_STRING, J_ARRAY, J_OBJECT };
+
+struct json {
+    enum json_type type;
+    char *key;          /* member name, when inside an object */
+    char *str;          /* J_STRING */
+    double num;         /* J_NUMBER */
+    long long inum;     /* J_NUMBER, when is_int */
+    int is_int;
+    int boolean;        /* J_BOOL */
+    struct json *child; /* J_ARRAY / J_OBJECT: first element or member */
+    struct json *next;  /* next sibling */
+};
+
+struct parser {
+    const char *s;
+    size_t pos, len;
+    const char *error;
+};
+
+static void json_free(struct json *v)
+{
+    while (v) {
+        struct json *next = v->next;
+        json_free(v->child);
+        free(v->key);
+        free(v->str);
+        free(v);
+        v = next;
+    }
+}
+
+static void skip_ws(struct parser *p)
+{
+    while (p->pos < p->len) {
+        char c = p->s[p->pos];
+        if (c != ' ' && c != '\t' && c != '\r' && c != '\n')
+            break;
+        p->pos++;
+    }
+}
+
+static int peek(struct parser *p)
+{
+    return p->pos < p->len ? (unsigned char)p->s[p->pos] : -1;
+}
+
+static int fail(struct parser *p, const char *msg)
+{
+    if (!p->error)
+        p->error = msg;
+    return -1;
+}
+
+static int hex4(struct parser *p, unsigned int *out)
+{
+    unsigned int v = 0;
+    for (int i = 0; i < 4; i++) {
+        int c = peek(p);
+        v <<= 4;
+        if (c >= '0' && c <= '9')
+            v |= (unsigned int)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v |= (unsigned int)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F')
+            v |= (unsigned int)(c - 'A' + 10);
+        else
+            return fail(p, "bad \\u escape");
+        p->pos++;
+    }
+    *out = v;
+    return 0;
+}
+
+static size_t put_utf8(char *dst, unsigned int cp)
+{
+    if (cp < 0x80) {
+        dst[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        dst[0] = (char)(0xC0 | (cp >> 6));
+        dst[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        dst[0] = (char)(0xE0 | (cp >> 12));
+        dst[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        dst[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    dst[0] = (char)(0xF0 | (cp >> 18));
+    dst[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    dst[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    dst[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* Parses a string literal at p->pos (which is at the opening quote) into a malloc'd buffer. */
+static int parse_string(struct parser *p, char **out)
+{
+    /* The decoded string is never longer than the literal, so the rest of the input bounds it. */
+    char *buf = malloc(p->len - p->pos + 1);
+    size_t n = 0;
+    if (!buf)
+        return fail(p, "out of memory");
+    p->pos++; /* opening quote */
+    for (;;) {
+        int c = peek(p);
+        if (c < 0) {
+            free(buf);
+            return fail(p, "unterminated string");
+        }
+        p->pos++;
+        if (c == '"')
+            break;
+        if (c < 0x20) {
+            free(buf);
+            return fail(p, "control character in string");
+        }
+        if (c != '\\') {
+            buf[n++] = (char)c;
+            continue;
+        }
+        c = peek(p);
+        p->pos++;
+        switch (c) {
+        case '"': buf[n++] = '"'; break;
+        case '\\': buf[n++] = '\\'; break;
+        case '/': buf[n++] = '/'; break;
+        case 'b': buf[n++] = '\b'; break;
+        case 'f': buf[n++] = '\f'; break;
+        case 'n': buf[n++] = '\n'; break;
+        case 'r': buf[n++] = '\r'; break;
+        case 't': buf[n++] = '\t'; break;
+        case 'u': {
+            unsigned int cp, lo;
+            if (hex4(p, &cp) < 0) {
+                free(buf);
+                return -1;
+            }
+            if (cp >= 0xD800 && cp < 0xDC00 && p->pos + 1 < p->len && p->s[p->pos] == '\\' &&
+                p->s[p->pos + 1] == 'u') {
+                p->pos += 2;
+                if (hex4(p, &lo) < 0) {
+                    free(buf);
+                    return -1;
+                }
+                if (lo >= 0xDC00 && lo < 0xE000)
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                else
+                    p->pos -= 6; /* not a low surrogate: decode it on its own */
+            }
+            n += put_utf8(buf + n, cp);
+            break;
+        }
+        default:
+            free(buf);
+            return fail(p, "bad escape in string");
+        }
+    }
+    buf[n] = '\0';
+    *out = buf;
+    return 0;
+}
+
+static int parse_value(struct parser *p, struct json **out, int depth);
+
+static int parse_container(struct parser *p, struct json *v, int depth)
+{
+    int is_object = v->type == J_OBJECT;
+    char close = is_object ? '}' : ']';
+    struct json **tail = &v->child;
+
+    p->pos++; /* opening bracket */
+    skip_ws(p);
+    if (peek(p) == close) {
+        p->pos++;
+        return 0;
+    }
+    for (;;) {
+        char *key = NULL;
+        struct json *item;
+        skip_ws(p);
+        if (is_object) {
+            if (peek(p) != '"')
+                return fail(p, "expected member name");
+            if (parse_string(p, &key) < 0)
+                return -1;
+            skip_ws(p);
+            if (peek(p) != ':') {
+                free(key);
+                return fail(p, "expected ':'");
+            }
+            p->pos++;
+        }
+        if (parse_value(p, &item, depth + 1) < 0) {
+            free(key);
+            return -1;
+        }
+        item->key = key;
+        *tail = item;
+        tail = &item->next;
+        skip_ws(p);
+        if (peek(p) == ',') {
+            p->pos++;
+            continue;
+        }
+        if (peek(p) == close) {
+            p->pos++;
+            return 0;
+        }
+        return fail(p, is_object ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+}
+
+static int parse_number(struct parser *p, struct json *v)
+{
+    const char *start = p->s + p->pos;
+    char *end;
+    size_t n = strspn(start, "+-0123456789.eE");
+    if (n == 0)
+        return fail(p, "unexpected character");
+    v->type = J_NUMBER;
+    v->is_int = strcspn(start, ".eE") >= n;
+    errno = 0;
+    if (v->is_int) {
+        v->inum = strtoll(start, &end, 10);
+        v->num = (double)v->inum;
+    } else {
+        v->num = strtod(start, &end);
+        v->inum = (long long)v->num;
+    }
+    if (end != start + n || errno == ERANGE)
+        return fail(p, "bad number");
+    p->pos += n;
+    return 0;
+}
+
+static int parse_value(struct parser *p, struct json **out, int depth)
+{
+    struct json *v;
+    int c, rc = 0;
+
+    if (depth > 32)
+        return fail(p, "nesting too deep");
+    v = calloc(1, sizeof(*v));
+    if (!v)
+        return fail(p, "out of memory");
+    skip_ws(p);
+    c = peek(p);
+    if (c == '{' || c == '[') {
+        v->type = c == '{' ? J_OBJECT : J_ARRAY;
+        rc = parse_container(p, v, depth);
+    } else if (c == '"') {
+        v->type = J_STRING;
+        rc = parse_string(p, &v->str);
+    } else if (p->len - p->pos >= 4 && strncmp(p->s + p->pos, "true", 4) == 0) {
+        v->type = J_BOOL;
+        v->boolean = 1;
+        p->pos += 4;
+    } else if (p->len - p->pos >= 5 && strncmp(p->s + p->pos, "false", 5) == 0) {
+        v->type = J_BOOL;
+        p->pos += 5;
+    } else if (p->len - p->pos >= 4 && strncmp(p->s + p->pos, "null", 4) == 0) {
+        v->type = J_NULL;
+        p->pos += 4;
+    } else if (c < 0) {
+        rc = fail(p, "unexpected end of input");
+    } else {
+        rc = parse_number(p, v);
+    }
+    if (rc < 0) {
+        json_free(v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Reads and parses a JSON file. Returns NULL (after complaining) on error; *missing is set when
+ * the file does not exist and missing is non-NULL, in which case nothing is reported. */
+static struct json *json_load(const char *path, int *missing)
+{
+    FILE *f = fopen(path, "rb");
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    struct parser p = {0};
+    struct json *root = NULL;
+
+    if (missing)
+        *missing = 0;
+    if (!f) {
+        if (missing && errno == ENOENT)
+            *missing = 1;
+        else
+            complain("cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *bigger = realloc(text, cap = (cap + 4096) * 2);
+            if (!bigger) {
+                complain("out of memory reading %s", path);
+                free(text);
+                fclose(f);
+                return NULL;
+            }
+            text = bigger;
+        }
+        size_t got = fread(text + len, 1, cap - len - 1, f);
+        len += got;
+        if (got == 0)
+            break;
+    }
+    fclose(f);
+    text[len] = '\0';
+
+    p.s = text;
+    p.len = len;
+    if (parse_value(&p, &root, 0) == 0) {
+        skip_ws(&p);
+        if (p.pos != p.len) {
+            fail(&p, "trailing characters after JSON value");
+            json_free(root);
+            root = NULL;
+        }
+    }
+    if (!root)
+        complain("%s: invalid JSON at byte %zu: %s", path, p.pos, p.error ? p.error : "?");
+    free(text);
+    return root;
+}
+
+static const struct json *json_get(const struct json *obj, const char *key)
+{
+    if (!obj || obj->type != J_OBJECT)
+        return NULL;
+    for (const struct json *m = obj->child; m; m = m->next)
+        if (strcmp(m->key, key) == 0)
+            return m;
+    return NULL;
+}
+
+/* Typed member accessors: a missing (or null) member leaves *out unchanged; a wrong type fails. */
+
+static int get_string(const struct json *obj, const char *key, char *out, size_t cap, const char *where)
+{
+    const struct json *v = json_get(obj, key);
+    if (!v || v->type == J_NULL)
+        return 0;
+    if (v->type != J_STRING) {
+        complain("%s: \"%s\" must be a string", where, key);
+        return -1;
+    }
+    if (strlen(v->str) >= cap) {
+        complain("%s: \"%s\" is longer than %zu characters", where, key, cap - 1);
+        return -1;
+    }
+    strcpy(out, v->str);
+    return 0;
+}
+
+static int get_int(const struct json *obj, const char *key, long long lo, long long hi, long long *out,
+                   const char *where)
+{
+    const struct json *v = json_get(obj, key);
+    if (!v || v->type == J_NULL)
+        return 0;
+    if (v->type != J_NUMBER || !v->is_int || v->inum < lo || v->inum > hi) {
+        complain("%s: \"%s\" must be an integer in [%lld, %lld]", where, key, lo, hi);
+        return -1;
+    }
+    *out = v->inum;
+    return 0;
+}
+
+static int get_bool(const struct json *obj, const char *key, int *out, const char *where)
+{
+    const struct json *v = json_get(obj, key);
+    if (!v || v->type == J_NULL)
+        return 0;
+    if (v->type != J_BOOL) {
+        complain("%s: \"%s\" must be true or false", where, key);
+        return -1;
+    }
+    *out = v->boolean;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Config and compute-mode state files
+ * ---------------------------------------------------------------------------------------------- */
+
+static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu *g)
+{
+    char where[64], bus_id[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+    long long total = 80LL << 30, used = 0, major = 9, minor = 0, minor_number = index;
+    long long device_id = 0x233010DE, subsystem_id = 0x16C110DE;
+    long long mig = 0, mode = 0, set_error = 0;
+    unsigned int domain, bus, device, function;
+    int lost = 0, rc = 0;
+
+    snprintf(where, sizeof(where), "gpus[%u]", index);
+    if (obj->type != J_OBJECT) {
+        complain("%s must be an object", where);
+        return -1;
+    }
+    memset(g, 0, sizeof(*g));
+    snprintf(g->uuid, sizeof(g->uuid), "GPU-00000000-0000-0000-0000-%012x", index);
+    snprintf(g->name, sizeof(g->name), "NVIDIA Fake GPU");
+    snprintf(bus_id, sizeof(bus_id), "00000000:%02X:00.0", index + 1);
+
+    rc |= get_string(obj, "uuid", g->uuid, sizeof(g->uuid), where);
+    rc |= get_string(obj, "name", g->name, sizeof(g->name), where);
+    rc |= get_string(obj, "pciBusId", bus_id, sizeof(bus_id), where);
+    rc |= get_int(obj, "memoryTotal", 0, INT64_MAX, &total, where);
+    rc |= get_int(obj, "memoryUsed", 0, INT64_MAX, &used, where);
+    rc |= get_int(obj, "major", 0, INT32_MAX, &major, where);
+    rc |= get_int(obj, "minor", 0, INT32_MAX, &minor, where);
+    rc |= get_int(obj, "minorNumber", 0, UINT32_MAX, &minor_number, where);
+    rc |= get_int(obj, "pciDeviceId", 0, UINT32_MAX, &device_id, where);
+    rc |= get_int(obj, "pciSubSystemId", 0, UINT32_MAX, &subsystem_id, where);
+    rc |= get_int(obj, "migMode", -1, 1, &mig, where);
+    rc |= get_int(obj, "computeMode", 0, NVML_COMPUTEMODE_COUNT - 1, &mode, where);
+    rc |= get_int(obj, "setComputeModeError", 0, INT32_MAX, &set_error, where);
+    rc |= get_bool(obj, "lost", &lost, where);
+    if (rc)
+        return -1;
+    if (used > total) {
+        complain("%s: memoryUsed exceeds memoryTotal", where);
+        return -1;
+    }
+    /* Accept both "00000000:18:00.0" and the legacy "0000:18:00.0". */
+    if (sscanf(bus_id, "%x:%x:%x.%x", &domain, &bus, &device, &function) != 4 || bus > 0xFF ||
+        device > 0x1F || function > 7) {
+        complain("%s: pciBusId \"%s\" is not DOMAIN:BUS:DEVICE.FUNCTION", where, bus_id);
+        return -1;
+    }
+
+    g->index = index;
+    g->minor_number = (unsigned int)minor_number;
+    g->memory_total = (unsigned long long)total;
+    g->memory_used = (unsigned long long)used;
+    g->cc_major = (int)major;
+    g->cc_minor = (int)minor;
+    g->pci_domain = domain;
+    g->pci_bus = bus;
+    g->pci_device = device;
+    g->pci_function = function;
+    g->pci_device_id = (unsigned int)device_id;
+    g->pci_subsystem_id = (unsigned int)subsystem_id;
+    g->mig_mode = (int)mig;
+    g->config_compute_mode = g->compute_mode = (unsigned int)mode;
+    g->set_compute_mode_error = (int)set_error;
+    g->lost = lost;
+    return 0;
+}
+
+/* Loads FAKE_NVML_CONFIG into *sys. */
+static int load_config(struct fake_system *sys)
+{
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    const char *where = "config";
+    long long cuda = 12040, init_error = 0;
+    const struct json *gpus;
+    struct json *root;
+    int rc = 0;
+
+    memset(sys, 0, sizeof(*sys));
+    if (!path || !*path) {
+        complain("FAKE_NVML_CONFIG is not set");
+        return -1;
+    }
+    root = json_load(path, NULL);
+    if (!root)
+        return -1;
+    if (root->type != J_OBJECT) {
+        complain("%s: top level must be an object", path);
+        json_free(root);
+        return -1;
+    }
+
+    strcpy(sys->driver_version, "550.54.15");
+    rc |= get_string(root, "driverVersion", sys->driver_version, sizeof(sys->driver_version), where);
+    rc |= get_int(root, "cudaDriverVersion", 0, INT32_MAX, &cuda, where);
+    rc |= get_int(root, "initError", 0, INT32_MAX, &init_error, where);
+    sys->cuda_driver_version = (int)cuda;
+    sys->init_error = (int)init_error;
+
+    gpus = json_get(root, "gpus");
+    if (gpus && gpus->type != J_ARRAY && gpus->type != J_NULL) {
+        complain("config: \"gpus\" must be an array");
+        rc = -1;
+    }
+    for (const struct json *item = gpus ? gpus->child : NULL; item && !rc; item = item->next) {
+        if (sys->gpu_count == MAX_GPUS) {
+            complain("config: more than %d GPUs", MAX_GPUS);
+            rc = -1;
+            break;
+        }
+        struct fake_gpu *g = &sys->gpus[sys->gpu_count];
+        rc = load_gpu(item, sys->gpu_count, g);
+        for (unsigned int i = 0; i < sys->gpu_count && !rc; i++) {
+            if (strcmp(sys->gpus[i].uuid, g->uuid) == 0) {
+                complain("config: duplicate uuid %s", g->uuid);
+                rc = -1;
+            }
+        }
+        sys->gpu_count++;
+    }
+    json_free(root);
+    return rc ? -1 : 0;
+}
+
+/* Reads FAKE_NVML_STATE (if set and present) into *out; NULL means "no state". */
+static nvmlReturn_t read_state(struct json **out)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    struct json *root;
+    int missing;
+
+    *out = NULL;
+    if (!path || !*path)
+        return NVML_SUCCESS;
+    root = json_load(path, &missing);
+    if (!root)
+        return missing ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+    const struct json *modes = json_get(root, "computeModes");
+    if (!modes || modes->type != J_OBJECT) {
+        complain("%s: expected {\"computeModes\": {uuid: mode, ...}}", path);
+        json_free(root);
+        return NVML_ERROR_UNKNOWN;
+    }
+    for (const struct json *m = modes->child; m; m = m->next) {
+        if (m->type != J_NUMBER || !m->is_int || m->inum < 0 || m->inum >= NVML_COMPUTEMODE_COUNT) {
+            complain("%s: compute mode of %s must be an integer in [0, 3]", path, m->key);
+            json_free(root);
+            return NVML_ERROR_UNKNOWN;
+        }
+    }
+    *out = root;
+    return NVML_SUCCESS;
+}
+
+/* Effective compute modes: the state file's entry for a GPU wins over the config. */
+static void apply_state(struct fake_system *sys, const struct json *state)
+{
+    const struct json *modes = json_get(state, "computeModes");
+    for (unsigned int i = 0; i < sys->gpu_count; i++) {
+        const struct json *m = json_get(modes, sys->gpus[i].uuid);
+        sys->gpus[i].compute_mode = m ? (unsigned int)m->inum : sys->gpus[i].config_compute_mode;
+    }
+}
+
+static nvmlReturn_t refresh_compute_modes(void)
+{
+    struct json *state;
+    nvmlReturn_t rc = read_state(&state);
+    if (rc == NVML_SUCCESS && state) {
+        apply_state(&g_sys, state);
+        json_free(state);
+    }
+    return rc;
+}
+
+static void write_json_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+/* Writes all compute modes (ours, plus other UUIDs already in the file) via temp file + rename. */
+static nvmlReturn_t write_state(const char *path, const struct json *old_state)
+{
+    const struct json *old_modes = json_get(old_state, "computeModes");
+    size_t tmp_len = strlen(path) + 32;
+    char *tmp = malloc(tmp_len);
+    const char *sep = "";
+    FILE *f;
+    int ok;
+
+    if (!tmp)
+        return NVML_ERROR_MEMORY;
+    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
+    f = fopen(tmp, "w");
+    if (!f) {
+        complain("cannot write %s: %s", tmp, strerror(errno));
+        free(tmp);
+        return NVML_ERROR_UNKNOWN;
+    }
+    fputs("{\"computeModes\": {", f);
+    for (unsigned int i = 0; i < g_sys.gpu_count; i++) {
+        fputs(sep, f);
+        write_json_string(f, g_sys.gpus[i].uuid);
+        fprintf(f, ": %u", g_sys.gpus[i].compute_mode);
+        sep = ", ";
+    }
+    for (const struct json *m = old_modes ? old_modes->child : NULL; m; m = m->next) {
+        int ours = 0;
+        for (unsigned int i = 0; i < g_sys.gpu_count; i++)
+            ours |= strcmp(g_sys.gpus[i].uuid, m->key) == 0;
+        if (ours)
+            continue;
+        fputs(sep, f);
+        write_json_string(f, m->key);
+        fprintf(f, ": %lld", m->inum);
+        sep = ", ";
+    }
+    fputs("}}\n", f);
+    ok = fflush(f) == 0 && !ferror(f);
+    ok &= fclose(f) == 0;
+    if (!ok || rename(tmp, path) != 0) {
+        complain("cannot replace %s: %s", path, strerror(errno));
+        unlink(tmp);
+        free(tmp);
+        return NVML_ERROR_UNKNOWN;
+    }
+    free(tmp);
+    return NVML_SUCCESS;
+}
+
+/* Exclusive cross-process lock for read-modify-write of the state file; returns an fd or -1. */
+static int lock_state(const char *path)
+{
+    size_t len = strlen(path) + 8;
+    char *lock_path = malloc(len);
+    int fd;
+
+    if (!lock_path)
+        return -1;
+    snprintf(lock_path, len, "%s.lock", path);
+    fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0)
+        complain("cannot open %s: %s", lock_path, strerror(errno));
+    else if (flock(fd, LOCK_EX) != 0) {
+        complain("cannot lock %s: %s", lock_path, strerror(errno));
+        close(fd);
+        fd = -1;
+    }
+    free(lock_path);
+    return fd;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Helpers for the API functions: every entry point locks g_lock and leaves through leave().
+ * ---------------------------------------------------------------------------------------------- */
+
+static nvmlReturn_t enter(void)
+{
+    pthread_mutex_lock(&g_lock);
+    return g_init_count ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
+}
+
+/* Locks the library and resolves a handle; GPUs marked lost fail unless allow_lost. */
+static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
+{
+    nvmlReturn_t rc = enter();
+    uintptr_t offset = (uintptr_t)device - (uintptr_t)g_sys.gpus;
+
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!device || offset % sizeof(struct fake_gpu) != 0 || offset / sizeof(struct fake_gpu) >= g_sys.gpu_count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->lost && !allow_lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t leave(nvmlReturn_t rc)
+{
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+{
+    size_t need = strlen(src) + 1;
+    if (!dst)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (length < need)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, need);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Initialization and errors
+ * ---------------------------------------------------------------------------------------------- */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    struct json *state = NULL;
+    nvmlReturn_t rc;
+
+    (void)flags;
+    pthread_mutex_lock(&g_lock);
+    if (load_config(&g_scratch) != 0)
+        return leave(NVML_ERROR_UNKNOWN);
+    if (g_scratch.init_error)
+        return leave((nvmlReturn_t)g_scratch.init_error);
+    rc = read_state(&state);
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    if (state) {
+        apply_state(&g_scratch, state);
+        json_free(state);
+    }
+    g_sys = g_scratch;
+    g_init_count++;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlInit_v2(void)
+{
+    return nvmlInitWithFlags(0);
+}
+
+nvmlReturn_t nvmlInit(void)
+{
+    return nvmlInitWithFlags(0);
+}
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS)
+        g_init_count--;
+    return leave(rc);
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_VGPU_ECC_NOT_SUPPORTED: return "vGPU ECC not supported";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient resources";
+    case NVML_ERROR_FREQ_NOT_SUPPORTED: return "Frequency not supported";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    case NVML_ERROR_DEPRECATED: return "Deprecated";
+    case NVML_ERROR_NOT_READY: return "Not ready";
+    case NVML_ERROR_GPU_NOT_FOUND: return "GPU not found";
+    case NVML_ERROR_INVALID_STATE: return "Invalid state";
+    case NVML_ERROR_UNKNOWN: return "Unknown Error";
+    }
+    return "Unknown Error";
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * System queries
+ * ---------------------------------------------------------------------------------------------- */
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS)
+        rc = copy_string(version, length, g_sys.driver_version);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    char buf[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE + 16];
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS) {
+        snprintf(buf, sizeof(buf), "%d.%s", g_sys.cuda_driver_version / 1000, g_sys.driver_version);
+        rc = copy_string(version, length, buf);
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS && !cudaDriverVersion)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *cudaDriverVersion = g_sys.cuda_driver_version;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
+{
+    return nvmlSystemGetCudaDriverVersion(cudaDriverVersion);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Device enumeration
+ * ---------------------------------------------------------------------------------------------- */
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS && !deviceCount)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *deviceCount = g_sys.gpu_count;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
+{
+    return nvmlDeviceGetCount_v2(deviceCount);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS && (!device || index >= g_sys.gpu_count))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *device = &g_sys.gpus[index];
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = enter();
+    if (rc == NVML_SUCCESS && (!uuid || !device))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        rc = NVML_ERROR_NOT_FOUND;
+        for (unsigned int i = 0; i < g_sys.gpu_count; i++) {
+            if (strcmp(g_sys.gpus[i].uuid, uuid) == 0) {
+                *device = &g_sys.gpus[i];
+                rc = NVML_SUCCESS;
+                break;
+            }
+        }
+    }
+    return leave(rc);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Device queries
+ * ---------------------------------------------------------------------------------------------- */
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    nvmlReturn_t rc = enter_device(device, 1);
+    if (rc == NVML_SUCCESS)
+        rc = copy_string(uuid, length, device->uuid);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS)
+        rc = copy_string(name, length, device->name);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !index)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *index = device->index;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !minorNumber)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *minorNumber = device->minor_number;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !memory)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memory->total = device->memory_total;
+        memory->used = device->memory_used;
+        memory->free = device->memory_total - device->memory_used;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !memory)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && memory->version != nvmlMemory_v2)
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (rc == NVML_SUCCESS) {
+        memory->total = device->memory_total;
+        memory->reserved = 0;
+        memory->used = device->memory_used;
+        memory->free = device->memory_total - device->memory_used;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && (!major || !minor))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        *major = device->cc_major;
+        *minor = device->cc_minor;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !pci)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memset(pci, 0, sizeof(*pci));
+        unsigned int bus = device->pci_bus & 0xFF, dev = device->pci_device & 0x1F, fn = device->pci_function & 7;
+        snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "%04X:%02X:%02X.%X", device->pci_domain & 0xFFFF,
+                 bus, dev, fn);
+        snprintf(pci->busId, sizeof(pci->busId), "%08X:%02X:%02X.%X", device->pci_domain, bus, dev, fn);
+        pci->domain = device->pci_domain;
+        pci->bus = device->pci_bus;
+        pci->device = device->pci_device;
+        pci->pciDeviceId = device->pci_device_id;
+        pci->pciSubSystemId = device->pci_subsystem_id;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_v2_t *pci)
+{
+    nvmlPciInfo_t full;
+    nvmlReturn_t rc = pci ? nvmlDeviceGetPciInfo_v3(device, &full) : NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memset(pci, 0, sizeof(*pci));
+        memcpy(pci->busId, full.busIdLegacy, sizeof(pci->busId));
+        pci->domain = full.domain;
+        pci->bus = full.bus;
+        pci->device = full.device;
+        pci->pciDeviceId = full.pciDeviceId;
+        pci->pciSubSystemId = full.pciSubSystemId;
+    }
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v2_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v2(device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && (!currentMode || !pendingMode))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && device->mig_mode < 0)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        *currentMode = *pendingMode = (unsigned int)device->mig_mode;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !mode)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        rc = refresh_compute_modes();
+    if (rc == NVML_SUCCESS)
+        *mode = device->compute_mode;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, nvmlComputeMode_t mode)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    struct json *state = NULL;
+    int lock_fd;
+    nvmlReturn_t rc = enter_device(device, 0);
+
+    if (rc == NVML_SUCCESS && mode >= NVML_COMPUTEMODE_COUNT)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && device->set_compute_mode_error)
+        rc = (nvmlReturn_t)device->set_compute_mode_error;
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    if (!path || !*path) {
+        device->compute_mode = mode; /* no state file: the change lives in this process only */
+        return leave(NVML_SUCCESS);
+    }
+
+    lock_fd = lock_state(path);
+    if (lock_fd < 0)
+        return leave(NVML_ERROR_UNKNOWN);
+    rc = read_state(&state);
+    if (rc == NVML_SUCCESS) {
+        if (state)
+            apply_state(&g_sys, state);
+        device->compute_mode = mode;
+        rc = write_state(path, state);
+        json_free(state);
+    }
+    close(lock_fd);
+    return leave(rc);
+}
+
+/* No processes ever run on a fake GPU. */
+static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    (void)infos;
+    if (rc == NVML_SUCCESS && !infoCount)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *infoCount = 0;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                  nvmlProcessInfo_t *infos)
+{
+    return no_processes(device, infoCount, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    return no_processes(device, infoCount, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    return no_processes(device, infoCount, infos);
+}

@@ -1,0 +1,404 @@
+"""The fake libnvidia-ml.so.1 (tests/fakes/nvml) drives the real pynvml without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.nvml.build import build_fake_nvml, fake_nvml_env
+
+BUILD_DIR = Path(__file__).parent / ".build"
+SUBPROCESS_TIMEOUT_S = 30
+
+H100 = {
+    "uuid": "GPU-11111111-2222-3333-4444-555555555555",
+    "name": "NVIDIA H100 80GB HBM3",
+    "memoryTotal": 85520809984,
+    "major": 9,
+    "minor": 0,
+    "pciBusId": "00000000:18:00.0",
+    "migMode": 0,
+    "computeMode": 0,
+    "lost": False,
+}
+A100 = {
+    "uuid": "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",
+    "name": "NVIDIA A100-SXM4-40GB",
+    "memoryTotal": 42949672960,
+    "major": 8,
+    "minor": 0,
+    "pciBusId": "00000000:AF:00.0",
+    "migMode": 1,
+    "computeMode": 2,
+}
+CONFIG = {"driverVersion": "550.54.15", "gpus": [H100, A100]}
+
+# Every snippet starts with this: emit() prints the result, error() runs a call and names its NVMLError.
+PRELUDE = textwrap.dedent(
+    """
+    import json
+    import pynvml
+
+    def emit(value):
+        print(json.dumps(value))
+
+    def error(fn, *args):
+        try:
+            fn(*args)
+        except pynvml.NVMLError as exc:
+            return [type(exc).__name__, exc.value, str(exc)]
+        return None
+    """
+)
+
+
+class FakeNvml:
+    """Runs pynvml snippets in fresh interpreters against the fake library."""
+
+    def __init__(self, library: Path, workdir: Path) -> None:
+        self.library = library
+        self.config_path = workdir / "nvml-config.json"
+        self.state_path = workdir / "nvml-state.json"
+        self.last_stderr = ""
+
+    def run(self, config: dict[str, Any] | str, code: str) -> Any:
+        """Write config (a dict, or raw text), run PRELUDE + code, return what it emit()ted."""
+        self.config_path.write_text(config if isinstance(config, str) else json.dumps(config))
+        proc = subprocess.run(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+            env=fake_nvml_env(self.library, self.config_path, self.state_path),
+            capture_output=True,
+            text=True,
+            timeout=SUBPROCESS_TIMEOUT_S,
+            check=False,
+        )
+        self.last_stderr = proc.stderr
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout) if proc.stdout.strip() else None
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_lib() -> Path:
+    return build_fake_nvml(BUILD_DIR)
+
+
+@pytest.fixture
+def nvml(fake_nvml_lib: Path, tmp_path: Path) -> FakeNvml:
+    return FakeNvml(fake_nvml_lib, tmp_path)
+
+
+def test_build_is_skipped_when_library_is_fresh(fake_nvml_lib: Path) -> None:
+    assert fake_nvml_lib == BUILD_DIR / "libnvidia-ml.so.1"
+    before = fake_nvml_lib.stat().st_mtime_ns
+    assert build_fake_nvml(BUILD_DIR) == fake_nvml_lib
+    assert fake_nvml_lib.stat().st_mtime_ns == before
+
+
+def test_inventory_through_real_pynvml(nvml: FakeNvml, fake_nvml_lib: Path) -> None:
+    out = nvml.run(
+        CONFIG,
+        """
+        pynvml.nvmlInit()
+        maps = [line.split()[-1] for line in open("/proc/self/maps") if "libnvidia-ml" in line]
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            mem2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+            pci = pynvml.nvmlDeviceGetPciInfo(h)
+            gpus.append({
+                "uuid": uuid,
+                "name": pynvml.nvmlDeviceGetName(h),
+                "index": pynvml.nvmlDeviceGetIndex(h),
+                "minor": pynvml.nvmlDeviceGetMinorNumber(h),
+                "byUuid": pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid)),
+                "mem": [mem.total, mem.free, mem.used],
+                "mem2": [mem2.total, mem2.reserved, mem2.free, mem2.used],
+                "cc": list(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
+                "busId": pci.busId,
+                "busIdLegacy": pci.busIdLegacy,
+                "pci": [pci.domain, pci.bus, pci.device, pci.pciDeviceId],
+                "mig": pynvml.nvmlDeviceGetMigMode(h),
+                "computeMode": pynvml.nvmlDeviceGetComputeMode(h),
+                "procs": pynvml.nvmlDeviceGetComputeRunningProcesses(h),
+                "procs_v2": pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
+            })
+        emit({
+            "maps": maps,
+            "driver": pynvml.nvmlSystemGetDriverVersion(),
+            "nvml": pynvml.nvmlSystemGetNVMLVersion(),
+            "cuda": pynvml.nvmlSystemGetCudaDriverVersion(),
+            "cuda_v2": pynvml.nvmlSystemGetCudaDriverVersion_v2(),
+            "gpus": gpus,
+        })
+        pynvml.nvmlShutdown()
+        """,
+    )
+    assert out["maps"], "pynvml did not load any libnvidia-ml"
+    assert {Path(p) for p in out["maps"]} == {fake_nvml_lib.resolve()}
+    assert out["driver"] == "550.54.15"
+    assert out["nvml"] == "12.550.54.15"
+    assert out["cuda"] == out["cuda_v2"] == 12040
+    h100, a100 = out["gpus"]
+    assert h100 == {
+        "uuid": H100["uuid"],
+        "name": "NVIDIA H100 80GB HBM3",
+        "index": 0,
+        "minor": 0,
+        "byUuid": 0,
+        "mem": [85520809984, 85520809984, 0],
+        "mem2": [85520809984, 0, 85520809984, 0],
+        "cc": [9, 0],
+        "busId": "00000000:18:00.0",
+        "busIdLegacy": "0000:18:00.0",
+        "pci": [0, 0x18, 0, 0x233010DE],
+        "mig": [0, 0],
+        "computeMode": 0,
+        "procs": [],
+        "procs_v2": [],
+    }
+    assert a100["uuid"] == A100["uuid"]
+    assert a100["index"] == a100["byUuid"] == 1
+    assert a100["cc"] == [8, 0]
+    assert a100["busId"] == "00000000:AF:00.0"
+    assert a100["mig"] == [1, 1]
+    assert a100["computeMode"] == 2
+
+
+def test_set_compute_mode_is_seen_by_another_process(nvml: FakeNvml) -> None:
+    first = nvml.run(
+        CONFIG,
+        """
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pynvml.nvmlDeviceSetComputeMode(h, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        emit(pynvml.nvmlDeviceGetComputeMode(h))
+        """,
+    )
+    assert first == 3
+    state = json.loads((nvml.state_path).read_text())
+    assert state == {"computeModes": {H100["uuid"]: 3, A100["uuid"]: 2}}
+
+    second = nvml.run(
+        CONFIG,
+        """
+        pynvml.nvmlInit()
+        emit([pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(2)])
+        """,
+    )
+    assert second == [3, 2]
+
+
+def test_compute_mode_change_reaches_an_already_initialized_process(nvml: FakeNvml) -> None:
+    # The state file plays the driver: changes written after nvmlInit are seen by the next query.
+    out = nvml.run(
+        CONFIG,
+        f"""
+        import pathlib
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(1)
+        before = pynvml.nvmlDeviceGetComputeMode(h)
+        other_process = {{"computeModes": {{{A100["uuid"]!r}: 0, "GPU-not-on-this-node": 3}}}}
+        pathlib.Path({str(nvml.state_path)!r}).write_text(json.dumps(other_process))
+        after = pynvml.nvmlDeviceGetComputeMode(h)
+        pynvml.nvmlDeviceSetComputeMode(pynvml.nvmlDeviceGetHandleByIndex(0), 2)
+        emit([before, after])
+        """,
+    )
+    assert out == [2, 0]
+    assert json.loads(nvml.state_path.read_text())["computeModes"] == {
+        H100["uuid"]: 2,
+        A100["uuid"]: 0,
+        "GPU-not-on-this-node": 3,
+    }
+
+
+def test_set_compute_mode_errors(nvml: FakeNvml) -> None:
+    config = {"gpus": [H100, {**A100, "setComputeModeError": 4}]}
+    out = nvml.run(
+        config,
+        """
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        emit([
+            error(pynvml.nvmlDeviceSetComputeMode, h0, 4),
+            error(pynvml.nvmlDeviceSetComputeMode, h1, 0),
+            pynvml.nvmlDeviceGetComputeMode(h0),
+            pynvml.nvmlDeviceGetComputeMode(h1),
+        ])
+        """,
+    )
+    assert out[0][:2] == ["NVMLError_InvalidArgument", 2]
+    assert out[1][:2] == ["NVMLError_NoPermission", 4]
+    assert out[2:] == [0, 2]
+
+
+def test_init_error_raises_driver_not_loaded(nvml: FakeNvml) -> None:
+    out = nvml.run(
+        {**CONFIG, "initError": 9},
+        """
+        emit([error(pynvml.nvmlInit), error(pynvml.nvmlDeviceGetCount)])
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError_DriverNotLoaded:
+            pass
+        """,
+    )
+    assert out[0] == ["NVMLError_DriverNotLoaded", 9, "Driver Not Loaded"]
+    assert out[1][:2] == ["NVMLError_Uninitialized", 1]
+
+
+def test_lost_gpu(nvml: FakeNvml) -> None:
+    out = nvml.run(
+        {"gpus": [{**H100, "lost": True}, A100]},
+        """
+        pynvml.nvmlInit()
+        lost = pynvml.nvmlDeviceGetHandleByIndex(0)
+        emit({
+            "count": pynvml.nvmlDeviceGetCount(),
+            "uuid": pynvml.nvmlDeviceGetUUID(lost),
+            "mem": error(pynvml.nvmlDeviceGetMemoryInfo, lost),
+            "name": error(pynvml.nvmlDeviceGetName, lost),
+            "mode": error(pynvml.nvmlDeviceGetComputeMode, lost),
+            "set": error(pynvml.nvmlDeviceSetComputeMode, lost, 3),
+            "other": pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1)).total,
+        })
+        try:
+            pynvml.nvmlDeviceGetMemoryInfo(lost)
+        except pynvml.NVMLError_GpuIsLost:
+            pass
+        """,
+    )
+    assert out["count"] == 2
+    assert out["uuid"] == H100["uuid"]
+    for call in ("mem", "name", "mode", "set"):
+        assert out[call] == ["NVMLError_GpuIsLost", 15, "GPU is lost"], call
+    assert out["other"] == A100["memoryTotal"]
+
+
+def test_mig_not_supported(nvml: FakeNvml) -> None:
+    out = nvml.run(
+        {"gpus": [{**H100, "migMode": -1}]},
+        """
+        pynvml.nvmlInit()
+        emit(error(pynvml.nvmlDeviceGetMigMode, pynvml.nvmlDeviceGetHandleByIndex(0)))
+        """,
+    )
+    assert out[:2] == ["NVMLError_NotSupported", 3]
+
+
+def test_argument_and_lifecycle_errors(nvml: FakeNvml) -> None:
+    out = nvml.run(
+        CONFIG,
+        """
+        pynvml.nvmlInit()
+        pynvml.nvmlInit()  # reference counted, like the real library
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        results = {
+            "badIndex": error(pynvml.nvmlDeviceGetHandleByIndex, 2),
+            "badUuid": error(pynvml.nvmlDeviceGetHandleByUUID, "GPU-nope"),
+            "memVersion": error(pynvml.nvmlDeviceGetMemoryInfo, h, 1),
+        }
+        pynvml.nvmlShutdown()
+        results["afterOneShutdown"] = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        results["afterShutdown"] = error(pynvml.nvmlDeviceGetCount)
+        results["staleHandle"] = error(pynvml.nvmlDeviceGetName, h)
+        results["shutdownTwice"] = error(pynvml.nvmlShutdown)
+        emit(results)
+        """,
+    )
+    assert out["badIndex"][:2] == ["NVMLError_InvalidArgument", 2]
+    assert out["badUuid"][:2] == ["NVMLError_NotFound", 6]
+    # pynvml has no text for this code, so str() comes from the fake's nvmlErrorString.
+    assert out["memVersion"] == ["NVMLError_ArgumentVersionMismatch", 25, "Argument version mismatch"]
+    assert out["afterOneShutdown"] == 2
+    for key in ("afterShutdown", "staleHandle", "shutdownTwice"):
+        assert out[key][:2] == ["NVMLError_Uninitialized", 1], key
+
+
+def test_symbols_pynvml_does_not_wrap(nvml: FakeNvml) -> None:
+    # Older or unversioned entry points, called straight through ctypes as C callers would.
+    out = nvml.run(
+        CONFIG,
+        """
+        import ctypes
+        pynvml.nvmlInit()
+        lib = pynvml.nvmlLib
+        count, handle = ctypes.c_uint(), pynvml.c_nvmlDevice_t()
+        legacy = pynvml.nvmlPciInfo_v2_t()
+        small = ctypes.create_string_buffer(8)
+        emit({
+            "init": [lib.nvmlInit(), lib.nvmlInit_v2()],
+            "count": [lib.nvmlDeviceGetCount(ctypes.byref(count)), count.value],
+            "handle": lib.nvmlDeviceGetHandleByIndex(1, ctypes.byref(handle)),
+            "pci_v2": [lib.nvmlDeviceGetPciInfo_v2(handle, ctypes.byref(legacy)), legacy.busId, legacy.bus],
+            "pci_v1": lib.nvmlDeviceGetPciInfo(handle, ctypes.byref(legacy)),
+            "procs": [lib.nvmlDeviceGetComputeRunningProcesses(handle, ctypes.byref(count), None), count.value],
+            "smallUuid": lib.nvmlDeviceGetUUID(handle, small, 8),
+            "nullOut": lib.nvmlDeviceGetCount_v2(None),
+            "types": [type(v).__name__ for v in (
+                pynvml.nvmlSystemGetDriverVersion(),
+                pynvml.nvmlDeviceGetUUID(handle),
+                pynvml.nvmlDeviceGetName(handle),
+                pynvml.nvmlDeviceGetPciInfo(handle).busId,
+            )],
+        })
+        """,
+    )
+    assert out == {
+        "init": [0, 0],
+        "count": [0, 2],
+        "handle": 0,
+        "pci_v2": [0, "0000:AF:00.0", 0xAF],
+        "pci_v1": 0,
+        "procs": [0, 0],
+        "smallUuid": 7,
+        "nullOut": 2,
+        "types": ["str", "str", "str", "str"],
+    }
+
+
+def test_config_is_reread_on_every_init(nvml: FakeNvml) -> None:
+    out = nvml.run(
+        CONFIG,
+        f"""
+        import pathlib
+        pynvml.nvmlInit()
+        before = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        pathlib.Path({str(nvml.config_path)!r}).write_text(json.dumps({{"gpus": [{{}}]}}))
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        emit([before, pynvml.nvmlDeviceGetCount(), pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetName(h)])
+        """,
+    )
+    assert out == [2, 1, "GPU-00000000-0000-0000-0000-000000000000", "NVIDIA Fake GPU"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"gpus": [{"uuid": 5}]},
+        {"gpus": [{"pciBusId": "not-a-bus-id"}]},
+        {"gpus": [H100, H100]},
+        {"gpus": [{}] * 65},
+    ],
+    ids=["wrong-type", "bad-bus-id", "duplicate-uuid", "too-many-gpus"],
+)
+def test_bad_config_fails_init_loudly(nvml: FakeNvml, config: dict[str, Any]) -> None:
+    out = nvml.run(config, "emit(error(pynvml.nvmlInit))")
+    assert out[:2] == ["NVMLError_Unknown", 999]
+    assert "fake_nvml:" in nvml.last_stderr
+
+
+def test_malformed_json_fails_init_loudly(nvml: FakeNvml) -> None:
+    assert nvml.run('{"gpus": [}', "emit(error(pynvml.nvmlInit))")[:2] == ["NVMLError_Unknown", 999]
+    assert "invalid JSON" in nvml.last_stderr
