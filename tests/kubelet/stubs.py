@@ -1,0 +1,45 @@
+"""Generates grpcio stubs for the kubelet APIs from protos/ into tests/.build/ and imports them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "tests" / ".build" / "grpc_stubs"
+PROTOS = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
+
+
+def _generate() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for proto in PROTOS:
+        package = OUT / Path(proto).parent
+        source = ROOT / "protos" / proto
+        target = package / "api_pb2_grpc.py"
+        if target.exists() and target.stat().st_mtime > source.stat().st_mtime:
+            continue
+        code = protoc.main(
+            ["protoc", f"-I{ROOT / 'protos'}", f"--python_out={OUT}", f"--grpc_python_out={OUT}", str(source)]
+        )
+        if code != 0:
+            raise RuntimeError(f"protoc failed for {proto}")
+
+
+def load() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """(deviceplugin pb2, deviceplugin grpc, podresources pb2, podresources grpc)"""
+    _generate()
+    if str(OUT) not in sys.path:
+        sys.path.insert(0, str(OUT))
+    return (
+        importlib.import_module("deviceplugin.v1beta1.api_pb2"),
+        importlib.import_module("deviceplugin.v1beta1.api_pb2_grpc"),
+        importlib.import_module("podresources.v1.api_pb2"),
+        importlib.import_module("podresources.v1.api_pb2_grpc"),
+    )
+
+
+dp_pb2, dp_grpc, pr_pb2, pr_grpc = load()

@@ -1,0 +1,217 @@
+"""The agent as a real process, driven over its unix sockets by a grpcio fake kubelet."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.conftest import AgentLauncher, small_node, write_config
+from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
+from tests.kubelet.stubs import dp_pb2
+
+RESOURCE = "nvidia.com/gpu"
+GPU0 = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
+GPU1 = "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
+MIB_PER_REPLICA = 16 * 1024 // 4  # 16 GiB T4 in 4 replicas
+
+
+def config(fail_gt_one: bool | None = False, policy: str = "distributed", replicas: int = 4) -> str:
+    fail = "" if fail_gt_one is None else f"    failRequestsGreaterThanOne: {str(fail_gt_one).lower()}\n"
+    return (
+        "version: v1\n"
+        f"flags:\n  plugin:\n    sharedDevicesAllocationPolicy: {policy}\n"
+        f"sharing:\n  mps:\n{fail}    resources:\n    - name: gpu\n      replicas: {replicas}\n"
+    )
+
+
+def start_agent(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, config_text: str, **kw: object):
+    node = small_node(short_dir / "node.json", numa=[0, 1])
+    cfg = write_config(short_dir / "config.yaml", config_text)
+    return agents.start(
+        "--config-file", str(cfg), "--node-snapshot", str(node), "--kubelet-socket", str(kubelet.socket_path),
+        "--mps-root", str(short_dir / "mps"),
+    )
+
+
+def allocate(plugin: Plugin, *containers: list[str]):
+    request = dp_pb2.AllocateRequest(
+        container_requests=[dp_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+    )
+    return plugin.stub.Allocate(request, timeout=5)
+
+
+def preferred(plugin: Plugin, available: list[str], size: int, must: list[str] | None = None) -> list[str]:
+    request = dp_pb2.PreferredAllocationRequest(
+        container_requests=[
+            dp_pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=must or [], allocation_size=size
+            )
+        ]
+    )
+    return list(plugin.stub.GetPreferredAllocation(request, timeout=5).container_responses[0].deviceIDs)
+
+
+def ids(gpu: str, *replicas: int) -> list[str]:
+    return [f"{gpu}::{i}" for i in replicas]
+
+
+ALL = ids(GPU0, 0, 1, 2, 3) + ids(GPU1, 0, 1, 2, 3)
+
+
+@pytest.fixture
+def plugin(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> Plugin:
+    start_agent(agents, kubelet, short_dir, config())
+    return kubelet.wait_registered(RESOURCE)
+
+
+def test_registers_and_lists_every_replica_with_numa_topology(plugin: Plugin, kubelet: FakeKubelet) -> None:
+    assert plugin.request.version == "v1beta1"
+    assert plugin.request.endpoint.startswith("mpsagent-nvidia.com_gpu-") and plugin.request.endpoint.endswith(".sock")
+    assert plugin.options.get_preferred_allocation_available is True
+    devices = plugin.latest()
+    assert [d[0] for d in devices] == ALL
+    assert {d[1] for d in devices} == {"Healthy"}
+    # NUMA node 0 must survive the wire (an all-default message must not vanish).
+    assert [d[2] for d in devices] == [(0,)] * 4 + [(1,)] * 4
+    socket_path = kubelet.socket_path.parent / plugin.request.endpoint
+    assert stat.S_IMODE(socket_path.stat().st_mode) == 0o600
+
+
+def test_one_replica_is_a_capped_grant(plugin: Plugin, short_dir: Path) -> None:
+    response = allocate(plugin, ids(GPU1, 2))
+    envs = dict(response.container_responses[0].envs)
+    assert envs == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
+        "NVIDIA_VISIBLE_DEVICES": GPU1,
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={MIB_PER_REPLICA}M,1={MIB_PER_REPLICA}M",
+    }
+    mounts = {(m.host_path, m.container_path) for m in response.container_responses[0].mounts}
+    assert mounts == {
+        (str(short_dir / "mps" / "nvidia.com/gpu/pipe"), "/mps/nvidia.com/gpu/pipe"),
+        (str(short_dir / "mps" / "shm"), "/dev/shm"),
+    }
+
+
+def test_two_replicas_are_capped_and_every_replica_is_a_full_grant(plugin: Plugin) -> None:
+    two = dict(allocate(plugin, [ids(GPU1, 0)[0], ids(GPU0, 3)[0]]).container_responses[0].envs)
+    assert two["NVIDIA_VISIBLE_DEVICES"] == f"{GPU0},{GPU1}"  # host-index order, not request order
+    assert two["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    full = dict(allocate(plugin, list(reversed(ALL))).container_responses[0].envs)
+    assert full == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe", "NVIDIA_VISIBLE_DEVICES": f"{GPU0},{GPU1}"}
+
+
+def test_several_containers_in_one_request(plugin: Plugin) -> None:
+    response = allocate(plugin, ids(GPU0, 0), ALL)
+    first, second = (dict(c.envs) for c in response.container_responses)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in first
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in second
+
+
+@pytest.mark.parametrize("fail_gt_one", [True, None])
+def test_more_than_one_replica_refused_when_fail_requests_greater_than_one(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fail_gt_one: bool | None
+) -> None:
+    start_agent(agents, kubelet, short_dir, config(fail_gt_one))
+    plugin = kubelet.wait_registered(RESOURCE)
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(plugin, ids(GPU0, 0, 1))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "maximum request size for shared resources is 1; found 2"
+    # A duplicated ID is one replica.
+    envs = dict(allocate(plugin, ids(GPU0, 1, 1)).container_responses[0].envs)
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == GPU0
+    with pytest.raises(grpc.RpcError) as all_refused:
+        allocate(plugin, ALL)
+    assert all_refused.value.details() == "maximum request size for shared resources is 1; found 8"
+
+
+def test_unknown_ids_are_refused_by_name_with_a_bounded_message(plugin: Plugin) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(plugin, [*ids(GPU0, 0), "GPU-nope::0"])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown device ID 'GPU-nope::0'" in refused.value.details()
+    many = [f"GPU-bad-{i}::{'x' * 500}" for i in range(5000)]
+    with pytest.raises(grpc.RpcError) as huge:
+        allocate(plugin, many)
+    assert huge.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "and 4997 more" in huge.value.details()
+    assert len(huge.value.details()) < 1024
+
+
+def test_preferred_allocation_distributed_spreads_and_takes_whole_gpus(plugin: Plugin) -> None:
+    # GPU0 has one replica in use: distributed picks from GPU1 first, then alternates.
+    available = [i for i in ALL if i != f"{GPU0}::0"]
+    assert preferred(plugin, available, 1) == [f"{GPU1}::0"]
+    assert preferred(plugin, available, 3) == [f"{GPU1}::0", f"{GPU0}::1", f"{GPU1}::1"]
+    # A whole GPU's worth, with one GPU wholly free, takes that GPU.
+    assert preferred(plugin, available, 4) == ids(GPU1, 0, 1, 2, 3)
+    assert preferred(plugin, ALL, 8) == ALL
+    assert preferred(plugin, available, 2, must=[f"{GPU0}::3"]) == [f"{GPU0}::3", f"{GPU1}::0"]
+    with pytest.raises(grpc.RpcError) as too_many:
+        preferred(plugin, ids(GPU0, 1, 2), 3)
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "3 replicas requested but only 2 are available" in too_many.value.details()
+
+
+def test_preferred_allocation_packed_fills_the_busiest_gpu(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    start_agent(agents, kubelet, short_dir, config(policy="packed"))
+    plugin = kubelet.wait_registered(RESOURCE)
+    available = [i for i in ALL if i != f"{GPU1}::0"]
+    assert preferred(plugin, available, 2) == ids(GPU1, 1, 2)
+    assert preferred(plugin, available, 4) == ids(GPU0, 0, 1, 2, 3)
+
+
+def test_kubelet_restart_leads_to_a_new_registration(plugin: Plugin, kubelet: FakeKubelet) -> None:
+    old_endpoint = plugin.request.endpoint
+    kubelet.restart()
+    started = time.monotonic()
+    again = kubelet.wait_registered(RESOURCE, timeout=5)
+    assert time.monotonic() - started < 3
+    assert again.request.endpoint == old_endpoint
+    assert len(again.latest()) == 8
+    assert dict(allocate(again, ids(GPU0, 0)).container_responses[0].envs)["NVIDIA_VISIBLE_DEVICES"] == GPU0
+
+
+def test_sigterm_with_an_open_stream_exits_cleanly_and_removes_the_socket(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start_agent(agents, kubelet, short_dir, config())
+    plugin = kubelet.wait_registered(RESOURCE)
+    socket_path = kubelet.socket_path.parent / plugin.request.endpoint
+    assert socket_path.exists()
+    started = time.monotonic()
+    assert agent.stop() == 0
+    assert time.monotonic() - started < 2.5
+    assert not socket_path.exists()
+    assert plugin.stream_ended.wait(5)
+    assert agent.log_events()[-1]["event"] == "agent stopped"
+
+
+def test_a_second_agent_for_the_same_resource_exits_naming_the_first(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    first = start_agent(agents, kubelet, short_dir, config())
+    kubelet.wait_registered(RESOURCE)
+    second = start_agent(agents, kubelet, short_dir, config())
+    assert second.process.wait(20) == 1
+    assert f"another mpsagent (PID {first.process.pid}) already serves nvidia.com/gpu" in second.log()
+    assert first.process.poll() is None
+
+
+def test_bad_config_starts_nothing(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
+    agent = start_agent(agents, kubelet, short_dir, config(replicas=49))
+    assert agent.process.wait(20) == 2
+    assert "sharing.mps.resources[0].replicas: must be between 1 and 48" in agent.log()
+    assert "Traceback" not in agent.log()
+    assert sorted(p.name for p in kubelet.socket_path.parent.iterdir()) == ["kubelet.sock"]
+    assert not (short_dir / "mps").exists()
+    assert kubelet.plugins == []
+    assert os.listdir(short_dir / "dp") == ["kubelet.sock"]
