@@ -19,9 +19,11 @@ from mpsagent.plan import CapMode, ContainerGrant, ResourcePlan, container_grant
 MAX_NAMED_IDS = 3
 MAX_SHOWN_ID_CHARS = 80
 
+
 def _show(replica_id: str) -> str:
     shown = replica_id if len(replica_id) <= MAX_SHOWN_ID_CHARS else replica_id[:MAX_SHOWN_ID_CHARS] + "..."
     return f"'{shown}'" if shown.isascii() and shown.isprintable() else ascii(shown)
+
 
 def describe_ids(ids: Sequence[str]) -> str:
     """Name the first few IDs and count the rest, so that a message stays well under a gRPC status's limit."""
@@ -29,13 +31,16 @@ def describe_ids(ids: Sequence[str]) -> str:
     rest = len(ids) - MAX_NAMED_IDS
     return f"{named} and {rest} more" if rest > 0 else named
 
+
 def size_error(count: int) -> RequestError:
     return RequestError(f"maximum request size for shared resources is 1; found {count}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Allocation:
     grant: ContainerGrant
     record: RecordResult
+
 
 class ResourceAllocator:
     """Answers Allocate and GetPreferredAllocation for one resource."""
@@ -99,5 +104,6 @@ class ResourceAllocator:
     def mode_for_grant(self, ids: Sequence[str]) -> CapMode:
         """The daemon mode a container holding these IDs needs (PreStartContainer re-asserts it)."""
         return CapMode.FULL if set(ids) >= self._known else daemon_mode_for(self.resource, True)
+
 
 GrantListener = Callable[[Allocation], None]

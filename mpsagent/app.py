@@ -77,9 +77,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                 for resource in plan.resources:
                     inventory = Inventory(resource, daemon_ready=True)
                     allocator = ResourceAllocator(resource, plan.shm_directory)
-                    servicer = DevicePluginServicer(
-                        allocator, inventory, after_allocate=_log_allocations(resource)
-                    )
+                    servicer = DevicePluginServicer(allocator, inventory, after_allocate=_log_allocations(resource))
                     endpoint = PluginEndpoint(
                         resource_name=resource.name,
                         servicer=servicer,

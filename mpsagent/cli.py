@@ -41,15 +41,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--config-file", metavar="FILE", help="NVIDIA device plugin v1 config, YAML or JSON [env CONFIG_FILE]")
-    add("--kubelet-socket", metavar="PATH", help="kubelet registration socket [env KUBELET_SOCKET; default "
-        "/var/lib/kubelet/device-plugins/kubelet.sock]")
+    add(
+        "--kubelet-socket",
+        metavar="PATH",
+        help="kubelet registration socket [env KUBELET_SOCKET; default /var/lib/kubelet/device-plugins/kubelet.sock]",
+    )
     add("--mps-root", metavar="DIR", help="MPS pipe, log and shm directories [env MPS_ROOT; default /run/nvidia/mps]")
-    add("--mps-control-bin", metavar="PATH", help="nvidia-cuda-mps-control to run [env MPS_CONTROL_BIN; "
-        "default from PATH]")
-    add("--mps-on-exit", choices=("keep", "quit"), help="leave the MPS daemons running on exit (keep, default) or "
-        "quit them [env MPS_ON_EXIT]")
-    add("--node-snapshot", metavar="FILE", help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` "
-        "output instead of NVML [env NODE_SNAPSHOT]")
+    add(
+        "--mps-control-bin",
+        metavar="PATH",
+        help="nvidia-cuda-mps-control to run [env MPS_CONTROL_BIN; default from PATH]",
+    )
+    add(
+        "--mps-on-exit",
+        choices=("keep", "quit"),
+        help="leave the MPS daemons running on exit (keep, default) or quit them [env MPS_ON_EXIT]",
+    )
+    add(
+        "--node-snapshot",
+        metavar="FILE",
+        help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` output instead of NVML [env NODE_SNAPSHOT]",
+    )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
     add("--output", choices=("text", "json"), help="--once output format (default text)")
     add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")

@@ -36,14 +36,14 @@ class _Strict(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen
 DeviceSelector = Literal["all"] | int | list[int | str]
 
 
-class MpsResource(_Strict):
+class MpsResource(_Strict, frozen=True):
     name: str
     replicas: int
     rename: str | None = None
     devices: DeviceSelector = "all"
 
 
-class MpsSharing(_Strict):
+class MpsSharing(_Strict, frozen=True):
     rename_by_default: bool = False
     # Omitted means true: the NVIDIA plugin refuses multi-replica requests unless told otherwise.
     fail_requests_greater_than_one: bool = True
@@ -51,12 +51,12 @@ class MpsSharing(_Strict):
     resources: list[MpsResource] = msgspec.field(default_factory=list)
 
 
-class Sharing(_Strict):
+class Sharing(_Strict, frozen=True):
     mps: MpsSharing | None = None
     time_slicing: dict[str, Any] | None = None
 
 
-class PluginFlags(_Strict):
+class PluginFlags(_Strict, frozen=True):
     device_list_strategy: str | list[str] | None = None
     device_id_strategy: str | None = msgspec.field(default=None, name="deviceIDStrategy")
     shared_devices_allocation_policy: str | None = None
@@ -67,7 +67,7 @@ class PluginFlags(_Strict):
     container_driver_root: str | None = None
 
 
-class Flags(_Strict):
+class Flags(_Strict, frozen=True):
     mig_strategy: str | None = None
     mps_root: str | None = None
     plugin: PluginFlags | None = None
@@ -88,7 +88,7 @@ class Flags(_Strict):
     gfd: dict[str, Any] | None = None
 
 
-class ConfigFile(_Strict):
+class ConfigFile(_Strict, frozen=True):
     version: str | None = None
     flags: Flags = msgspec.field(default_factory=Flags)
     sharing: Sharing | None = None
@@ -336,14 +336,10 @@ def check_config(config: ConfigFile) -> SharingConfig:
         shown = "missing" if config.version is None else f"`{config.version}`"
         raise ConfigError("version", f"{shown} is not supported; this agent reads `version: v1` files")
     if config.sharing is not None and config.sharing.time_slicing is not None:
-        raise ConfigError(
-            "sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only"
-        )
+        raise ConfigError("sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only")
     mps = config.sharing.mps if config.sharing else None
     if mps is None or not mps.resources:
-        raise ConfigError(
-            "sharing.mps.resources", "no MPS sharing is configured; list at least one resource to share"
-        )
+        raise ConfigError("sharing.mps.resources", "no MPS sharing is configured; list at least one resource to share")
     flags = config.flags
     mig = _one_of(_MigStrategy, flags.mig_strategy, _MigStrategy.NONE, "flags.migStrategy")
     if mig is _MigStrategy.MIXED:

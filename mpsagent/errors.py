@@ -1,13 +1,13 @@
 """The agent's exception tree; every module raises these, the entry point maps them to exit codes.
 
-    MpsAgentError                 base, never raised itself
-    ├── UsageError                bad flag or environment variable (exit 2)
-    ├── ConfigError               bad configuration file or plan (exit 2); carries the key path
-    ├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
-    ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
-    ├── AgentLockedError          another agent already serves a resource (exit 1)
-    └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
-        └── DaemonCommandError    one control command failed or timed out
+MpsAgentError                 base, never raised itself
+├── UsageError                bad flag or environment variable (exit 2)
+├── ConfigError               bad configuration file or plan (exit 2); carries the key path
+├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
+├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
+├── AgentLockedError          another agent already serves a resource (exit 1)
+└── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
+    └── DaemonCommandError    one control command failed or timed out
 """
 
 from __future__ import annotations

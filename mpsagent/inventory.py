@@ -49,9 +49,7 @@ class Inventory:
         health = {gpu.uuid: self.gpu_health(gpu.uuid) for gpu in self._resource.gpus}
         numa = {gpu.uuid: gpu.numa_node for gpu in self._resource.gpus}
         devices = tuple(
-            AdvertisedDevice(
-                replica_id=replica, health=health[gpu], numa_node=numa[gpu]
-            )
+            AdvertisedDevice(replica_id=replica, health=health[gpu], numa_node=numa[gpu])
             for replica, gpu in ((r, GpuUuid(r.rpartition("::")[0])) for r in self._resource.device_ids)
         )
         return InventorySnapshot(generation=self._generation, devices=devices)

@@ -50,4 +50,4 @@ def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    return structlog.stdlib.get_logger(name)  # type: ignore[no-any-return]
+    return structlog.stdlib.get_logger(name)

@@ -26,14 +26,10 @@ def preferred_replicas(
     """
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
-        raise RequestError(
-            f"{resource}: {len(chosen)} replicas must be included but only {size} were requested"
-        )
+        raise RequestError(f"{resource}: {len(chosen)} replicas must be included but only {size} were requested")
     free = set(available) - set(chosen)
     if len(free) < size - len(chosen):
-        raise RequestError(
-            f"{resource}: {size} replicas requested but only {len(free) + len(chosen)} are available"
-        )
+        raise RequestError(f"{resource}: {size} replicas requested but only {len(free) + len(chosen)} are available")
     per_gpu = {gpu: [r for r in replicas if r in free] for gpu, replicas in gpu_replicas.items()}
     remaining = size - len(chosen)
     replicas_per_gpu = max((len(r) for r in gpu_replicas.values()), default=0)

@@ -37,7 +37,9 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-def small_node(path: Path, gpus: int = 2, memory_bytes: int = 16 * 1024**3, numa: list[int | None] | None = None) -> Path:
+def small_node(
+    path: Path, gpus: int = 2, memory_bytes: int = 16 * 1024**3, numa: list[int | None] | None = None
+) -> Path:
     numa = numa or [0] * gpus
     document = {
         "driverVersion": "550.54.15",

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from tests.conftest import AgentLauncher, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
+from tests.kubelet.fake import FakeKubelet, Plugin
 from tests.kubelet.stubs import dp_pb2
 
 RESOURCE = "nvidia.com/gpu"
@@ -33,8 +33,14 @@ def start_agent(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, co
     node = small_node(short_dir / "node.json", numa=[0, 1])
     cfg = write_config(short_dir / "config.yaml", config_text)
     return agents.start(
-        "--config-file", str(cfg), "--node-snapshot", str(node), "--kubelet-socket", str(kubelet.socket_path),
-        "--mps-root", str(short_dir / "mps"),
+        "--config-file",
+        str(cfg),
+        "--node-snapshot",
+        str(node),
+        "--kubelet-socket",
+        str(kubelet.socket_path),
+        "--mps-root",
+        str(short_dir / "mps"),
     )
 
 

@@ -80,7 +80,7 @@ class NvmlGpuSource:
                     index=index,
                     name=pynvml.nvmlDeviceGetName(handle),
                     memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                    compute_capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),  # type: ignore[arg-type]
+                    compute_capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),
                     pci_bus_id=bus_id,
                     numa_node=read_numa_node(self._sysfs, bus_id),
                     mig_enabled=mig_enabled,

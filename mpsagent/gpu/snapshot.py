@@ -56,7 +56,7 @@ _PRODUCT_CAPABILITY: tuple[tuple[str, tuple[int, int]], ...] = (
 def _capability(text: str, where: str) -> tuple[int, int]:
     match = _CAPABILITY.match(text.strip())
     if not match:
-        raise SnapshotError(f"{where}: computeCapability `{text}` must look like \"9.0\"")
+        raise SnapshotError(f'{where}: computeCapability `{text}` must look like "9.0"')
     return int(match.group(1)), int(match.group(2))
 
 

@@ -128,8 +128,10 @@ class PluginEndpoint:
             except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
                 self._stats.registration_failures += 1
                 self._log.warning(
-                    "kubelet registration failed", kubelet_socket=str(self._kubelet_socket), reason=str(exc) or
-                    type(exc).__name__, retry_in_s=round(delay, 2)
+                    "kubelet registration failed",
+                    kubelet_socket=str(self._kubelet_socket),
+                    reason=str(exc) or type(exc).__name__,
+                    retry_in_s=round(delay, 2),
                 )
                 await anyio.sleep(delay)
                 delay = min(delay * 2, REGISTER_BACKOFF_MAX_S)

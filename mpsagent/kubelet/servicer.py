@@ -129,9 +129,7 @@ class DevicePluginServicer(pb.DevicePluginBase):
             ]
         )
 
-    async def get_preferred_allocation(
-        self, message: pb.PreferredAllocationRequest
-    ) -> pb.PreferredAllocationResponse:
+    async def get_preferred_allocation(self, message: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
         try:
             chosen = [
                 self._allocator.preferred(
@@ -150,7 +148,7 @@ class DevicePluginServicer(pb.DevicePluginBase):
                 Status.INTERNAL, "internal error in GetPreferredAllocation; the mpsagent log has the details"
             ) from exc
         return pb.PreferredAllocationResponse(
-            container_responses=[pb.ContainerPreferredAllocationResponse(device_i_ds=ids) for ids in chosen]
+            container_responses=[pb.ContainerPreferredAllocationResponse(device_i_ds=list(ids)) for ids in chosen]
         )
 
     async def pre_start_container(self, message: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:

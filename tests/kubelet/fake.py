@@ -79,7 +79,7 @@ class FakeKubelet(dp_grpc.RegistrationServicer):
         self.stop()
         return self.start()
 
-    def Register(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def Register(self, request: Any, context: grpc.ServicerContext) -> Any:
         if request.version != "v1beta1":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}")
         channel = grpc.insecure_channel(f"unix://{self.socket_path.parent / request.endpoint}")

@@ -46,27 +46,19 @@ class AllocatableResourcesRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "v1", "AllocatableResourcesRequest", AllocatableResourcesRequest
-)
+default_message_pool.register_message("v1", "AllocatableResourcesRequest", AllocatableResourcesRequest)
 
 
 @dataclass(eq=False, repr=False)
 class AllocatableResourcesResponse(betterproto2.Message):
-    devices: "list[ContainerDevices]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    devices: "list[ContainerDevices]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
     cpu_ids: "list[int]" = betterproto2.field(2, betterproto2.TYPE_INT64, repeated=True)
 
-    memory: "list[ContainerMemory]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    memory: "list[ContainerMemory]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1", "AllocatableResourcesResponse", AllocatableResourcesResponse
-)
+default_message_pool.register_message("v1", "AllocatableResourcesResponse", AllocatableResourcesResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -79,9 +71,7 @@ default_message_pool.register_message("v1", "CDIDevice", CdiDevice)
 
 @dataclass(eq=False, repr=False)
 class ClaimResource(betterproto2.Message):
-    cdi_devices: "list[CdiDevice]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    cdi_devices: "list[CdiDevice]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
     driver_name: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
@@ -97,13 +87,9 @@ default_message_pool.register_message("v1", "ClaimResource", ClaimResource)
 class ContainerDevices(betterproto2.Message):
     resource_name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
-    device_ids: "list[str]" = betterproto2.field(
-        2, betterproto2.TYPE_STRING, repeated=True
-    )
+    device_ids: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
 
-    topology: "TopologyInfo | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    topology: "TopologyInfo | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("v1", "ContainerDevices", ContainerDevices)
@@ -115,9 +101,7 @@ class ContainerMemory(betterproto2.Message):
 
     size: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
 
-    topology: "TopologyInfo | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    topology: "TopologyInfo | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("v1", "ContainerMemory", ContainerMemory)
@@ -127,19 +111,13 @@ default_message_pool.register_message("v1", "ContainerMemory", ContainerMemory)
 class ContainerResources(betterproto2.Message):
     name: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
-    devices: "list[ContainerDevices]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    devices: "list[ContainerDevices]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
 
     cpu_ids: "list[int]" = betterproto2.field(3, betterproto2.TYPE_INT64, repeated=True)
 
-    memory: "list[ContainerMemory]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    memory: "list[ContainerMemory]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    dynamic_resources: "list[DynamicResource]" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    dynamic_resources: "list[DynamicResource]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("v1", "ContainerResources", ContainerResources)
@@ -151,9 +129,7 @@ class DynamicResource(betterproto2.Message):
 
     claim_namespace: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
-    claim_resources: "list[ClaimResource]" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    claim_resources: "list[ClaimResource]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("v1", "DynamicResource", DynamicResource)
@@ -166,21 +142,15 @@ class GetPodResourcesRequest(betterproto2.Message):
     pod_namespace: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
 
-default_message_pool.register_message(
-    "v1", "GetPodResourcesRequest", GetPodResourcesRequest
-)
+default_message_pool.register_message("v1", "GetPodResourcesRequest", GetPodResourcesRequest)
 
 
 @dataclass(eq=False, repr=False)
 class GetPodResourcesResponse(betterproto2.Message):
-    pod_resources: "PodResources | None" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    pod_resources: "PodResources | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
 
-default_message_pool.register_message(
-    "v1", "GetPodResourcesResponse", GetPodResourcesResponse
-)
+default_message_pool.register_message("v1", "GetPodResourcesResponse", GetPodResourcesResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -188,21 +158,15 @@ class ListPodResourcesRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "v1", "ListPodResourcesRequest", ListPodResourcesRequest
-)
+default_message_pool.register_message("v1", "ListPodResourcesRequest", ListPodResourcesRequest)
 
 
 @dataclass(eq=False, repr=False)
 class ListPodResourcesResponse(betterproto2.Message):
-    pod_resources: "list[PodResources]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    pod_resources: "list[PodResources]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1", "ListPodResourcesResponse", ListPodResourcesResponse
-)
+default_message_pool.register_message("v1", "ListPodResourcesResponse", ListPodResourcesResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -219,9 +183,7 @@ class PodResources(betterproto2.Message):
 
     namespace: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
-    containers: "list[ContainerResources]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    containers: "list[ContainerResources]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("v1", "PodResources", PodResources)
@@ -229,9 +191,7 @@ default_message_pool.register_message("v1", "PodResources", PodResources)
 
 @dataclass(eq=False, repr=False)
 class TopologyInfo(betterproto2.Message):
-    nodes: "list[NumaNode]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    nodes: "list[NumaNode]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("v1", "TopologyInfo", TopologyInfo)
@@ -300,15 +260,11 @@ class PodResourcesListerStub(betterproto2_grpclib.ServiceStub):
 
 
 class PodResourcesListerBase(betterproto2_grpclib.ServiceBase):
-    async def list(
-        self, message: "ListPodResourcesRequest"
-    ) -> "ListPodResourcesResponse":
+    async def list(self, message: "ListPodResourcesRequest") -> "ListPodResourcesResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def get_allocatable_resources(
-        self, message: "AllocatableResourcesRequest"
-    ) -> "AllocatableResourcesResponse":
+    async def get_allocatable_resources(self, message: "AllocatableResourcesRequest") -> "AllocatableResourcesResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -317,8 +273,7 @@ class PodResourcesListerBase(betterproto2_grpclib.ServiceBase):
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
     async def __rpc_list(
-        self,
-        stream: "grpclib.server.Stream[ListPodResourcesRequest, ListPodResourcesResponse]",
+        self, stream: "grpclib.server.Stream[ListPodResourcesRequest, ListPodResourcesResponse]"
     ) -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -326,18 +281,14 @@ class PodResourcesListerBase(betterproto2_grpclib.ServiceBase):
         await stream.send_message(response)
 
     async def __rpc_get_allocatable_resources(
-        self,
-        stream: "grpclib.server.Stream[AllocatableResourcesRequest, AllocatableResourcesResponse]",
+        self, stream: "grpclib.server.Stream[AllocatableResourcesRequest, AllocatableResourcesResponse]"
     ) -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.get_allocatable_resources(request)
         await stream.send_message(response)
 
-    async def __rpc_get(
-        self,
-        stream: "grpclib.server.Stream[GetPodResourcesRequest, GetPodResourcesResponse]",
-    ) -> None:
+    async def __rpc_get(self, stream: "grpclib.server.Stream[GetPodResourcesRequest, GetPodResourcesResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.get(request)

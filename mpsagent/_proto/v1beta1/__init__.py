@@ -79,83 +79,53 @@ default_message_pool.register_message("v1beta1", "CDIDevice", CdiDevice)
 
 @dataclass(eq=False, repr=False)
 class ContainerAllocateRequest(betterproto2.Message):
-    devices_ids: "list[str]" = betterproto2.field(
-        1, betterproto2.TYPE_STRING, repeated=True
-    )
+    devices_ids: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1beta1", "ContainerAllocateRequest", ContainerAllocateRequest
-)
+default_message_pool.register_message("v1beta1", "ContainerAllocateRequest", ContainerAllocateRequest)
 
 
 @dataclass(eq=False, repr=False)
 class ContainerAllocateResponse(betterproto2.Message):
     envs: "dict[str, str]" = betterproto2.field(
-        1,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        1, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
 
-    mounts: "list[Mount]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    mounts: "list[Mount]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    devices: "list[DeviceSpec]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    devices: "list[DeviceSpec]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
 
     annotations: "dict[str, str]" = betterproto2.field(
-        4,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        4, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
 
-    cdi_devices: "list[CdiDevice]" = betterproto2.field(
-        5, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    cdi_devices: "list[CdiDevice]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1beta1", "ContainerAllocateResponse", ContainerAllocateResponse
-)
+default_message_pool.register_message("v1beta1", "ContainerAllocateResponse", ContainerAllocateResponse)
 
 
 @dataclass(eq=False, repr=False)
 class ContainerPreferredAllocationRequest(betterproto2.Message):
-    available_deviceIDs: "list[str]" = betterproto2.field(
-        1, betterproto2.TYPE_STRING, repeated=True
-    )
+    available_deviceIDs: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
 
-    must_include_deviceIDs: "list[str]" = betterproto2.field(
-        2, betterproto2.TYPE_STRING, repeated=True
-    )
+    must_include_deviceIDs: "list[str]" = betterproto2.field(2, betterproto2.TYPE_STRING, repeated=True)
 
     allocation_size: "int" = betterproto2.field(3, betterproto2.TYPE_INT32)
 
 
 default_message_pool.register_message(
-    "v1beta1",
-    "ContainerPreferredAllocationRequest",
-    ContainerPreferredAllocationRequest,
+    "v1beta1", "ContainerPreferredAllocationRequest", ContainerPreferredAllocationRequest
 )
 
 
 @dataclass(eq=False, repr=False)
 class ContainerPreferredAllocationResponse(betterproto2.Message):
-    device_i_ds: "list[str]" = betterproto2.field(
-        1, betterproto2.TYPE_STRING, repeated=True
-    )
+    device_i_ds: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
 
 
 default_message_pool.register_message(
-    "v1beta1",
-    "ContainerPreferredAllocationResponse",
-    ContainerPreferredAllocationResponse,
+    "v1beta1", "ContainerPreferredAllocationResponse", ContainerPreferredAllocationResponse
 )
 
 
@@ -165,9 +135,7 @@ class Device(betterproto2.Message):
 
     health: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
-    topology: "TopologyInfo | None" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    topology: "TopologyInfo | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("v1beta1", "Device", Device)
@@ -177,14 +145,10 @@ default_message_pool.register_message("v1beta1", "Device", Device)
 class DevicePluginOptions(betterproto2.Message):
     pre_start_required: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
 
-    get_preferred_allocation_available: "bool" = betterproto2.field(
-        2, betterproto2.TYPE_BOOL
-    )
+    get_preferred_allocation_available: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
 
 
-default_message_pool.register_message(
-    "v1beta1", "DevicePluginOptions", DevicePluginOptions
-)
+default_message_pool.register_message("v1beta1", "DevicePluginOptions", DevicePluginOptions)
 
 
 @dataclass(eq=False, repr=False)
@@ -209,14 +173,10 @@ default_message_pool.register_message("v1beta1", "Empty", Empty)
 
 @dataclass(eq=False, repr=False)
 class ListAndWatchResponse(betterproto2.Message):
-    devices: "list[Device]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    devices: "list[Device]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1beta1", "ListAndWatchResponse", ListAndWatchResponse
-)
+default_message_pool.register_message("v1beta1", "ListAndWatchResponse", ListAndWatchResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -241,38 +201,30 @@ default_message_pool.register_message("v1beta1", "NUMANode", NumaNode)
 
 @dataclass(eq=False, repr=False)
 class PreferredAllocationRequest(betterproto2.Message):
-    container_requests: "list[ContainerPreferredAllocationRequest]" = (
-        betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    container_requests: "list[ContainerPreferredAllocationRequest]" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
 
-default_message_pool.register_message(
-    "v1beta1", "PreferredAllocationRequest", PreferredAllocationRequest
-)
+default_message_pool.register_message("v1beta1", "PreferredAllocationRequest", PreferredAllocationRequest)
 
 
 @dataclass(eq=False, repr=False)
 class PreferredAllocationResponse(betterproto2.Message):
-    container_responses: "list[ContainerPreferredAllocationResponse]" = (
-        betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    container_responses: "list[ContainerPreferredAllocationResponse]" = betterproto2.field(
+        1, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
 
-default_message_pool.register_message(
-    "v1beta1", "PreferredAllocationResponse", PreferredAllocationResponse
-)
+default_message_pool.register_message("v1beta1", "PreferredAllocationResponse", PreferredAllocationResponse)
 
 
 @dataclass(eq=False, repr=False)
 class PreStartContainerRequest(betterproto2.Message):
-    devices_ids: "list[str]" = betterproto2.field(
-        1, betterproto2.TYPE_STRING, repeated=True
-    )
+    devices_ids: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
 
 
-default_message_pool.register_message(
-    "v1beta1", "PreStartContainerRequest", PreStartContainerRequest
-)
+default_message_pool.register_message("v1beta1", "PreStartContainerRequest", PreStartContainerRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -280,9 +232,7 @@ class PreStartContainerResponse(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "v1beta1", "PreStartContainerResponse", PreStartContainerResponse
-)
+default_message_pool.register_message("v1beta1", "PreStartContainerResponse", PreStartContainerResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -293,9 +243,7 @@ class RegisterRequest(betterproto2.Message):
 
     resource_name: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
-    options: "DevicePluginOptions | None" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    options: "DevicePluginOptions | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("v1beta1", "RegisterRequest", RegisterRequest)
@@ -303,9 +251,7 @@ default_message_pool.register_message("v1beta1", "RegisterRequest", RegisterRequ
 
 @dataclass(eq=False, repr=False)
 class TopologyInfo(betterproto2.Message):
-    nodes: "list[NumaNode]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    nodes: "list[NumaNode]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
 
 default_message_pool.register_message("v1beta1", "TopologyInfo", TopologyInfo)
@@ -431,22 +377,16 @@ class RegistrationStub(betterproto2_grpclib.ServiceStub):
 
 
 class DevicePluginBase(betterproto2_grpclib.ServiceBase):
-    async def get_device_plugin_options(
-        self, message: "Empty"
-    ) -> "DevicePluginOptions":
+    async def get_device_plugin_options(self, message: "Empty") -> "DevicePluginOptions":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def list_and_watch(
-        self, message: "Empty"
-    ) -> "AsyncIterator[ListAndWatchResponse]":
+    async def list_and_watch(self, message: "Empty") -> "AsyncIterator[ListAndWatchResponse]":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield ListAndWatchResponse()
 
-    async def get_preferred_allocation(
-        self, message: "PreferredAllocationRequest"
-    ) -> "PreferredAllocationResponse":
+    async def get_preferred_allocation(self, message: "PreferredAllocationRequest") -> "PreferredAllocationResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -454,9 +394,7 @@ class DevicePluginBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def pre_start_container(
-        self, message: "PreStartContainerRequest"
-    ) -> "PreStartContainerResponse":
+    async def pre_start_container(self, message: "PreStartContainerRequest") -> "PreStartContainerResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -468,9 +406,7 @@ class DevicePluginBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_device_plugin_options(request)
         await stream.send_message(response)
 
-    async def __rpc_list_and_watch(
-        self, stream: "grpclib.server.Stream[Empty, ListAndWatchResponse]"
-    ) -> None:
+    async def __rpc_list_and_watch(self, stream: "grpclib.server.Stream[Empty, ListAndWatchResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         await self._call_rpc_handler_server_stream(
@@ -480,25 +416,21 @@ class DevicePluginBase(betterproto2_grpclib.ServiceBase):
         )
 
     async def __rpc_get_preferred_allocation(
-        self,
-        stream: "grpclib.server.Stream[PreferredAllocationRequest, PreferredAllocationResponse]",
+        self, stream: "grpclib.server.Stream[PreferredAllocationRequest, PreferredAllocationResponse]"
     ) -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.get_preferred_allocation(request)
         await stream.send_message(response)
 
-    async def __rpc_allocate(
-        self, stream: "grpclib.server.Stream[AllocateRequest, AllocateResponse]"
-    ) -> None:
+    async def __rpc_allocate(self, stream: "grpclib.server.Stream[AllocateRequest, AllocateResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.allocate(request)
         await stream.send_message(response)
 
     async def __rpc_pre_start_container(
-        self,
-        stream: "grpclib.server.Stream[PreStartContainerRequest, PreStartContainerResponse]",
+        self, stream: "grpclib.server.Stream[PreStartContainerRequest, PreStartContainerResponse]"
     ) -> None:
         request = await stream.recv_message()
         assert request is not None
@@ -545,9 +477,7 @@ class RegistrationBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def __rpc_register(
-        self, stream: "grpclib.server.Stream[RegisterRequest, Empty]"
-    ) -> None:
+    async def __rpc_register(self, stream: "grpclib.server.Stream[RegisterRequest, Empty]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.register(request)

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Installs the Debian packages mpsagent's tests need, as root: Python with venv, a C compiler (for the fake
+# libnvidia-ml.so.1), and the real nvidia-cuda-mps-control from the `non-free` component, enabled if it is not.
+set -eu
+if [ "$(id -u)" != 0 ]; then
+  echo "install-system-deps.sh: run as root (it uses apt-get)" >&2
+  exit 2
+fi
+enable_non_free() {
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    sed -i '/^Components:/{/non-free\( \|$\)/!s/$/ non-free/}' /etc/apt/sources.list.d/debian.sources
+  fi
+  if [ -f /etc/apt/sources.list ]; then
+    sed -i '/^deb .*debian/{/ non-free\( \|$\)/!s/$/ non-free/}' /etc/apt/sources.list
+  fi
+}
+if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+  enable_non_free
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev nvidia-cuda-mps

@@ -1,0 +1,181 @@
+"""The command line as a user runs it: --once, --version, exit codes and messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, H100_NODE, ROOT
+from tests.fakes.nvml.build import fake_nvml_env
+
+H100_XML = EXAMPLES / "node-h100x8.nvidia-smi.xml"
+CONFIG = EXAMPLES / "config-mps.yaml"
+
+
+def mpsagent(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mpsagent", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def once_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    result = mpsagent("--once", "--output", "json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_version() -> None:
+    result = mpsagent("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith("mpsagent ")
+
+
+def test_once_text_prints_the_plan() -> None:
+    result = mpsagent("--once", "--node-snapshot", str(H100_NODE), "--config-file", str(CONFIG))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Resource nvidia.com/gpu: 8 GPUs x 4 replicas = 32 devices" in out
+    assert "set_default_active_thread_percentage 100" in out
+    assert "set_default_device_pinned_mem_limit 7 20389M" in out
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in out
+    assert "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3-SHARED" in out
+
+
+def test_once_json_has_the_documented_shape() -> None:
+    plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(CONFIG))
+    assert len(plan["gpus"]) == 8
+    (resource,) = plan["resources"]
+    assert resource["name"] == "nvidia.com/gpu"
+    assert resource["replicas"] == 4
+    assert len(resource["deviceIds"]) == 32
+    assert resource["deviceIds"][0] == f"{plan['gpus'][0]['uuid']}::0"
+    assert resource["pipeDirectory"] == "/run/nvidia/mps/nvidia.com/gpu/pipe"
+    assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
+    one, every = resource["examples"]
+    assert one["request"] == 1 and one["fullGrant"] is False
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=20389M,1=20389M")
+    assert every["request"] == 32 and every["fullGrant"] is True
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in every["envs"]
+    assert plan["labels"]["nvidia.com/gpu.count"] == "8"
+    assert plan["labels"]["nvidia.com/gpu.replicas"] == "4"
+
+
+def test_once_shows_the_refusal_when_requests_greater_than_one_fail(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n")
+    plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
+    every = plan["resources"][0]["examples"][1]
+    assert every["error"] == "maximum request size for shared resources is 1; found 16"
+    assert "envs" not in every
+
+
+def test_nvidia_smi_xml_gives_the_same_plan_as_the_yaml_snapshot() -> None:
+    from_yaml = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(CONFIG))
+    from_xml = once_json("--node-snapshot", str(H100_XML), "--config-file", str(CONFIG))
+    assert from_xml["resources"][0]["deviceIds"] == from_yaml["resources"][0]["deviceIds"]
+    assert from_xml["resources"][0]["examples"] == from_yaml["resources"][0]["examples"]
+    assert [g["computeCapability"] for g in from_xml["gpus"]] == ["9.0"] * 8
+    assert [g["numaNode"] for g in from_xml["gpus"]] == [None] * 8
+
+
+def test_environment_variables_configure_the_dry_run() -> None:
+    env = {
+        **__import__("os").environ,
+        "CONFIG_FILE": str(CONFIG),
+        "NODE_SNAPSHOT": str(H100_NODE),
+        "MPS_ROOT": "/srv/mps",
+    }
+    plan = once_json(env=env)
+    assert plan["resources"][0]["pipeDirectory"] == "/srv/mps/nvidia.com/gpu/pipe"
+    flag_wins = once_json("--mps-root", "/opt/mps", env=env)
+    assert flag_wins["resources"][0]["pipeDirectory"] == "/opt/mps/nvidia.com/gpu/pipe"
+
+
+def test_once_through_nvml(tmp_path: Path, fake_nvml_library: Path) -> None:
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(
+        json.dumps(
+            {
+                "driverVersion": "550.54.15",
+                "gpus": [
+                    {
+                        "uuid": "GPU-aaaa",
+                        "name": "NVIDIA A100-SXM4-40GB",
+                        "memoryTotal": 42949672960,
+                        "major": 8,
+                        "minor": 0,
+                        "pciBusId": "00000000:07:00.0",
+                        "migMode": 0,
+                    },
+                    {
+                        "uuid": "GPU-bbbb",
+                        "name": "NVIDIA A100-SXM4-40GB",
+                        "memoryTotal": 42949672960,
+                        "major": 8,
+                        "minor": 0,
+                        "pciBusId": "00000000:0F:00.0",
+                        "migMode": 0,
+                    },
+                ],
+            }
+        )
+    )
+    env = fake_nvml_env(fake_nvml_library, nvml, tmp_path / "state.json")
+    plan = once_json("--config-file", str(CONFIG), env=env)
+    assert plan["gpuSource"] == "NVML"
+    assert plan["driverVersion"] == "550.54.15"
+    assert [(g["uuid"], g["index"], g["computeCapability"], g["pciBusId"]) for g in plan["gpus"]] == [
+        ("GPU-aaaa", 0, "8.0", "00000000:07:00.0"),
+        ("GPU-bbbb", 1, "8.0", "00000000:0F:00.0"),
+    ]
+    assert plan["resources"][0]["computeMode"]["set"] == "EXCLUSIVE_PROCESS"
+    assert plan["resources"][0]["daemonCommands"][1] == "set_default_device_pinned_mem_limit 0 40960M"
+
+
+def test_mig_enabled_gpu_is_refused(tmp_path: Path, fake_nvml_library: Path) -> None:
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(json.dumps({"gpus": [{"uuid": "GPU-aaaa", "migMode": 1}]}))
+    result = mpsagent("--once", "--config-file", str(CONFIG), env=fake_nvml_env(fake_nvml_library, nvml))
+    assert result.returncode == 2
+    assert "sharing.mps.resources[0].devices: GPU 0 (GPU-aaaa) has MIG enabled" in result.stderr
+
+
+def test_no_driver_is_a_runtime_failure_with_advice(tmp_path: Path, fake_nvml_library: Path) -> None:
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(json.dumps({"initError": 9, "gpus": []}))
+    result = mpsagent("--once", "--config-file", str(CONFIG), env=fake_nvml_env(fake_nvml_library, nvml))
+    assert result.returncode == 1
+    assert "NVML could not be initialised" in result.stderr
+    assert "--node-snapshot" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "no configuration given: pass --config-file"),
+        (("--config-file", "/nonexistent.yaml"), "--config-file /nonexistent.yaml: no such file"),
+        (("--config-file", str(CONFIG), "--node-snapshot", "/nonexistent.yaml"), "--node-snapshot /nonexistent.yaml"),
+    ],
+)
+def test_usage_errors_exit_2_without_traceback(args: tuple[str, ...], message: str) -> None:
+    result = mpsagent("--once", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flag_value_exits_2() -> None:
+    result = mpsagent("--once", "--output", "yaml")
+    assert result.returncode == 2
+    assert "--output" in result.stderr
