@@ -48,7 +48,7 @@ class MpsSharing(_Strict, frozen=True):
     # Omitted means true: the NVIDIA plugin refuses multi-replica requests unless told otherwise.
     fail_requests_greater_than_one: bool = True
     enforce_caps: bool = True
-    resources: list[MpsResource] = msgspec.field(default_factory=list)
+    resources: list[MpsResource] | None = None
 
 
 class Sharing(_Strict, frozen=True):
@@ -90,7 +90,7 @@ class Flags(_Strict, frozen=True):
 
 class ConfigFile(_Strict, frozen=True):
     version: str | None = None
-    flags: Flags = msgspec.field(default_factory=Flags)
+    flags: Flags | None = None
     sharing: Sharing | None = None
     # NVIDIA sections without meaning here.
     resources: dict[str, Any] | None = None
@@ -220,6 +220,8 @@ def parse_config(text: str, source: str) -> ConfigFile:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("", f"{source} is not valid YAML or JSON{where}") from exc
+    except (ValueError, RecursionError) as exc:  # integers past Python's digit limit, absurd nesting
+        raise ConfigError("", f"{source} is not a usable YAML or JSON document ({type(exc).__name__})") from exc
     if document is None:
         raise ConfigError("", f"{source} is empty: it must configure sharing.mps.resources")
     if not isinstance(document, dict):
@@ -340,7 +342,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
     mps = config.sharing.mps if config.sharing else None
     if mps is None or not mps.resources:
         raise ConfigError("sharing.mps.resources", "no MPS sharing is configured; list at least one resource to share")
-    flags = config.flags
+    flags = config.flags or Flags()
     mig = _one_of(_MigStrategy, flags.mig_strategy, _MigStrategy.NONE, "flags.migStrategy")
     if mig is _MigStrategy.MIXED:
         raise ConfigError("flags.migStrategy", "`mixed` is not supported with MPS sharing; use none or single")
@@ -422,7 +424,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     path = config_file_path(cli, environ)
     config = load_config(path)
     sharing = check_config(config)
-    flags = config.flags
+    flags = config.flags or Flags()
     log_level = (_pick("log_level", cli, environ, flags.log_level) or "info").lower()
     if log_level not in LOG_LEVELS:
         raise UsageError(f"log level `{log_level}` is not one of: {', '.join(LOG_LEVELS)}")

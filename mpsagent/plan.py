@@ -233,11 +233,52 @@ def pinned_memory_limits(resource: ResourcePlan, mode: CapMode) -> tuple[tuple[i
     return tuple((resource.ordinals[gpu.uuid], gpu.memory_bytes // divisor // MIB) for gpu in resource.gpus)
 
 
-def daemon_default_commands(resource: ResourcePlan, mode: CapMode) -> tuple[str, ...]:
-    """The control commands that set the daemon's defaults (its hard ceilings) for a cap mode."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControlStep:
+    """One control command, the `get_` command that reads its value back, and the reply that means it held."""
+
+    command: str
+    read_back: str
+    expected: str
+
+
+def memory_read_back(mib: int) -> str:
+    """How the control daemon prints a pinned-memory limit: whole GiB (rounded down) from 1 GiB up, else MiB."""
+    return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
+
+
+def daemon_default_steps(resource: ResourcePlan, mode: CapMode) -> tuple[ControlStep, ...]:
+    """The control commands that set the daemon's defaults (its hard ceilings) for a cap mode, with read-backs."""
+    percentage = thread_percentage(resource, mode)
     return (
-        f"set_default_active_thread_percentage {thread_percentage(resource, mode)}",
-        *(f"set_default_device_pinned_mem_limit {o} {m}M" for o, m in pinned_memory_limits(resource, mode)),
+        ControlStep(
+            command=f"set_default_active_thread_percentage {percentage}",
+            read_back="get_default_active_thread_percentage",
+            expected=f"{percentage:.1f}",
+        ),
+        *(
+            ControlStep(
+                command=f"set_default_device_pinned_mem_limit {ordinal} {mib}M",
+                read_back=f"get_default_device_pinned_mem_limit {ordinal}",
+                expected=memory_read_back(mib),
+            )
+            for ordinal, mib in pinned_memory_limits(resource, mode)
+        ),
+    )
+
+
+def daemon_default_commands(resource: ResourcePlan, mode: CapMode) -> tuple[str, ...]:
+    return tuple(step.command for step in daemon_default_steps(resource, mode))
+
+
+def running_server_commands(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[str, ...]:
+    """Bring an already-running MPS server to a cap mode (defaults only apply to servers started later)."""
+    return (
+        f"set_active_thread_percentage {server_pid} {thread_percentage(resource, mode)}",
+        *(
+            f"set_device_pinned_mem_limit {server_pid} {ordinal} {mib}M"
+            for ordinal, mib in pinned_memory_limits(resource, mode)
+        ),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,11 +25,33 @@ BUILD = ROOT / "tests" / ".build"
 H100_NODE = EXAMPLES / "node-h100x8.yaml"
 
 
+def processes_using(directory: Path) -> list[int]:
+    """PIDs whose environment names a path under `directory` (MPS daemons started for a test)."""
+    marker = str(directory).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def kill_processes_using(directory: Path) -> None:
+    for pid in processes_using(directory):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    """A directory with a short path: unix socket paths are limited to 107 bytes."""
+    """A directory with a short path (unix socket paths are limited to 107 bytes); every process that a test
+    started for it (agents, MPS daemons in their own sessions) is killed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="mpa", dir="/tmp"))
     yield path
+    kill_processes_using(path)
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -1,0 +1,345 @@
+"""The daemon supervisor of one resource: starts or adopts its `nvidia-cuda-mps-control`, holds the cap mode the
+ledger needs, watches it, restarts it with backoff, and forwards its log.
+
+The daemon runs in its own session with its output in `<resource>/log/control.log`, so an agent restart or crash
+never takes it (or its CUDA clients) down; the next agent adopts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import anyio
+from anyio.abc import Process, TaskStatus
+
+from mpsagent.config import MpsOnExit
+from mpsagent.devices import GpuUuid
+from mpsagent.errors import DaemonCommandError, DaemonError, GpuDiscoveryError
+from mpsagent.gpu.port import ComputeMode, GpuSource
+from mpsagent.inventory import Inventory
+from mpsagent.logs import get_logger
+from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
+from mpsagent.plan import CapMode, ResourcePlan, daemon_default_steps, daemon_launch, running_server_commands
+
+log = get_logger(__name__)
+
+PROBE_INTERVAL_S = 3.0
+START_TIMEOUT_S = 10.0
+RESTART_BACKOFF_INITIAL_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+QUIT_TIMEOUT_S = 5
+LOG_POLL_S = 0.5
+HEALTH_SOURCE = "mps daemon"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DaemonSupervisor:
+    def __init__(
+        self,
+        *,
+        resource: ResourcePlan,
+        inventory: Inventory,
+        gpu_source: GpuSource,
+        control_bin: str,
+        on_exit: MpsOnExit,
+        initial_mode: CapMode = CapMode.FULL,
+    ) -> None:
+        self._resource = resource
+        self._inventory = inventory
+        self._gpus = gpu_source
+        self._control_bin = control_bin
+        self._on_exit = on_exit
+        self._channel = ControlChannel(control_bin, resource.pipe_directory)
+        self._wanted = initial_mode
+        self._held: CapMode | None = None
+        self._process: Process | None = None
+        self._pid: int | None = None
+        self._original_modes: dict[str, int] = {}
+        self._mode_lock = anyio.Lock()
+        self.restarts = 0
+        self._log = log.bind(resource=resource.name)
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def up(self) -> bool:
+        return self._held is not None
+
+    @property
+    def mode(self) -> CapMode | None:
+        return self._held
+
+    # --- cap mode -------------------------------------------------------------------------------------------
+
+    async def set_mode(self, mode: CapMode) -> None:
+        """Make the daemon hold `mode` (defaults and running servers); raises DaemonError when it cannot."""
+        self._wanted = mode
+        if self._held is mode:
+            return
+        if self._pid is None:
+            raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
+        await self._apply()
+
+    async def _apply(self) -> None:
+        """Bring the daemon to the latest wanted mode; concurrent callers queue, the last wish wins."""
+        async with self._mode_lock:
+            mode = self._wanted
+            if self._held is mode:
+                return
+            self._held = None
+            for step in daemon_default_steps(self._resource, mode):
+                await self._channel.apply(step)
+            for server in await self._channel.server_pids():
+                for command in running_server_commands(self._resource, mode, server):
+                    await self._channel.send(command)
+            self._held = mode
+            self._save_state()
+            self._log.info("mps daemon caps set", mode=mode.value, pid=self._pid)
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Own the daemon until cancelled; reports started once the daemon holds its defaults."""
+        await self._take_compute_modes()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._forward_log)
+                await self._bring_up(first=True)
+                task_status.started()
+                while True:
+                    await self._wait_for_failure()
+                    self._inventory.set_resource_problem(HEALTH_SOURCE, True)
+                    self._held = None
+                    self._log.error("mps daemon down; replicas unhealthy", pid=self._pid)
+                    await self._kill_child()
+                    self.restarts += 1
+                    await self._bring_up(first=False)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop()
+
+    async def _bring_up(self, *, first: bool) -> None:
+        delay = RESTART_BACKOFF_INITIAL_S
+        while True:
+            try:
+                if first and await self._adopt():
+                    pass
+                else:
+                    await self._start()
+                await self._apply()
+            except DaemonError as exc:
+                if first and self._process is not None:
+                    await self._kill_child()
+                if first:
+                    raise  # a daemon that cannot start, or hold its defaults, at start-up is a loud failure
+                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
+                await self._kill_child()
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                continue
+            self._inventory.set_resource_problem(HEALTH_SOURCE, False)
+            self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
+            return
+
+    async def _adopt(self) -> bool:
+        if not await self._channel.probe():
+            return False
+        state = read_state(self._resource.directory)
+        if state is None or not _alive(state.pid):
+            raise DaemonError(
+                f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
+                f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
+                f"{self._resource.pipe_directory} nvidia-cuda-mps-control) and start the agent again"
+            )
+        if state.visible_devices != self._resource.visible_devices:
+            self._log.warning(
+                "adopted mps daemon serves other GPUs than configured; restart it to change them",
+                daemon_gpus=state.visible_devices,
+            )
+        self._pid = state.pid
+        self._original_modes = state.original_compute_modes or self._original_modes
+        self._log.info("mps daemon adopted", pid=state.pid, mode=state.mode)
+        return True
+
+    async def _start(self) -> None:
+        launch = daemon_launch(self._resource, self._control_bin)
+        log_file = self._resource.log_directory / "control.log"
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self._process = await anyio.open_process(
+                list(launch.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=fd,
+                env={**os.environ, **launch.env},
+                start_new_session=True,  # survives the agent: clients keep working through an agent restart
+            )
+        except OSError as exc:
+            raise DaemonError(
+                f"cannot start {self._control_bin} ({exc.strerror}); install nvidia-cuda-mps or set --mps-control-bin"
+            ) from exc
+        finally:
+            os.close(fd)
+        self._pid = self._process.pid
+        self._save_state()
+        with anyio.move_on_after(START_TIMEOUT_S):
+            while self._process.returncode is None:
+                if await self._channel.probe(attempts=1):
+                    self._log.info("mps daemon started", pid=self._pid)
+                    return
+                await anyio.sleep(0.05)
+        code = self._process.returncode
+        raise DaemonError(
+            f"the MPS control daemon for {self._resource.name} "
+            + (f"exited with status {code}" if code is not None else f"did not answer within {START_TIMEOUT_S:g}s")
+            + f"; see {log_file}"
+        )
+
+    async def _wait_for_failure(self) -> None:
+        """Return when the daemon exits (noticed at once) or stops answering the periodic round trip."""
+        async with anyio.create_task_group() as tg:
+
+            async def exited() -> None:
+                await self._wait_exit()
+                self._log.error("mps daemon exited", pid=self._pid)
+                tg.cancel_scope.cancel()
+
+            async def hung() -> None:
+                while True:
+                    await anyio.sleep(PROBE_INTERVAL_S)
+                    if not await self._channel.probe():
+                        self._log.error("mps daemon does not answer", pid=self._pid)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(exited)
+            tg.start_soon(hung)
+
+    async def _wait_exit(self) -> None:
+        if self._process is not None:
+            await self._process.wait()
+            return
+        assert self._pid is not None
+        try:
+            pidfd = os.pidfd_open(self._pid)
+        except ProcessLookupError:
+            return
+        try:
+            await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+
+    async def _kill_child(self) -> None:
+        """A hung or failed daemon of ours is killed and reaped before another is started."""
+        if self._process is not None:
+            if self._process.returncode is None:
+                self._process.kill()
+            with anyio.move_on_after(2):
+                await self._process.wait()
+            self._process = None
+        elif self._pid is not None and _alive(self._pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, 9)
+        self._pid = None
+
+    async def _stop(self) -> None:
+        if self._on_exit is MpsOnExit.KEEP:
+            self._log.info("mps daemon left running", pid=self._pid)
+            return
+        with contextlib.suppress(DaemonCommandError):
+            await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
+        with anyio.move_on_after(QUIT_TIMEOUT_S + 1):
+            if self._process is not None:
+                await self._process.wait()
+            elif self._pid is not None:
+                await self._wait_exit()
+        await self._kill_child()
+        remove_state(self._resource.directory)
+        await self._restore_compute_modes()
+        self._log.info("mps daemon quit")
+
+    # --- compute modes --------------------------------------------------------------------------------------
+
+    async def _take_compute_modes(self) -> None:
+        if not self._gpus.manages_compute_mode:
+            self._log.info("compute mode not managed", reason="GPUs come from a node snapshot")
+            return
+        state = read_state(self._resource.directory)
+        for gpu in self._resource.gpus:
+            current = await anyio.to_thread.run_sync(self._gpus.compute_mode, gpu.uuid)
+            recorded = state.original_compute_modes.get(gpu.uuid) if state else None
+            self._original_modes[gpu.uuid] = recorded if recorded is not None else int(current)
+            if current is not ComputeMode.EXCLUSIVE_PROCESS:
+                await anyio.to_thread.run_sync(self._gpus.set_compute_mode, gpu.uuid, ComputeMode.EXCLUSIVE_PROCESS)
+                self._log.info("compute mode set", gpu=gpu.uuid, mode="EXCLUSIVE_PROCESS", was=current.name)
+
+    async def _restore_compute_modes(self) -> None:
+        for uuid, mode in self._original_modes.items():
+            try:
+                await anyio.to_thread.run_sync(self._gpus.set_compute_mode, GpuUuid(uuid), ComputeMode(mode))
+            except GpuDiscoveryError as exc:
+                self._log.error("compute mode not restored", gpu=uuid, reason=str(exc))
+            else:
+                self._log.info("compute mode restored", gpu=uuid, mode=ComputeMode(mode).name)
+
+    # --- state and log ---------------------------------------------------------------------------------------
+
+    def _save_state(self) -> None:
+        if self._pid is None:
+            return
+        write_state(
+            self._resource.directory,
+            DaemonState(
+                pid=self._pid,
+                visible_devices=self._resource.visible_devices,
+                mode=(self._held or self._wanted).value,
+                original_compute_modes=self._original_modes,
+            ),
+        )
+
+    async def _forward_log(self) -> None:
+        """Forward new control.log lines into the agent's log, with the resource as a key."""
+        path: Path = self._resource.log_directory / "control.log"
+        position = _file_size(path)
+        pending = b""
+        while True:
+            await anyio.sleep(LOG_POLL_S)
+            position, chunk = _read_from(path, position)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line.strip():
+                    self._log.info("mps daemon log", line=line.decode(errors="replace").strip())
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_from(path: Path, position: int) -> tuple[int, bytes]:
+    """What was appended since `position` (from the start again when the file was truncated or rotated)."""
+    size = _file_size(path)
+    if size < position:
+        position = 0
+    if size == position:
+        return position, b""
+    with path.open("rb") as file:
+        file.seek(position)
+        return size, file.read(size - position)

@@ -1,0 +1,253 @@
+"""The real nvidia-cuda-mps-control under the agent's supervision (a fake binary only for faults the real one
+cannot show). These tests need Debian's nvidia-cuda-mps package; `scripts/test` installs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mpsagent.errors import DaemonCommandError
+from mpsagent.mps.control import ControlChannel, check_command
+from tests.conftest import ROOT, AgentLauncher, small_node, write_config
+from tests.fakes.nvml.build import fake_nvml_env
+from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
+from tests.kubelet.stubs import dp_pb2
+from tests.test_plugin_integration import ALL, GPU0, RESOURCE, allocate, config, ids
+
+REAL_BIN = shutil.which("nvidia-cuda-mps-control")
+FAKE_BIN = ROOT / "tests" / "fakes" / "mps" / "nvidia-cuda-mps-control"
+
+if REAL_BIN is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
+    pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
+
+
+def control(pipe: Path, command: str) -> str:
+    result = subprocess.run(
+        [REAL_BIN],
+        input=f"{command}\n",
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+    )
+    return result.stdout.strip()
+
+
+def pipe_of(short_dir: Path) -> Path:
+    return short_dir / "mps" / "nvidia.com" / "gpu" / "pipe"
+
+
+def daemon_pid(short_dir: Path) -> int:
+    return json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def start(
+    agents: AgentLauncher,
+    kubelet: FakeKubelet,
+    short_dir: Path,
+    *extra: str,
+    text: str | None = None,
+    env: dict[str, str] | None = None,
+):
+    node = small_node(short_dir / "node.json")
+    cfg = write_config(short_dir / "config.yaml", text or config())
+    return agents.start(
+        "--config-file",
+        str(cfg),
+        "--kubelet-socket",
+        str(kubelet.socket_path),
+        "--mps-root",
+        str(short_dir / "mps"),
+        *(("--node-snapshot", str(node)) if not env else ()),
+        *extra,
+        env=env,
+    )
+
+
+def test_daemon_holds_the_full_hardware_at_start(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
+    agent = start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    assert plugin.options.pre_start_required is True
+    pipe = pipe_of(short_dir)
+    assert control(pipe, "get_default_active_thread_percentage") == "100.0"
+    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "16G"
+    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "16G"
+    # The daemon's own log reaches the agent's structured log, keyed by resource.
+    forwarded = agent.wait_log("mps daemon log")
+    assert forwarded["resource"] == RESOURCE
+    assert "Control" in str(forwarded["line"])
+
+
+def test_capped_and_full_allocations_switch_the_daemon(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    pipe = pipe_of(short_dir)
+    allocate(plugin, ids(GPU0, 0))
+    assert control(pipe, "get_default_active_thread_percentage") == "25.0"
+    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "4G"
+    allocate(plugin, ALL)
+    assert control(pipe, "get_default_active_thread_percentage") == "100.0"
+    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "16G"
+    # A container restart re-asserts its grant's mode before it starts.
+    plugin.stub.PreStartContainer(dp_pb2.PreStartContainerRequest(devices_ids=ids(GPU0, 2)), timeout=5)
+    assert control(pipe, "get_default_active_thread_percentage") == "25.0"
+    plugin.stub.PreStartContainer(dp_pb2.PreStartContainerRequest(devices_ids=ALL), timeout=5)
+    assert control(pipe, "get_default_active_thread_percentage") == "100.0"
+
+
+def test_caps_not_enforced_leaves_the_daemon_at_full(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    start(agents, kubelet, short_dir, text=config().replace("    resources:", "    enforceCaps: false\n    resources:"))
+    plugin = kubelet.wait_registered(RESOURCE)
+    assert plugin.options.pre_start_required is False
+    envs = dict(allocate(plugin, ids(GPU0, 0)).container_responses[0].envs)
+    assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert control(pipe_of(short_dir), "get_default_active_thread_percentage") == "100.0"
+
+
+def health(plugin: Plugin) -> set[str]:
+    return {device[1] for device in plugin.latest()}
+
+
+def test_killed_daemon_goes_unhealthy_then_healthy_with_its_caps_again(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU0, 0))
+    first = daemon_pid(short_dir)
+    os.kill(first, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: health(plugin) == {"Unhealthy"}, 2, "replicas Unhealthy")
+    assert time.monotonic() - killed < 2
+    wait_for(lambda: health(plugin) == {"Healthy"}, 10, "replicas Healthy again")
+    assert daemon_pid(short_dir) != first
+    assert control(pipe_of(short_dir), "get_default_active_thread_percentage") == "25.0"
+
+
+def test_an_agent_killed_and_started_again_adopts_the_running_daemon(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE)
+    pid = daemon_pid(short_dir)
+    agent.stop(signal.SIGKILL)
+    assert alive(pid)
+    again = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE, count=2)
+    adopted = again.wait_log("mps daemon adopted")
+    assert adopted["pid"] == pid
+    assert daemon_pid(short_dir) == pid
+    assert control(pipe_of(short_dir), "get_default_active_thread_percentage") == "100.0"
+    # Left running on a normal stop too (the default): clients survive agent restarts.
+    assert again.stop() == 0
+    assert alive(pid)
+
+
+def test_mps_on_exit_quit_stops_the_daemon(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
+    agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit")
+    kubelet.wait_registered(RESOURCE)
+    pid = daemon_pid(short_dir)
+    assert agent.stop() == 0
+    wait_for(lambda: not alive(pid), 5, "the daemon to quit")
+    assert not (short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").exists()
+
+
+def test_compute_mode_set_through_nvml_and_restored_on_quit(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fake_nvml_library: Path
+) -> None:
+    nvml = short_dir / "nvml.json"
+    nvml.write_text(
+        json.dumps(
+            {
+                "gpus": [
+                    {"uuid": "GPU-aaaa", "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    {"uuid": "GPU-bbbb", "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                ]
+            }
+        )
+    )
+    state = short_dir / "nvml-state.json"
+    env = fake_nvml_env(fake_nvml_library, nvml, state)
+    agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit", env=env)
+    plugin = kubelet.wait_registered(RESOURCE)
+    assert [d[0] for d in plugin.latest()][:1] == ["GPU-aaaa::0"]
+    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 3, "GPU-bbbb": 3}
+    assert agent.stop() == 0
+    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 0, "GPU-bbbb": 0}
+
+
+@pytest.mark.parametrize(("fault", "message"), [("wrong-value", "did not hold"), ("garbage", "did not hold")])
+def test_a_daemon_that_does_not_hold_its_defaults_fails_start_up_loudly(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fault: str, message: str
+) -> None:
+    node = small_node(short_dir / "node.json")
+    failing = agents.start(
+        "--config-file",
+        str(write_config(short_dir / "config.yaml", config())),
+        "--node-snapshot",
+        str(node),
+        "--kubelet-socket",
+        str(kubelet.socket_path),
+        "--mps-root",
+        str(short_dir / "mps"),
+        "--mps-control-bin",
+        str(FAKE_BIN),
+        env={"FAKE_MPS_FAULT": fault},
+    )
+    assert failing.process.wait(30) == 1
+    assert message in failing.log()
+    assert "Traceback" not in failing.log()
+    assert kubelet.plugins == []
+
+
+def test_missing_binary_is_a_clear_runtime_failure(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--mps-control-bin", "/nonexistent/nvidia-cuda-mps-control")
+    assert agent.process.wait(30) == 1
+    assert "install nvidia-cuda-mps or set --mps-control-bin" in agent.log()
+
+
+def test_a_hung_front_end_times_out(tmp_path: Path) -> None:
+    hang = tmp_path / "hang"
+    hang.write_text("#!/bin/sh\nexec sleep 30\n")
+    hang.chmod(0o755)
+    channel = ControlChannel(str(hang), tmp_path, timeout_s=0.3)
+
+    async def main() -> None:
+        with pytest.raises(DaemonCommandError, match=r"got no answer within 0\.3s"):
+            await channel.send("get_server_list")
+        assert await channel.probe() is False
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize(
+    "command", ["get_server_list\nquit", "set_default_active_thread_percentage 1;quit", "", "x" * 600]
+)
+def test_commands_that_could_inject_another_line_are_refused(command: str) -> None:
+    with pytest.raises(DaemonCommandError, match="malformed"):
+        check_command(command)

@@ -1,0 +1,517 @@
+"""The plan: device selection, per-GPU checks, caps, container grants and node labels."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mpsagent.config import DeviceIdStrategy, DeviceListStrategy, SharingConfig, check_config, parse_config
+from mpsagent.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.errors import ConfigError
+from mpsagent.plan import (
+    ENV_PINNED_MEM_LIMIT,
+    ENV_PIPE_DIRECTORY,
+    ENV_THREAD_PERCENTAGE,
+    ENV_VISIBLE_DEVICES,
+    CapMode,
+    NodePlan,
+    ResourcePlan,
+    build_plan,
+    container_grant,
+    daemon_default_commands,
+    daemon_launch,
+    daemon_mode_for,
+    node_labels,
+    pinned_memory_limits,
+    thread_percentage,
+)
+
+GIB = 1024**3
+T4_BYTES = 16 * GIB
+H100_BYTES = 85520809984
+MPS_ROOT = Path("/run/nvidia/mps")
+SHM = MPS_ROOT / "shm"
+
+
+def uuid(index: int) -> GpuUuid:
+    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
+
+
+def gpu(
+    index: int,
+    *,
+    name: str = "Tesla T4",
+    memory_bytes: int = T4_BYTES,
+    cc: tuple[int, int] = (7, 5),
+    mig: bool = False,
+) -> Gpu:
+    return Gpu(
+        uuid=uuid(index),
+        index=index,
+        name=name,
+        memory_bytes=memory_bytes,
+        compute_capability=cc,
+        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
+        numa_node=0,
+        mig_enabled=mig,
+    )
+
+
+def node(*gpus: Gpu) -> NodeGpus:
+    return NodeGpus(driver_version="550.54.15", gpus=gpus, source="test")
+
+
+def t4_node(count: int = 4) -> NodeGpus:
+    return node(*(gpu(i) for i in range(count)))
+
+
+def sharing(text: str) -> SharingConfig:
+    return check_config(parse_config(textwrap.dedent(text), "config.yaml"))
+
+
+def config(*entries: str, mps: str = "", flags: str = "") -> SharingConfig:
+    """A v1 config whose sharing.mps.resources are these YAML flow mappings."""
+    text = "version: v1\nsharing:\n  mps:\n"
+    if mps:
+        text += f"    {mps}\n"
+    text += "    resources:\n" + "".join(f"    - {entry}\n" for entry in entries)
+    if flags:
+        text += f"flags: {flags}\n"
+    return sharing(text)
+
+
+def plan(gpus: NodeGpus, *entries: str, mps: str = "", flags: str = "") -> NodePlan:
+    return build_plan(config(*entries, mps=mps, flags=flags), gpus, MPS_ROOT)
+
+
+def only_resource(gpus: NodeGpus, entry: str, *, flags: str = "", mps: str = "") -> ResourcePlan:
+    (resource,) = plan(gpus, entry, flags=flags, mps=mps).resources
+    return resource
+
+
+def ids(*pairs: tuple[int, int]) -> tuple[ReplicaId, ...]:
+    """Replica IDs by (host GPU index, replica number)."""
+    return tuple(format_replica_id(uuid(index), replica) for index, replica in pairs)
+
+
+# --- device selection ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("devices", "indices"),
+    [
+        pytest.param(None, [0, 1, 2, 3], id="omitted-means-all"),
+        pytest.param("all", [0, 1, 2, 3], id="all"),
+        pytest.param("1", [0], id="count-1"),
+        pytest.param("3", [0, 1, 2], id="count-3"),
+        pytest.param("4", [0, 1, 2, 3], id="count-all"),
+        pytest.param("[2]", [2], id="one-index"),
+        pytest.param("[3, 1]", [1, 3], id="indices-sorted-by-host-index"),
+        pytest.param(f"[{uuid(2)}, {uuid(0)}]", [0, 2], id="uuids"),
+        pytest.param('["3", "0"]', [0, 3], id="digit-strings"),
+        pytest.param(f'[1, "2", {uuid(3)}]', [1, 2, 3], id="mixed"),
+    ],
+)
+def test_device_selectors(devices: str | None, indices: list[int]) -> None:
+    entry = "{name: gpu, replicas: 2" + (f", devices: {devices}" if devices is not None else "") + "}"
+    resource = only_resource(t4_node(4), entry)
+    assert [g.index for g in resource.gpus] == indices
+    assert resource.ordinals == {uuid(i): ordinal for ordinal, i in enumerate(indices)}
+    assert resource.device_ids == tuple(format_replica_id(uuid(i), r) for i in indices for r in range(2))
+
+
+@pytest.mark.parametrize(
+    ("entries", "path", "phrase"),
+    [
+        pytest.param(
+            ["{name: gpu, replicas: 2, devices: [0, 7]}"],
+            "sharing.mps.resources[0].devices[1]",
+            "`7` matches no GPU on this node (indices 0, 1, 2, 3",
+            id="index-out-of-range",
+        ),
+        pytest.param(
+            ["{name: gpu, replicas: 2, devices: [0, GPU-nope]}"],
+            "sharing.mps.resources[0].devices[1]",
+            "`GPU-nope` matches no GPU",
+            id="unknown-uuid",
+        ),
+        pytest.param(
+            ['{name: gpu, replicas: 2, devices: ["9"]}'],
+            "sharing.mps.resources[0].devices[0]",
+            "`9` matches no GPU",
+            id="digit-string-out-of-range",
+        ),
+        pytest.param(
+            ["{name: gpu, replicas: 2, devices: [-1]}"],
+            "sharing.mps.resources[0].devices[0]",
+            "`-1` matches no GPU",
+            id="negative-index",
+        ),
+        pytest.param(
+            ['{name: gpu, replicas: 2, devices: ["²"]}'],
+            "sharing.mps.resources[0].devices[0]",
+            "matches no GPU",
+            id="unicode-digit",
+        ),
+        pytest.param(
+            ["{name: gpu, replicas: 2, devices: 5}"],
+            "sharing.mps.resources[0].devices",
+            "asks for 5 GPUs but this node has 4",
+            id="count-too-large",
+        ),
+        pytest.param(
+            [f"{{name: gpu, replicas: 2, devices: [1, {uuid(1)}]}}"],
+            "sharing.mps.resources[0].devices[1]",
+            "GPU 1 (GPU-00000001-aaaa-bbbb-cccc-dddddddddddd) is listed twice",
+            id="listed-twice",
+        ),
+        pytest.param(
+            ["{name: a, replicas: 2, devices: [0, 1]}", "{name: b, replicas: 2, devices: [1, 2]}"],
+            "sharing.mps.resources[1].devices",
+            "GPU 1 (GPU-00000001-aaaa-bbbb-cccc-dddddddddddd) is already shared by sharing.mps.resources[0]",
+            id="in-two-resources",
+        ),
+        pytest.param(
+            ["{name: a, replicas: 2, devices: [3]}", "{name: b, replicas: 2}"],
+            "sharing.mps.resources[1].devices",
+            "GPU 3",
+            id="all-after-a-list",
+        ),
+        pytest.param(
+            ["{name: a, replicas: 2, devices: [0]}", "{name: b, replicas: 2, devices: 2}"],
+            "sharing.mps.resources[1].devices",
+            "already shared",
+            id="count-overlaps-a-list",
+        ),
+    ],
+)
+def test_device_selection_refusals(entries: list[str], path: str, phrase: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan(t4_node(4), *entries)
+    assert info.value.path == path
+    assert phrase in info.value.message
+
+
+def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
+    with pytest.raises(ConfigError, match="already shared") as info:
+        plan(t4_node(2), "{name: a, replicas: 2}", "{name: b, replicas: 2, devices: [1]}")
+    assert "each GPU can be in one resource only" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("gpus", "entry", "path", "phrase"),
+    [
+        pytest.param(
+            (gpu(0), gpu(1, mig=True)),
+            "{name: gpu, replicas: 2}",
+            "sharing.mps.resources[0].devices",
+            "GPU 1 (GPU-00000001-aaaa-bbbb-cccc-dddddddddddd) has MIG enabled",
+            id="mig-enabled",
+        ),
+        pytest.param(
+            (gpu(0, cc=(6, 0)),),
+            "{name: gpu, replicas: 17}",
+            "sharing.mps.resources[0].replicas",
+            "compute capability 6.0, where MPS allows at most 16 clients; 17 is too many",
+            id="pascal-17",
+        ),
+        pytest.param(
+            (gpu(0), gpu(1, cc=(6, 1))),
+            "{name: gpu, replicas: 48}",
+            "sharing.mps.resources[0].replicas",
+            "GPU 1 has compute capability 6.1",
+            id="one-pascal-among-turing",
+        ),
+    ],
+)
+def test_per_gpu_refusals(gpus: tuple[Gpu, ...], entry: str, path: str, phrase: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan(node(*gpus), entry)
+    assert info.value.path == path
+    assert phrase in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("gpus", "entry"),
+    [
+        pytest.param((gpu(0, cc=(6, 0)),), "{name: gpu, replicas: 16}", id="pascal-16"),
+        pytest.param((gpu(0, cc=(7, 0)),), "{name: gpu, replicas: 48}", id="volta-48"),
+        pytest.param((gpu(0, cc=(9, 0)),), "{name: gpu, replicas: 48}", id="hopper-48"),
+        # A MIG-enabled or pre-Volta GPU left out of every resource is no concern.
+        pytest.param((gpu(0), gpu(1, mig=True)), "{name: gpu, replicas: 4, devices: [0]}", id="mig-left-out"),
+        pytest.param((gpu(0), gpu(1, cc=(6, 0))), "{name: gpu, replicas: 48, devices: [0]}", id="pascal-left-out"),
+    ],
+)
+def test_per_gpu_acceptances(gpus: tuple[Gpu, ...], entry: str) -> None:
+    resource = only_resource(node(*gpus), entry)
+    assert resource.gpus == gpus[: len(resource.gpus)]
+
+
+# --- two resources on one node ------------------------------------------------------------------------------
+
+SPLIT = ("{name: low, replicas: 4, devices: [0, 1, 2, 3]}", "{name: high, replicas: 2, devices: [7, 6, 5, 4]}")
+
+
+def test_two_resources_split_eight_gpus() -> None:
+    gpus = node(*(gpu(i, name="NVIDIA H100 80GB HBM3", memory_bytes=H100_BYTES, cc=(9, 0)) for i in range(8)))
+    low, high = build_plan(config(*SPLIT), gpus, MPS_ROOT).resources
+    assert [g.index for g in low.gpus] == [0, 1, 2, 3]
+    assert [g.index for g in high.gpus] == [4, 5, 6, 7]
+    assert (low.name, high.name) == ("nvidia.com/low", "nvidia.com/high")
+    assert high.config_path == "sharing.mps.resources[1]"
+    # The second daemon sees only GPUs 4..7, numbered from 0: its ordinals are 0..3, not the host indices.
+    assert high.ordinals == {uuid(4): 0, uuid(5): 1, uuid(6): 2, uuid(7): 3}
+    assert [o for o, _ in pinned_memory_limits(high, CapMode.CAPPED)] == [0, 1, 2, 3]
+    assert daemon_default_commands(high, CapMode.CAPPED)[1:] == tuple(
+        f"set_default_device_pinned_mem_limit {o} 40779M" for o in range(4)
+    )
+    assert high.visible_devices == ",".join(uuid(i) for i in (4, 5, 6, 7))
+    assert low.visible_devices == ",".join(uuid(i) for i in (0, 1, 2, 3))
+    assert daemon_launch(high, "nvidia-cuda-mps-control").env == {
+        "CUDA_VISIBLE_DEVICES": high.visible_devices,
+        "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps/nvidia.com/high/pipe",
+        "CUDA_MPS_LOG_DIRECTORY": "/run/nvidia/mps/nvidia.com/high/log",
+    }
+    assert len(low.device_ids) == 16
+    assert len(high.device_ids) == 8
+
+
+def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
+    _, high = plan(t4_node(8), *SPLIT).resources
+    grant = container_grant(high, ids((6, 0)), SHM)
+    assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M,1=8192M,2=8192M,3=8192M"
+    assert grant.envs[ENV_THREAD_PERCENTAGE] == "50"
+
+
+# --- caps ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("memory_bytes", "replicas", "mode", "expected"),
+    [
+        pytest.param(
+            T4_BYTES,
+            4,
+            CapMode.CAPPED,
+            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M"),
+            id="16GiB-4-capped",
+        ),
+        pytest.param(
+            T4_BYTES,
+            4,
+            CapMode.FULL,
+            ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 16384M"),
+            id="16GiB-4-full",
+        ),
+        pytest.param(
+            H100_BYTES,
+            4,
+            CapMode.CAPPED,
+            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 20389M"),
+            id="h100-4-capped",
+        ),
+        pytest.param(
+            H100_BYTES,
+            4,
+            CapMode.FULL,
+            ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 81559M"),
+            id="h100-4-full",
+        ),
+        pytest.param(
+            T4_BYTES,
+            3,
+            CapMode.CAPPED,
+            ("set_default_active_thread_percentage 33", "set_default_device_pinned_mem_limit 0 5461M"),
+            id="16GiB-3-capped",
+        ),
+        pytest.param(
+            T4_BYTES,
+            1,
+            CapMode.CAPPED,
+            ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 16384M"),
+            id="16GiB-1-capped",
+        ),
+        pytest.param(
+            T4_BYTES,
+            48,
+            CapMode.CAPPED,
+            ("set_default_active_thread_percentage 2", "set_default_device_pinned_mem_limit 0 341M"),
+            id="16GiB-48-capped",
+        ),
+    ],
+)
+def test_daemon_default_commands(memory_bytes: int, replicas: int, mode: CapMode, expected: tuple[str, ...]) -> None:
+    resource = only_resource(node(gpu(0, memory_bytes=memory_bytes)), f"{{name: gpu, replicas: {replicas}}}")
+    assert daemon_default_commands(resource, mode) == expected
+
+
+def test_caps_cover_every_gpu_in_ordinal_order() -> None:
+    gpus = node(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
+    resource = only_resource(gpus, "{name: gpu, replicas: 4, devices: [2, 1]}")
+    assert daemon_default_commands(resource, CapMode.CAPPED) == (
+        "set_default_active_thread_percentage 25",
+        "set_default_device_pinned_mem_limit 0 2048M",
+        "set_default_device_pinned_mem_limit 1 4096M",
+    )
+    assert pinned_memory_limits(resource, CapMode.FULL) == ((0, 8192), (1, 16384))
+    assert thread_percentage(resource, CapMode.FULL) == 100
+
+
+@pytest.mark.parametrize(
+    ("enforce", "capped_live", "mode"),
+    [
+        (True, True, CapMode.CAPPED),
+        (True, False, CapMode.FULL),
+        (False, True, CapMode.FULL),
+        (False, False, CapMode.FULL),
+    ],
+)
+def test_daemon_mode(enforce: bool, capped_live: bool, mode: CapMode) -> None:
+    resource = only_resource(t4_node(1), "{name: gpu, replicas: 4}", mps=f"enforceCaps: {str(enforce).lower()}")
+    assert daemon_mode_for(resource, capped_live) is mode
+
+
+# --- container grants ---------------------------------------------------------------------------------------
+
+
+def test_a_full_grant_has_no_caps() -> None:
+    resource = only_resource(t4_node(2), "{name: gpu, replicas: 4}")
+    grant = container_grant(resource, tuple(reversed(resource.device_ids)), SHM)
+    assert grant.full is True
+    assert grant.kind is CapMode.FULL
+    assert ENV_THREAD_PERCENTAGE not in grant.envs
+    assert ENV_PINNED_MEM_LIMIT not in grant.envs
+    assert grant.envs == {
+        ENV_PIPE_DIRECTORY: "/mps/nvidia.com/gpu/pipe",
+        ENV_VISIBLE_DEVICES: f"{uuid(0)},{uuid(1)}",
+    }
+    assert grant.cdi_devices == ()
+    assert [(m.container_path, m.host_path) for m in grant.mounts] == [
+        ("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe"),
+        ("/dev/shm", "/run/nvidia/mps/shm"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "visible"),
+    [
+        pytest.param([(0, 0)], [0], id="one-replica"),
+        pytest.param([(2, 1), (2, 3)], [2], id="two-on-one-gpu"),
+        pytest.param([(3, 0), (1, 0)], [1, 3], id="host-index-order"),
+        pytest.param([(i, 0) for i in (3, 2, 1, 0)], [0, 1, 2, 3], id="one-per-gpu"),
+        pytest.param([(0, r) for r in range(4)], [0], id="a-whole-gpu-is-still-partial"),
+        pytest.param([(i, r) for i in range(4) for r in range(4)][:-1], [0, 1, 2, 3], id="all-but-one"),
+    ],
+)
+def test_a_partial_grant_is_capped(pairs: list[tuple[int, int]], visible: list[int]) -> None:
+    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}")
+    grant = container_grant(resource, ids(*pairs), SHM)
+    assert grant.full is False
+    assert grant.kind is CapMode.CAPPED
+    assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
+    # Every GPU of the resource, by daemon ordinal, ascending - not only the granted ones.
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=4096M,2=4096M,3=4096M"
+    assert grant.envs[ENV_VISIBLE_DEVICES] == ",".join(uuid(i) for i in visible)
+
+
+@pytest.mark.parametrize(
+    ("flags", "pairs", "visible_env", "cdi"),
+    [
+        pytest.param("{plugin: {deviceIDStrategy: index}}", [(2, 0), (0, 1)], "0,2", (), id="index"),
+        pytest.param("{plugin: {deviceIDStrategy: uuid}}", [(2, 0), (0, 1)], f"{uuid(0)},{uuid(2)}", (), id="uuid"),
+        pytest.param(
+            "{plugin: {deviceListStrategy: cdi-cri}}",
+            [(2, 0), (0, 1)],
+            None,
+            (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(2)}"),
+            id="cdi-cri",
+        ),
+        pytest.param(
+            "{plugin: {deviceListStrategy: cdi-cri, deviceIDStrategy: index}}",
+            [(1, 0)],
+            None,
+            (f"nvidia.com/gpu={uuid(1)}",),
+            id="cdi-cri-ignores-id-strategy",
+        ),
+    ],
+)
+def test_device_strategies(
+    flags: str, pairs: list[tuple[int, int]], visible_env: str | None, cdi: tuple[str, ...]
+) -> None:
+    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", flags=flags)
+    grant = container_grant(resource, ids(*pairs), SHM)
+    assert grant.envs.get(ENV_VISIBLE_DEVICES) == visible_env
+    assert grant.cdi_devices == cdi
+    assert grant.envs[ENV_PIPE_DIRECTORY] == "/mps/nvidia.com/gpu/pipe"
+
+
+def test_index_strategy_on_the_second_resource_gives_host_indices() -> None:
+    _, high = plan(t4_node(8), *SPLIT, flags="{plugin: {deviceIDStrategy: index}}").resources
+    assert high.device_id_strategy is DeviceIdStrategy.INDEX
+    grant = container_grant(high, ids((5, 0), (4, 1)), SHM)
+    assert grant.envs[ENV_VISIBLE_DEVICES] == "4,5"
+
+
+def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
+    resource = only_resource(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
+    assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
+    grant = container_grant(resource, resource.device_ids, SHM)
+    assert grant.full is True
+    assert grant.cdi_devices == (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}")
+    assert set(grant.envs) == {ENV_PIPE_DIRECTORY}
+
+
+# --- labels -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mps", "product"),
+    [
+        pytest.param("", "Tesla-T4-SHARED", id="default"),
+        pytest.param("renameByDefault: false", "Tesla-T4-SHARED", id="rename-by-default-false"),
+        pytest.param("renameByDefault: true", "Tesla-T4", id="rename-by-default-true"),
+    ],
+)
+def test_labels_for_four_t4s(mps: str, product: str) -> None:
+    result = plan(t4_node(4), "{name: nvidia.com/gpu, replicas: 4}", mps=mps)
+    assert result.labels == {
+        "nvidia.com/gpu.count": "4",
+        "nvidia.com/gpu.product": product,
+        "nvidia.com/gpu.replicas": "4",
+        "nvidia.com/gpu.sharing-strategy": "mps",
+        "nvidia.com/mps.capable": "true",
+    }
+    assert result.labels == node_labels(result.gpus, result.resources)
+    assert sum(len(r.device_ids) for r in result.resources) == 16
+
+
+@pytest.mark.parametrize(
+    ("name", "product"),
+    [
+        ("NVIDIA H100 80GB HBM3", "NVIDIA-H100-80GB-HBM3-SHARED"),
+        ("NVIDIA A100-SXM4-40GB", "NVIDIA-A100-SXM4-40GB-SHARED"),
+        ("Quadro RTX 6000 (rev/2)", "Quadro-RTX-6000-rev2-SHARED"),
+    ],
+)
+def test_product_label_is_a_valid_label_value(name: str, product: str) -> None:
+    result = plan(node(gpu(0, name=name)), "{name: gpu, replicas: 2}")
+    assert result.labels["nvidia.com/gpu.product"] == product
+
+
+def test_labels_count_every_gpu_and_take_replicas_from_the_first_resource() -> None:
+    result = plan(t4_node(8), *SPLIT)
+    assert result.labels["nvidia.com/gpu.count"] == "8"
+    assert result.labels["nvidia.com/gpu.replicas"] == "4"
+
+
+def test_node_plan_paths() -> None:
+    result = plan(t4_node(1), "{name: gpu, replicas: 2}")
+    (resource,) = result.resources
+    assert result.shm_directory == Path("/run/nvidia/mps/shm")
+    assert resource.directory == Path("/run/nvidia/mps/nvidia.com/gpu")
+    assert str(resource.container_pipe_directory) == "/mps/nvidia.com/gpu/pipe"
+    assert result.driver_version == "550.54.15"
+    assert result.gpu_source == "test"
