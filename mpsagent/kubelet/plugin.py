@@ -127,7 +127,9 @@ class PluginEndpoint:
                 )
             except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
                 self._stats.registration_failures += 1
-                self._log.warning(
+                # The first failure is news; the retries that follow are not.
+                report = self._log.warning if delay == REGISTER_BACKOFF_INITIAL_S else self._log.debug
+                report(
                     "kubelet registration failed",
                     kubelet_socket=str(self._kubelet_socket),
                     reason=str(exc) or type(exc).__name__,
