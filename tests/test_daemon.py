@@ -67,9 +67,11 @@ def start(
     *extra: str,
     text: str | None = None,
     env: dict[str, str] | None = None,
+    nvml: bool = False,
 ):
-    node = small_node(short_dir / "node.json")
+    """Start the agent on a 2-GPU node: from a snapshot, or through NVML when `nvml` (env then loads the fake)."""
     cfg = write_config(short_dir / "config.yaml", text or config())
+    gpus = () if nvml else ("--node-snapshot", str(small_node(short_dir / "node.json")))
     return agents.start(
         "--config-file",
         str(cfg),
@@ -77,7 +79,7 @@ def start(
         str(kubelet.socket_path),
         "--mps-root",
         str(short_dir / "mps"),
-        *(("--node-snapshot", str(node)) if not env else ()),
+        *gpus,
         *extra,
         env=env,
     )
@@ -191,7 +193,7 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
     )
     state = short_dir / "nvml-state.json"
     env = fake_nvml_env(fake_nvml_library, nvml, state)
-    agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit", env=env)
+    agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit", env=env, nvml=True)
     plugin = kubelet.wait_registered(RESOURCE)
     assert [d[0] for d in plugin.latest()][:1] == ["GPU-aaaa::0"]
     assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 3, "GPU-bbbb": 3}
@@ -203,20 +205,7 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
 def test_a_daemon_that_does_not_hold_its_defaults_fails_start_up_loudly(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fault: str, message: str
 ) -> None:
-    node = small_node(short_dir / "node.json")
-    failing = agents.start(
-        "--config-file",
-        str(write_config(short_dir / "config.yaml", config())),
-        "--node-snapshot",
-        str(node),
-        "--kubelet-socket",
-        str(kubelet.socket_path),
-        "--mps-root",
-        str(short_dir / "mps"),
-        "--mps-control-bin",
-        str(FAKE_BIN),
-        env={"FAKE_MPS_FAULT": fault},
-    )
+    failing = start(agents, kubelet, short_dir, "--mps-control-bin", str(FAKE_BIN), env={"FAKE_MPS_FAULT": fault})
     assert failing.process.wait(30) == 1
     assert message in failing.log()
     assert "Traceback" not in failing.log()
