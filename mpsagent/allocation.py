@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsagent.devices import GpuUuid, ReplicaId
+from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.errors import RequestError
 from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
@@ -51,8 +51,7 @@ class ResourceAllocator:
         self._shm = shm_directory
         self._known = frozenset(resource.device_ids)
         self._gpu_replicas: dict[GpuUuid, tuple[ReplicaId, ...]] = {
-            gpu.uuid: tuple(r for r in resource.device_ids if r.rpartition("::")[0] == gpu.uuid)
-            for gpu in resource.gpus
+            gpu.uuid: tuple(r for r in resource.device_ids if gpu_of(r) == gpu.uuid) for gpu in resource.gpus
         }
 
     def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:

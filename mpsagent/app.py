@@ -16,6 +16,7 @@ from anyio.abc import TaskGroup
 
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.config import Settings
+from mpsagent.devices import gpu_of
 from mpsagent.errors import MpsAgentError
 from mpsagent.gpu.port import GpuSource
 from mpsagent.inventory import Inventory
@@ -45,7 +46,7 @@ def _after_allocate(
                 grant=grant.grant_id,
                 kind=grant.kind.value,
                 replicas=len(grant.replica_ids),
-                gpus=sorted({r.rpartition("::")[0] for r in grant.replica_ids}),
+                gpus=sorted({gpu_of(r) for r in grant.replica_ids}),
             )
             for ended in allocation.record.ended:
                 log.warning(

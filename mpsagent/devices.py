@@ -47,6 +47,11 @@ def format_replica_id(uuid: GpuUuid, replica: int) -> ReplicaId:
     return ReplicaId(f"{uuid}{REPLICA_SEPARATOR}{replica}")
 
 
+def gpu_of(replica_id: ReplicaId) -> GpuUuid:
+    """The GPU behind a replica ID the agent itself formatted."""
+    return GpuUuid(replica_id.rpartition(REPLICA_SEPARATOR)[0])
+
+
 def parse_replica_id(replica_id: str) -> tuple[GpuUuid, int] | None:
     """Split `<uuid>::<i>`; None when the text is not of that form."""
     uuid, sep, index = replica_id.rpartition(REPLICA_SEPARATOR)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from mpsagent.devices import GpuUuid, Health, ReplicaId
+from mpsagent.devices import GpuUuid, Health, ReplicaId, gpu_of
 from mpsagent.plan import ResourcePlan
 
 
@@ -50,7 +50,7 @@ class Inventory:
         numa = {gpu.uuid: gpu.numa_node for gpu in self._resource.gpus}
         devices = tuple(
             AdvertisedDevice(replica_id=replica, health=health[gpu], numa_node=numa[gpu])
-            for replica, gpu in ((r, GpuUuid(r.rpartition("::")[0])) for r in self._resource.device_ids)
+            for replica, gpu in ((r, gpu_of(r)) for r in self._resource.device_ids)
         )
         return InventorySnapshot(generation=self._generation, devices=devices)
 

@@ -20,7 +20,7 @@ from mpsagent.config import (
     ResourceSpec,
     SharingConfig,
 )
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
 from mpsagent.errors import ConfigError
 
 CONTAINER_MPS_ROOT = PurePosixPath("/mps")
@@ -299,7 +299,7 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
 def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
     """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
     full = set(replica_ids) == set(resource.device_ids)
-    granted = {replica.rpartition("::")[0] for replica in replica_ids}
+    granted = {gpu_of(replica) for replica in replica_ids}
     gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
     envs = {ENV_PIPE_DIRECTORY: str(resource.container_pipe_directory)}
     cdi: tuple[str, ...] = ()
