@@ -6,7 +6,7 @@ RequestError before anything is recorded, so it changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from mpsagent.errors import RequestError
 from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
 from mpsagent.plan import CapMode, ContainerGrant, ResourcePlan, container_grant, daemon_mode_for
+from mpsagent.reconcile import Holding, ReconcileResult, reconcile
 
 MAX_NAMED_IDS = 3
 MAX_SHOWN_ID_CHARS = 80
@@ -102,7 +103,11 @@ class ResourceAllocator:
 
     def mode_for_grant(self, ids: Sequence[str]) -> CapMode:
         """The daemon mode a container holding these IDs needs (PreStartContainer re-asserts it)."""
-        return CapMode.FULL if set(ids) >= self._known else daemon_mode_for(self.resource, True)
+        return CapMode.FULL if self._kind_of(ids) is CapMode.FULL else daemon_mode_for(self.resource, True)
 
+    def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
+        """Bring the ledger to the kubelet's listing of this resource (see mpsagent.reconcile)."""
+        return reconcile(self.ledger, listed, now=now, grace_s=grace_s, kind_of=self._kind_of)
 
-GrantListener = Callable[[Allocation], None]
+    def _kind_of(self, ids: Sequence[str]) -> CapMode:
+        return CapMode.FULL if set(ids) >= self._known else CapMode.CAPPED

@@ -8,8 +8,9 @@ bounded time. The last log line names the stop reason.
 from __future__ import annotations
 
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
@@ -17,11 +18,12 @@ from anyio.abc import TaskGroup
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.config import Settings
 from mpsagent.devices import gpu_of
-from mpsagent.errors import MpsAgentError
+from mpsagent.errors import DaemonError, MpsAgentError
 from mpsagent.gpu.port import GpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.kubelet.plugin import PluginEndpoint
-from mpsagent.kubelet.servicer import DevicePluginServicer
+from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
+from mpsagent.kubelet.servicer import AfterAllocate, BeforeStart, DevicePluginServicer
 from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import ResourceLock, prepare_directories
@@ -34,15 +36,32 @@ class _Stop(Exception):
     """Raised inside the task group to stop the agent with a reason."""
 
 
-def _after_allocate(
-    resource: ResourcePlan, allocator: ResourceAllocator, daemon: DaemonSupervisor
-) -> Callable[[Sequence[Allocation]], Awaitable[None]]:
+@dataclass(kw_only=True, slots=True)
+class _Resource:
+    """One resource's parts; the daemon exists once the initial reconciliation has decided its start mode."""
+
+    plan: ResourcePlan
+    allocator: ResourceAllocator
+    inventory: Inventory
+    daemon: DaemonSupervisor | None = None
+
+    async def hold_ledger_mode(self) -> None:
+        """Make the daemon hold the mode the ledger needs; a daemon that is down takes it when it is back."""
+        if self.daemon is None:
+            return
+        try:
+            await self.daemon.set_mode(self.allocator.daemon_mode())
+        except DaemonError as exc:
+            log.error("mps daemon caps not changed", resource=self.plan.name, reason=str(exc))  # noqa: TRY400 (no traceback for a known failure)
+
+
+def _after_allocate(resource: _Resource, reconciler: PodResourcesReconciler) -> AfterAllocate:
     async def after_allocate(allocations: Sequence[Allocation]) -> None:
         for allocation in allocations:
             grant = allocation.record.grant
             log.info(
                 "granted",
-                resource=resource.name,
+                resource=resource.plan.name,
                 grant=grant.grant_id,
                 kind=grant.kind.value,
                 replicas=len(grant.replica_ids),
@@ -51,19 +70,23 @@ def _after_allocate(
             for ended in allocation.record.ended:
                 log.warning(
                     "replicas granted again while believed live",
-                    resource=resource.name,
+                    resource=resource.plan.name,
                     grant=grant.grant_id,
                     earlier_grant=ended.grant_id,
+                    container=str(ended.owner) if ended.owner else None,
                     replicas=len(set(ended.replica_ids) & set(grant.replica_ids)),
                 )
-        await daemon.set_mode(allocator.daemon_mode())
+        reconciler.request()
+        assert resource.daemon is not None
+        await resource.daemon.set_mode(resource.allocator.daemon_mode())
 
     return after_allocate
 
 
-def _before_start(allocator: ResourceAllocator, daemon: DaemonSupervisor) -> Callable[[Sequence[str]], Awaitable[None]]:
+def _before_start(resource: _Resource) -> BeforeStart:
     async def before_start(replica_ids: Sequence[str]) -> None:
-        await daemon.set_mode(allocator.mode_for_grant(replica_ids))
+        assert resource.daemon is not None
+        await resource.daemon.set_mode(resource.allocator.mode_for_grant(replica_ids))
 
     return before_start
 
@@ -89,37 +112,47 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
     reason = "signal"
     with ExitStack() as locks:
         prepare_directories(plan)
-        for resource in plan.resources:
-            locks.enter_context(ResourceLock(resource))
+        for resource_plan in plan.resources:
+            locks.enter_context(ResourceLock(resource_plan))
+        resources = [
+            _Resource(plan=r, allocator=ResourceAllocator(r, plan.shm_directory), inventory=Inventory(r))
+            for r in plan.resources
+        ]
+        reconciler = PodResourcesReconciler(
+            socket=settings.pod_resources_socket,
+            targets=[ReconcileTarget(allocator=r.allocator, on_ledger_changed=r.hold_ledger_mode) for r in resources],
+            grace_s=settings.reconcile_grace_s,
+        )
+        # Before any daemon holds a mode: containers that run since before this start must keep their caps.
+        grants_known = await reconciler.reconcile_once()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg)
-                for resource in plan.resources:
-                    inventory = Inventory(resource)
-                    allocator = ResourceAllocator(resource, plan.shm_directory)
-                    daemon = DaemonSupervisor(
-                        resource=resource,
-                        inventory=inventory,
+                for resource in resources:
+                    resource.daemon = DaemonSupervisor(
+                        resource=resource.plan,
+                        inventory=resource.inventory,
                         gpu_source=gpu_source,
                         control_bin=settings.mps_control_bin,
                         on_exit=settings.mps_on_exit,
-                        initial_mode=allocator.daemon_mode(),
+                        initial_mode=resource.allocator.daemon_mode() if grants_known else None,
                     )
-                    await tg.start(daemon.run)
+                    await tg.start(resource.daemon.run)
                     servicer = DevicePluginServicer(
-                        allocator,
-                        inventory,
-                        pre_start_required=resource.enforce_caps,
-                        after_allocate=_after_allocate(resource, allocator, daemon),
-                        before_start=_before_start(allocator, daemon),
+                        resource.allocator,
+                        resource.inventory,
+                        pre_start_required=resource.plan.enforce_caps,
+                        after_allocate=_after_allocate(resource, reconciler),
+                        before_start=_before_start(resource),
                     )
                     endpoint = PluginEndpoint(
-                        resource_name=resource.name,
+                        resource_name=resource.plan.name,
                         servicer=servicer,
                         kubelet_socket=settings.kubelet_socket,
-                        pre_start_required=resource.enforce_caps,
+                        pre_start_required=resource.plan.enforce_caps,
                     )
                     await tg.start(endpoint.run)
+                await tg.start(reconciler.run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))
         except MpsAgentError as exc:
             reason = str(exc)

@@ -62,6 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` output instead of NVML [env NODE_SNAPSHOT]",
     )
+    add(
+        "--pod-resources-socket",
+        metavar="PATH",
+        help="kubelet pod-resources socket, to reconcile grants [env POD_RESOURCES_SOCKET; "
+        "default /var/lib/kubelet/pod-resources/kubelet.sock]",
+    )
+    add(
+        "--reconcile-grace-seconds",
+        metavar="S",
+        help="free a grant only after its container has been unlisted this long [env RECONCILE_GRACE_SECONDS; "
+        "default 60]",
+    )
+    add(
+        "--health-recovery-seconds",
+        metavar="S",
+        help="a failed GPU is healthy again after answering NVML without a critical Xid this long "
+        "[env HEALTH_RECOVERY_SECONDS; default 60]",
+    )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
     add("--output", choices=("text", "json"), help="--once output format (default text)")
     add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")

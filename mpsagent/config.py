@@ -24,6 +24,11 @@ from mpsagent.errors import ConfigError, UsageError
 DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
 DEFAULT_MPS_CONTROL_BIN = "nvidia-cuda-mps-control"
+DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+DEFAULT_RECONCILE_GRACE_S = 60.0
+DEFAULT_HEALTH_RECOVERY_S = 60.0
+# Application errors: the GPU stays healthy (the NVIDIA device plugin's list).
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
 MAX_REPLICAS = 48
 MAX_REPLICAS_BEFORE_VOLTA = 16
@@ -77,6 +82,9 @@ class Flags(_Strict, frozen=True):
     log_level: str | None = None
     mps_control_bin: str | None = None
     mps_on_exit: str | None = None
+    pod_resources_socket: str | None = None
+    reconcile_grace_seconds: float | None = None
+    health_recovery_seconds: float | None = None
     # NVIDIA keys without meaning here.
     fail_on_init_error: bool | None = None
     nvidia_driver_root: str | None = None
@@ -170,6 +178,30 @@ class SharingConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class XidPolicy:
+    """Which NVML critical Xids make a GPU unhealthy, from DP_DISABLE_HEALTHCHECKS and DP_ENABLE_HEALTHCHECKS.
+
+    As in the NVIDIA device plugin: the application Xids are ignored; DISABLE adds Xids to ignore (`all` or
+    `xids` ignores every Xid); ENABLE names Xids that count even so (`all` makes every Xid count).
+    """
+
+    ignored: frozenset[int] = APPLICATION_XIDS
+    ignore_all: bool = False
+    enabled: frozenset[int] = frozenset()
+    enable_all: bool = False
+
+    def is_critical(self, xid: int) -> bool:
+        if self.enable_all or xid in self.enabled:
+            return True
+        return not self.ignore_all and xid not in self.ignored
+
+    @property
+    def watching(self) -> bool:
+        """False when no Xid can ever count: the event watch is not started at all."""
+        return self.enable_all or bool(self.enabled) or not self.ignore_all
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
     """Everything the agent runs with, after precedence is applied."""
 
@@ -184,6 +216,10 @@ class Settings:
     output: Literal["text", "json"]
     log_format: LogFormat
     log_level: str
+    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET
+    reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
+    health_recovery_s: float = DEFAULT_HEALTH_RECOVERY_S
+    xid_policy: XidPolicy = XidPolicy()
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -393,7 +429,13 @@ _ENV = {
     "node_snapshot": "NODE_SNAPSHOT",
     "log_format": "LOG_FORMAT",
     "log_level": "LOG_LEVEL",
+    "pod_resources_socket": "POD_RESOURCES_SOCKET",
+    "reconcile_grace_seconds": "RECONCILE_GRACE_SECONDS",
+    "health_recovery_seconds": "HEALTH_RECOVERY_SECONDS",
 }
+DISABLE_HEALTHCHECKS_ENV = "DP_DISABLE_HEALTHCHECKS"
+ENABLE_HEALTHCHECKS_ENV = "DP_ENABLE_HEALTHCHECKS"
+MAX_SECONDS = 86400.0
 
 
 def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None) -> str | None:
@@ -403,6 +445,50 @@ def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_fi
     if env:
         return env
     return from_file
+
+
+def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: float | None) -> float | None:
+    chosen = _pick(name, cli, environ, None if from_file is None else str(from_file))
+    if chosen is None:
+        return None
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = float(chosen)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= MAX_SECONDS:
+        raise UsageError(
+            f"{flag} (env {_ENV[name]}, config flags.{_camel(name)}) must be a number of seconds from 0 to "
+            f"{MAX_SECONDS:g}, not `{chosen}`"
+        )
+    return value
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _xid_list(variable: str, text: str) -> tuple[frozenset[int], bool]:
+    """Xids of a DP_*_HEALTHCHECKS value, and whether it says `all` (or `xids`)."""
+    xids: set[int] = set()
+    for item in (part.strip().lower() for part in text.split(",")):
+        if item in ("all", "xids"):
+            return frozenset(), True
+        if not item:
+            continue
+        if not item.isascii() or not item.isdigit():
+            raise UsageError(
+                f"{variable}: `{item}` is not an Xid; use a comma-separated list of Xid numbers, `xids` or `all`"
+            )
+        xids.add(int(item))
+    return frozenset(xids), False
+
+
+def xid_policy(environ: Mapping[str, str]) -> XidPolicy:
+    disabled, ignore_all = _xid_list(DISABLE_HEALTHCHECKS_ENV, environ.get(DISABLE_HEALTHCHECKS_ENV, ""))
+    enabled, enable_all = _xid_list(ENABLE_HEALTHCHECKS_ENV, environ.get(ENABLE_HEALTHCHECKS_ENV, ""))
+    return XidPolicy(ignored=APPLICATION_XIDS | disabled, ignore_all=ignore_all, enabled=enabled, enable_all=enable_all)
 
 
 def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
@@ -434,6 +520,8 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     except ValueError as exc:
         raise UsageError(f"{exc}; see --help for the accepted values") from None
     snapshot = _pick("node_snapshot", cli, environ, None)
+    grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
+    recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
     return Settings(
         config_file=path,
         sharing=sharing,
@@ -446,4 +534,10 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         output=cli.get("output") or "text",
         log_format=log_format,
         log_level=log_level,
+        pod_resources_socket=Path(
+            _pick("pod_resources_socket", cli, environ, flags.pod_resources_socket) or DEFAULT_POD_RESOURCES_SOCKET
+        ),
+        reconcile_grace_s=DEFAULT_RECONCILE_GRACE_S if grace is None else grace,
+        health_recovery_s=DEFAULT_HEALTH_RECOVERY_S if recovery is None else recovery,
+        xid_policy=xid_policy(environ),
     )

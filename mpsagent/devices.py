@@ -67,3 +67,15 @@ class NodeGpus:
     driver_version: str
     gpus: tuple[Gpu, ...]
     source: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class ContainerRef:
+    """A container as the kubelet's pod-resources API names it."""
+
+    namespace: str
+    pod: str
+    container: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from mpsagent.devices import ReplicaId
+from mpsagent.devices import ContainerRef, ReplicaId
 from mpsagent.plan import CapMode
 
 
@@ -22,6 +22,12 @@ class Grant:
     kind: CapMode
     granted_at: float
     superseded_ids: tuple[ReplicaId, ...] = ()
+    owner: ContainerRef | None = None
+    """The container holding the grant, once the kubelet's pod-resources API has listed it."""
+    adopted: bool = False
+    """Learned from the kubelet's listing rather than from an Allocate of this agent."""
+    missing_since: float | None = None
+    """Monotonic time of the first listing that no longer showed the grant (reconciliation's grace clock)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +41,9 @@ class RecordResult:
 class LedgerStatistics:
     grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
     regranted_replicas: int = 0
-    live_grants: int = 0
+    adopted_grants: int = 0
+    released_grants: int = 0
+    live_grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
 
 
 class Ledger:
@@ -47,6 +55,19 @@ class Ledger:
         self._stats = LedgerStatistics()
 
     def record(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode) -> RecordResult:
+        """Record an Allocate's grant."""
+        result = self._add(replica_ids, kind, owner=None)
+        self._stats.grants[kind] += 1
+        self._stats.regranted_replicas += len(result.grant.superseded_ids)
+        return result
+
+    def adopt(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode, owner: ContainerRef) -> RecordResult:
+        """Record a grant the kubelet lists but this agent never saw allocated (made before it started)."""
+        result = self._add(replica_ids, kind, owner=owner)
+        self._stats.adopted_grants += 1
+        return result
+
+    def _add(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode, owner: ContainerRef | None) -> RecordResult:
         ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
         ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
         regranted = tuple(r for r in replica_ids if any(r in g.replica_ids for g in ended))
@@ -56,18 +77,19 @@ class Ledger:
             kind=kind,
             granted_at=self._wall(),
             superseded_ids=regranted,
+            owner=owner,
+            adopted=owner is not None,
         )
         self._live[grant.grant_id] = grant
         for replica in replica_ids:
             self._holder[replica] = grant.grant_id
-        self._stats.grants[kind] += 1
-        self._stats.regranted_replicas += len(regranted)
         return RecordResult(grant=grant, ended=ended)
 
-    def release(self, replica_ids: Iterable[ReplicaId]) -> tuple[Grant, ...]:
-        """End every grant holding one of these replicas (the pod that held them is gone)."""
-        grant_ids = {self._holder[r] for r in replica_ids if r in self._holder}
-        return tuple(self._end(grant_id) for grant_id in sorted(grant_ids))
+    def release(self, grant_ids: Iterable[int]) -> tuple[Grant, ...]:
+        """End these grants (the containers that held them are gone)."""
+        released = tuple(self._end(grant_id) for grant_id in sorted(set(grant_ids)) if grant_id in self._live)
+        self._stats.released_grants += len(released)
+        return released
 
     def _end(self, grant_id: int) -> Grant:
         grant = self._live.pop(grant_id)
@@ -83,12 +105,20 @@ class Ledger:
         grant_id = self._holder.get(replica_id)
         return self._live[grant_id] if grant_id is not None else None
 
+    def held_replicas(self) -> int:
+        return len(self._holder)
+
     def has_live(self, kind: CapMode) -> bool:
         return any(grant.kind is kind for grant in self._live.values())
 
     def statistics(self) -> LedgerStatistics:
+        live = dict.fromkeys(CapMode, 0)
+        for grant in self._live.values():
+            live[grant.kind] += 1
         return LedgerStatistics(
             grants=dict(self._stats.grants),
             regranted_replicas=self._stats.regranted_replicas,
-            live_grants=len(self._live),
+            adopted_grants=self._stats.adopted_grants,
+            released_grants=self._stats.released_grants,
+            live_grants=live,
         )

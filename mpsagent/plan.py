@@ -287,6 +287,17 @@ def daemon_mode_for(resource: ResourcePlan, capped_grants_live: bool) -> CapMode
     return CapMode.CAPPED if resource.enforce_caps and capped_grants_live else CapMode.FULL
 
 
+def unreconciled_mode(resource: ResourcePlan, adopted: CapMode | None) -> CapMode:
+    """What the daemon holds while the agent cannot yet know the live grants (pod-resources unanswered).
+
+    An adopted daemon keeps its mode: its clients were admitted under it. A new daemon is capped, so that no
+    container started before the agent escapes its caps; the first full grant or reconciliation lifts it.
+    """
+    if adopted is not None:
+        return adopted
+    return daemon_mode_for(resource, capped_grants_live=True)
+
+
 # --- grants -------------------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from tests.fakes.nvml.build import build_fake_nvml
 from tests.kubelet.fake import FakeKubelet, wait_for
+from tests.kubelet.podresources import FakePodResources
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -124,7 +125,18 @@ class AgentLauncher:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "mpsagent", "--log-format", "json", "--log-level", "debug", *args],
+                [
+                    sys.executable,
+                    "-m",
+                    "mpsagent",
+                    "--log-format",
+                    "json",
+                    "--log-level",
+                    "debug",
+                    "--pod-resources-socket",
+                    str(pod_resources_socket(self.directory)),
+                    *args,
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -150,11 +162,23 @@ def agents(short_dir: Path) -> Iterator[AgentLauncher]:
 
 
 @pytest.fixture
-def kubelet(short_dir: Path) -> Iterator[FakeKubelet]:
+def kubelet(short_dir: Path, pod_resources: FakePodResources) -> Iterator[FakeKubelet]:
     (short_dir / "dp").mkdir()
     fake = FakeKubelet(short_dir / "dp" / "kubelet.sock").start()
     yield fake
     fake.stop()
+
+
+@pytest.fixture
+def pod_resources(short_dir: Path) -> Iterator[FakePodResources]:
+    """The kubelet's pod-resources endpoint; agents started by `agents` use it (an empty listing by default)."""
+    fake = FakePodResources(pod_resources_socket(short_dir)).start()
+    yield fake
+    fake.stop()
+
+
+def pod_resources_socket(directory: Path) -> Path:
+    return directory / "pr" / "kubelet.sock"
 
 
 @pytest.fixture(scope="session")

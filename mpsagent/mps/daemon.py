@@ -23,7 +23,14 @@ from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
-from mpsagent.plan import CapMode, ResourcePlan, daemon_default_steps, daemon_launch, running_server_commands
+from mpsagent.plan import (
+    CapMode,
+    ResourcePlan,
+    daemon_default_steps,
+    daemon_launch,
+    running_server_commands,
+    unreconciled_mode,
+)
 
 log = get_logger(__name__)
 
@@ -55,15 +62,17 @@ class DaemonSupervisor:
         gpu_source: GpuSource,
         control_bin: str,
         on_exit: MpsOnExit,
-        initial_mode: CapMode = CapMode.FULL,
+        initial_mode: CapMode | None,
     ) -> None:
+        """`initial_mode` None: the live grants are not known yet (see plan.unreconciled_mode)."""
         self._resource = resource
         self._inventory = inventory
         self._gpus = gpu_source
         self._control_bin = control_bin
         self._on_exit = on_exit
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
-        self._wanted = initial_mode
+        self._wanted = initial_mode or unreconciled_mode(resource, adopted=None)
+        self._mode_known = initial_mode is not None
         self._held: CapMode | None = None
         self._process: Process | None = None
         self._pid: int | None = None
@@ -89,6 +98,7 @@ class DaemonSupervisor:
     async def set_mode(self, mode: CapMode) -> None:
         """Make the daemon hold `mode` (defaults and running servers); raises DaemonError when it cannot."""
         self._wanted = mode
+        self._mode_known = True
         if self._held is mode:
             return
         if self._pid is None:
@@ -174,6 +184,9 @@ class DaemonSupervisor:
         self._pid = state.pid
         self._original_modes = state.original_compute_modes or self._original_modes
         self._log.info("mps daemon adopted", pid=state.pid, mode=state.mode)
+        if not self._mode_known and state.mode in {mode.value for mode in CapMode}:
+            self._wanted = unreconciled_mode(self._resource, adopted=CapMode(state.mode))
+            self._log.info("cap mode kept until the live grants are known", mode=self._wanted.value)
         return True
 
     async def _start(self) -> None:

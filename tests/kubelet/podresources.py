@@ -1,0 +1,73 @@
+"""A fake of the kubelet's pod-resources endpoint (v1 `List`) on a real unix socket, with a listing the test sets."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tests.kubelet.stubs import pr_grpc, pr_pb2
+
+
+@dataclass(frozen=True)
+class ListedContainer:
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+class FakePodResources(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self._lock = threading.Lock()
+        self._containers: list[ListedContainer] = []
+        self._refusal: grpc.StatusCode | None = None
+        self.calls = 0
+        self._server: grpc.Server | None = None
+
+    def start(self) -> FakePodResources:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pr_grpc.add_PodResourcesListerServicer_to_server(self, self._server)
+        self._server.add_insecure_port(f"unix://{self.socket_path}")
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=0).wait(10)
+            self._server = None
+        self.socket_path.unlink(missing_ok=True)
+
+    def set_containers(self, *containers: ListedContainer) -> None:
+        with self._lock:
+            self._containers = list(containers)
+
+    def refuse(self, code: grpc.StatusCode | None) -> None:
+        """Answer every List with this error status (None: answer normally again)."""
+        with self._lock:
+            self._refusal = code
+
+    def List(self, request: Any, context: grpc.ServicerContext) -> Any:
+        with self._lock:
+            self.calls += 1
+            refusal, containers = self._refusal, list(self._containers)
+        if refusal is not None:
+            context.abort(refusal, "refused by the test")
+        pods: dict[tuple[str, str], Any] = {}
+        for c in containers:
+            pod = pods.setdefault((c.namespace, c.pod), pr_pb2.PodResources(name=c.pod, namespace=c.namespace))
+            pod.containers.append(
+                pr_pb2.ContainerResources(
+                    name=c.container,
+                    devices=[pr_pb2.ContainerDevices(resource_name=c.resource, device_ids=list(c.device_ids))],
+                )
+            )
+        return pr_pb2.ListPodResourcesResponse(pod_resources=list(pods.values()))
