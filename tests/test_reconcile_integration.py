@@ -1,0 +1,170 @@
+"""Reconciliation through the agent's real sockets: a grpcio fake kubelet (device plugin and pod-resources) and
+the real nvidia-cuda-mps-control holding the caps the reconciled ledger needs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from tests.conftest import AgentLauncher
+from tests.kubelet.fake import FakeKubelet, wait_for
+from tests.kubelet.podresources import FakePodResources, ListedContainer
+from tests.test_daemon import control, pipe_of, start
+from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, ids
+
+CAPPED = "25.0"
+FULL = "100.0"
+
+
+def listed(pod: str, device_ids: list[str], container: str = "main") -> ListedContainer:
+    return ListedContainer(
+        namespace="ml", pod=pod, container=container, resource=RESOURCE, device_ids=tuple(device_ids)
+    )
+
+
+def threads(short_dir: Path) -> str:
+    return control(pipe_of(short_dir), "get_default_active_thread_percentage")
+
+
+def wait_threads(short_dir: Path, value: str, timeout: float = 10) -> None:
+    wait_for(lambda: threads(short_dir) == value, timeout, f"daemon default thread percentage {value}")
+
+
+def events(agent, name: str) -> list[dict[str, object]]:
+    return [e for e in agent.log_events() if e.get("event") == name]
+
+
+def test_grants_made_before_the_agent_started_are_adopted_and_keep_the_daemon_capped(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    pod_resources.set_containers(
+        listed("old", ids(GPU0, 1)),
+        # A device of another resource is none of this agent's business.
+        ListedContainer(namespace="ml", pod="nic", container="c", resource="example.com/nic", device_ids=("x",)),
+    )
+    agent = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE)
+    adopted = agent.wait_log("grant adopted from the kubelet")
+    assert adopted["container"] == "ml/old/main" and adopted["kind"] == "capped"
+    assert len(events(agent, "grant adopted from the kubelet")) == 1
+    assert threads(short_dir) == CAPPED
+
+
+def test_a_gone_container_is_released_after_the_grace_period_and_the_daemon_returns_to_full(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "1")
+    plugin = kubelet.wait_registered(RESOURCE)
+    assert threads(short_dir) == FULL
+    allocate(plugin, ids(GPU1, 2))
+    assert threads(short_dir) == CAPPED
+    pod_resources.set_containers(listed("web", ids(GPU1, 2)))
+    identified = agent.wait_log("grant identified")
+    assert identified["container"] == "ml/web/main"
+
+    pod_resources.set_containers()
+    gone_at = time.monotonic()
+    released = agent.wait_log("grant released: its container is gone")
+    assert time.monotonic() - gone_at >= 0.9  # never before the grace period
+    assert released["container"] == "ml/web/main" and released["kind"] == "capped"
+    wait_threads(short_dir, FULL)
+
+
+def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "4")
+    plugin = kubelet.wait_registered(RESOURCE)
+    calls = pod_resources.calls
+    allocate(plugin, ids(GPU0, 0))
+    # Reconciliation runs soon after the Allocate, then twice per grace period.
+    wait_for(lambda: pod_resources.calls >= calls + 2, 3.5, "two reconciliations after the Allocate")
+    assert threads(short_dir) == CAPPED
+    assert events(agent, "grant released: its container is gone") == []
+
+
+def test_when_the_full_grant_is_gone_and_a_capped_one_appears_the_daemon_is_capped(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "1")
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ALL)
+    assert threads(short_dir) == FULL
+    pod_resources.set_containers(listed("train", ALL))
+    agent.wait_log("grant identified")
+    # The training pod ended; the kubelet since admitted a small pod the agent has not heard of (no Allocate seen).
+    pod_resources.set_containers(listed("small", ids(GPU0, 3)))
+    agent.wait_log("grant adopted from the kubelet")
+    wait_threads(short_dir, CAPPED)
+
+
+def test_without_pod_resources_the_agent_serves_starts_capped_and_catches_up_later(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    pod_resources.stop()
+    agent = start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    agent.wait_log("kubelet pod-resources unavailable; grants are not reconciled until it answers")
+    # Containers from before the start may be capped ones: hold the caps until the grants are known.
+    assert threads(short_dir) == CAPPED
+    assert len(allocate(plugin, ids(GPU0, 0)).container_responses) == 1
+    time.sleep(1.5)  # several retries
+    assert len(events(agent, "kubelet pod-resources unavailable; grants are not reconciled until it answers")) == 1
+
+    pod_resources.start()
+    pod_resources.set_containers(listed("a", ids(GPU0, 0)))
+    agent.wait_log("kubelet pod-resources available again", timeout=15)
+    agent.wait_log("grant identified")
+    assert threads(short_dir) == CAPPED
+    pod_resources.set_containers()
+    # The grace period is 60 s by default: the grant is kept.
+    time.sleep(0.5)
+    assert events(agent, "grant released: its container is gone") == []
+
+
+def test_a_refusing_pod_resources_api_is_logged_once_and_the_first_answer_settles_the_mode(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    pod_resources.refuse(grpc.StatusCode.PERMISSION_DENIED)
+    agent = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE)
+    warning = agent.wait_log("kubelet pod-resources unavailable; grants are not reconciled until it answers")
+    assert "refused by the test" in str(warning["reason"])
+    assert threads(short_dir) == CAPPED
+    calls = pod_resources.calls
+    wait_for(lambda: pod_resources.calls >= calls + 2, 10, "retries")
+    assert len(events(agent, "kubelet pod-resources unavailable; grants are not reconciled until it answers")) == 1
+    pod_resources.refuse(None)
+    agent.wait_log("kubelet pod-resources available again", timeout=15)
+    wait_threads(short_dir, FULL)
+
+
+def test_an_agent_restart_without_pod_resources_keeps_the_adopted_daemons_caps(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    first = start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ALL)
+    assert threads(short_dir) == FULL
+    assert first.stop() == 0
+    pod_resources.stop()
+    second = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE, count=2)
+    assert second.wait_log("cap mode kept until the live grants are known")["mode"] == "full"
+    assert threads(short_dir) == FULL
+
+
+def test_reconciliation_stays_far_below_the_kubelets_rate_limit(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    calls = pod_resources.calls
+    began = time.monotonic()
+    for _ in range(200):
+        allocate(plugin, ids(GPU0, 1))
+    elapsed = time.monotonic() - began
+    # At most one List per 0.2 s, plus the one in flight: 5 per second, against the kubelet's 100.
+    assert pod_resources.calls - calls <= elapsed / 0.2 + 2
