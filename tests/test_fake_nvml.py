@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fakes.nvml.build import build_fake_nvml, fake_nvml_env
+from tests.fakes.nvml.control import (
+    EVENT_DOUBLE_BIT_ECC_ERROR,
+    EVENT_PSTATE,
+    EVENT_XID_CRITICAL_ERROR,
+    FakeNvmlDriver,
+)
 
 BUILD_DIR = Path(__file__).parent / ".build"
 SUBPROCESS_TIMEOUT_S = 30
@@ -39,14 +48,15 @@ A100 = {
 }
 CONFIG = {"driverVersion": "550.54.15", "gpus": [H100, A100]}
 
-# Every snippet starts with this: emit() prints the result, error() runs a call and names its NVMLError.
+# Every snippet starts with this: emit() prints the result, error() runs a call and names its NVMLError,
+# event() flattens what nvmlEventSetWait returns.
 PRELUDE = textwrap.dedent(
     """
     import json
     import pynvml
 
     def emit(value):
-        print(json.dumps(value))
+        print(json.dumps(value), flush=True)
 
     def error(fn, *args):
         try:
@@ -54,6 +64,11 @@ PRELUDE = textwrap.dedent(
         except pynvml.NVMLError as exc:
             return [type(exc).__name__, exc.value, str(exc)]
         return None
+
+    def event(ev):
+        # An nvmlEventData_t as [UUID through its device handle, type, data, GPU/compute instance].
+        return [pynvml.nvmlDeviceGetUUID(ev.device), ev.eventType, ev.eventData, ev.gpuInstanceId,
+                ev.computeInstanceId]
     """
 )
 
@@ -65,14 +80,19 @@ class FakeNvml:
         self.library = library
         self.config_path = workdir / "nvml-config.json"
         self.state_path = workdir / "nvml-state.json"
+        self.events_path = workdir / "nvml-events.jsonl"
+        self.driver = FakeNvmlDriver(self.state_path, self.events_path)
         self.last_stderr = ""
+
+    def _env(self, config: dict[str, Any] | str) -> dict[str, str]:
+        self.config_path.write_text(config if isinstance(config, str) else json.dumps(config))
+        return fake_nvml_env(self.library, self.config_path, self.state_path, events=self.events_path)
 
     def run(self, config: dict[str, Any] | str, code: str) -> Any:
         """Write config (a dict, or raw text), run PRELUDE + code, return what it emit()ted."""
-        self.config_path.write_text(config if isinstance(config, str) else json.dumps(config))
         proc = subprocess.run(
             [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-            env=fake_nvml_env(self.library, self.config_path, self.state_path),
+            env=self._env(config),
             capture_output=True,
             text=True,
             timeout=SUBPROCESS_TIMEOUT_S,
@@ -81,6 +101,53 @@ class FakeNvml:
         self.last_stderr = proc.stderr
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    @contextlib.contextmanager
+    def start(self, config: dict[str, Any], code: str) -> Iterator[Child]:
+        """Run PRELUDE + code in the background, to talk to it step by step (see Child)."""
+        # SIGALRM's default action ends a stuck child, which unblocks Child.recv's readline.
+        prelude = PRELUDE + f"import signal, sys\nsignal.alarm({SUBPROCESS_TIMEOUT_S})\n"
+        prelude += "def proceed():\n    assert sys.stdin.readline() == 'go\\n'\n"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", prelude + textwrap.dedent(code)],
+            env=self._env(config),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            yield Child(proc)
+            assert proc.stdin is not None
+            proc.stdin.close()
+            assert proc.wait(timeout=SUBPROCESS_TIMEOUT_S) == 0, proc.stderr.read() if proc.stderr else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=SUBPROCESS_TIMEOUT_S)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+class Child:
+    """A background snippet: recv() is its next emit(), go() lets its next proceed() return."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    def recv(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=SUBPROCESS_TIMEOUT_S)
+            pytest.fail(f"child exited with {code}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+        return json.loads(line)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
 
 @pytest.fixture(scope="session")
@@ -402,3 +469,229 @@ def test_bad_config_fails_init_loudly(nvml: FakeNvml, config: dict[str, Any]) ->
 def test_malformed_json_fails_init_loudly(nvml: FakeNvml) -> None:
     assert nvml.run('{"gpus": [}', "emit(error(pynvml.nvmlInit))")[:2] == ["NVMLError_Unknown", 999]
     assert "invalid JSON" in nvml.last_stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Events (FAKE_NVML_EVENTS), lost GPUs and running processes (FAKE_NVML_STATE) at run time
+# ------------------------------------------------------------------------------------------------
+
+NO_INSTANCE = 0xFFFFFFFF
+
+
+def test_events_reach_only_their_set_devices_and_types(nvml: FakeNvml) -> None:
+    nvml.driver.emit_xid(H100["uuid"], 13)  # before the set exists: never delivered
+    code = """
+        import time
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        supported = [pynvml.nvmlDeviceGetSupportedEventTypes(h) for h in (h0, h1)]
+        s = pynvml.nvmlEventSetCreate()
+        pynvml.nvmlDeviceRegisterEvents(
+            h0, pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError, s
+        )
+        emit(supported)
+        proceed()
+        got = [event(pynvml.nvmlEventSetWait(s, 5000)), event(pynvml.nvmlEventSetWait_v2(s, 5000))]
+        t0 = time.monotonic()
+        timeout = error(pynvml.nvmlEventSetWait, s, 100)
+        emit({"events": got, "timeout": timeout, "waited": time.monotonic() - t0})
+        pynvml.nvmlEventSetFree(s)
+        emit(error(pynvml.nvmlEventSetWait, s, 0))
+        """
+    with nvml.start(CONFIG, code) as child:
+        assert child.recv() == [0xF, 0xF]
+        driver = nvml.driver
+        driver.emit_xid(A100["uuid"], 31)  # device not registered to the set
+        driver.emit_event(H100["uuid"], EVENT_PSTATE)  # type not registered
+        driver.emit_xid("GPU-not-in-the-config", 48)
+        driver.emit_xid(H100["uuid"], 79)
+        driver.emit_event(H100["uuid"], EVENT_DOUBLE_BIT_ECC_ERROR, 7)
+        child.go()
+        out = child.recv()
+        assert out["events"] == [
+            [H100["uuid"], EVENT_XID_CRITICAL_ERROR, 79, NO_INSTANCE, NO_INSTANCE],
+            [H100["uuid"], EVENT_DOUBLE_BIT_ECC_ERROR, 7, NO_INSTANCE, NO_INSTANCE],
+        ]
+        assert out["timeout"] == ["NVMLError_Timeout", 10, "Timeout"]
+        assert 0.09 <= out["waited"] < 2
+        assert child.recv()[:2] == ["NVMLError_InvalidArgument", 2]  # freed set
+
+
+def test_wait_does_not_block_other_calls_nor_take_half_lines(nvml: FakeNvml) -> None:
+    code = """
+        import threading, time
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(1)
+        s = pynvml.nvmlEventSetCreate()  # the events file does not exist yet
+        pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, s)
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(event(pynvml.nvmlEventSetWait(s, 10000))))
+        waiter.start()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        for _ in range(20):
+            pynvml.nvmlDeviceGetMemoryInfo(h)
+        emit({"calls": time.monotonic() - t0, "waiting": waiter.is_alive()})
+        waiter.join(10)
+        emit(result)
+        """
+    with nvml.start(CONFIG, code) as child:
+        first = child.recv()
+        assert first["waiting"]
+        assert first["calls"] < 1
+        line = json.dumps({"uuid": A100["uuid"], "xid": 94}).encode() + b"\n"
+        with nvml.events_path.open("ab", buffering=0) as f:
+            f.write(line[:20])  # the waiter polls every 5 ms: it must leave this half line alone
+            time.sleep(0.05)
+            f.write(line[20:])
+        assert child.recv() == [[A100["uuid"], EVENT_XID_CRITICAL_ERROR, 94, NO_INSTANCE, NO_INSTANCE]]
+
+
+def test_failed_wait_is_reported_once_by_every_set(nvml: FakeNvml) -> None:
+    config = {"gpus": [{**H100, "supportedEventTypes": 8}, {**A100, "registerEventsError": 17}]}
+    code = """
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        sets = [pynvml.nvmlEventSetCreate() for _ in range(2)]
+        for s in sets:
+            pynvml.nvmlDeviceRegisterEvents(h0, pynvml.nvmlEventTypeXidCriticalError, s)
+        emit({
+            "supported": pynvml.nvmlDeviceGetSupportedEventTypes(h0),
+            "unsupported": error(pynvml.nvmlDeviceRegisterEvents, h0, pynvml.nvmlEventTypeDoubleBitEccError, sets[0]),
+            "registerError": error(pynvml.nvmlDeviceRegisterEvents, h1, pynvml.nvmlEventTypeXidCriticalError, sets[0]),
+        })
+        proceed()
+        emit([[error(pynvml.nvmlEventSetWait, s, 5000), event(pynvml.nvmlEventSetWait(s, 5000))] for s in sets])
+        emit(error(pynvml.nvmlEventSetWait, sets[0], 20))
+        """
+    with nvml.start(config, code) as child:
+        assert child.recv() == {
+            "supported": EVENT_XID_CRITICAL_ERROR,
+            "unsupported": ["NVMLError_NotSupported", 3, "Not Supported"],
+            "registerError": ["NVMLError_OperatingSystem", 17, "The operating system has blocked the request."],
+        }
+        nvml.driver.fail_next_wait(999)
+        nvml.driver.emit_xid(H100["uuid"], 48)
+        child.go()
+        xid48 = [H100["uuid"], EVENT_XID_CRITICAL_ERROR, 48, NO_INSTANCE, NO_INSTANCE]
+        unknown = ["NVMLError_Unknown", 999, "Unknown Error"]
+        assert child.recv() == [[unknown, xid48], [unknown, xid48]]
+        assert child.recv()[:2] == ["NVMLError_Timeout", 10]
+
+
+def test_gpu_lost_and_found_while_running(nvml: FakeNvml) -> None:
+    code = """
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        def snapshot():
+            return {
+                "mem": error(pynvml.nvmlDeviceGetMemoryInfo, h0),
+                "procs": error(pynvml.nvmlDeviceGetComputeRunningProcesses, h0),
+                "uuid": pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByUUID(pynvml.nvmlDeviceGetUUID(h0))),
+                "other": error(pynvml.nvmlDeviceGetMemoryInfo, h1),
+            }
+        for _ in range(3):
+            emit(snapshot())
+            proceed()
+        """
+    with nvml.start(CONFIG, code) as child:
+        usable = {"mem": None, "procs": None, "uuid": H100["uuid"], "other": None}
+        assert child.recv() == usable
+        nvml.driver.lose(H100["uuid"])
+        child.go()
+        lost_error = ["NVMLError_GpuIsLost", 15, "GPU is lost"]
+        assert child.recv() == {**usable, "mem": lost_error, "procs": lost_error}
+        assert nvml.driver.lost() == [H100["uuid"]]
+        nvml.driver.find(H100["uuid"])
+        child.go()
+        assert child.recv() == usable
+        child.go()
+
+
+def test_compute_mode_writes_keep_the_rest_of_the_state(nvml: FakeNvml) -> None:
+    nvml.driver.lose(A100["uuid"])
+    nvml.driver.set_processes(H100["uuid"], [(1234, 1 << 20)])
+    nvml.driver.set_processes(H100["uuid"], [(1234, None)], mps=True)
+    out = nvml.run(
+        CONFIG,
+        """
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        pynvml.nvmlDeviceSetComputeMode(h0, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+        emit([pynvml.nvmlDeviceGetComputeMode(h0), error(pynvml.nvmlDeviceGetComputeMode, h1)])
+        """,
+    )
+    assert out == [3, ["NVMLError_GpuIsLost", 15, "GPU is lost"]]
+    assert nvml.driver.read() == {
+        "computeModes": {H100["uuid"]: 3, A100["uuid"]: 2},
+        "lost": [A100["uuid"]],
+        "processes": {H100["uuid"]: [{"pid": 1234, "usedGpuMemory": 1 << 20}]},
+        "mpsProcesses": {H100["uuid"]: [{"pid": 1234, "usedGpuMemory": None}]},
+    }
+
+
+def test_running_processes_from_the_state(nvml: FakeNvml) -> None:
+    driver = nvml.driver
+    driver.set_processes(H100["uuid"], [(1234, 1 << 20), (5678, None)])
+    driver.set_processes(H100["uuid"], [(4321, 3 << 30)], mps=True)
+    code = """
+        import ctypes
+        pynvml.nvmlInit()
+        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2))
+        lib = pynvml.nvmlLib
+
+        def procs(fn, h):
+            return [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in fn(h)]
+
+        def raw_v1(name):
+            # The unversioned calls take the two-field nvmlProcessInfo_v1_t.
+            class V1(ctypes.Structure):
+                _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+            count = ctypes.c_uint(1)
+            probe = [getattr(lib, name)(h0, ctypes.byref(count), None), count.value]
+            infos = (V1 * 3)()
+            count.value = 3
+            rc = getattr(lib, name)(h0, ctypes.byref(count), infos)
+            return probe + [rc, [[infos[i].pid, infos[i].usedGpuMemory] for i in range(count.value)]]
+
+        def snapshot():
+            return {
+                "v3": procs(pynvml.nvmlDeviceGetComputeRunningProcesses, h0),
+                "v2": procs(pynvml.nvmlDeviceGetComputeRunningProcesses_v2, h0),
+                "mps_v3": procs(pynvml.nvmlDeviceGetMPSComputeRunningProcesses, h0),
+                "mps_v2": procs(pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2, h0),
+                "other": [pynvml.nvmlDeviceGetComputeRunningProcesses(h1),
+                          pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h1)],
+                "v1": raw_v1("nvmlDeviceGetComputeRunningProcesses"),
+                "mps_v1": raw_v1("nvmlDeviceGetMPSComputeRunningProcesses"),
+            }
+        emit(snapshot())
+        proceed()
+        emit(snapshot())
+        """
+    with nvml.start(CONFIG, code) as child:
+        out = child.recv()
+        # pynvml turns NVML_VALUE_NOT_AVAILABLE (null in the state) into None.
+        compute = [[1234, 1 << 20, NO_INSTANCE, NO_INSTANCE], [5678, None, NO_INSTANCE, NO_INSTANCE]]
+        mps = [[4321, 3 << 30, NO_INSTANCE, NO_INSTANCE]]
+        assert out == {
+            "v3": compute,
+            "v2": compute,
+            "mps_v3": mps,
+            "mps_v2": mps,
+            "other": [[], []],
+            "v1": [7, 2, 0, [[1234, 1 << 20], [5678, 0xFFFFFFFFFFFFFFFF]]],
+            "mps_v1": [2, 1, 0, [[4321, 3 << 30]]],  # enough room but no array
+        }
+        driver.set_processes(H100["uuid"], [])
+        driver.set_processes(H100["uuid"], [(99, 0)], mps=True)
+        child.go()
+        out = child.recv()
+        assert out["v3"] == out["v1"][3] == []
+        assert out["mps_v3"] == [[99, 0, NO_INSTANCE, NO_INSTANCE]]
+
+
+def test_bad_state_file_fails_loudly(nvml: FakeNvml) -> None:
+    nvml.state_path.write_text(json.dumps({"lost": "GPU-not-a-list"}))
+    assert nvml.run(CONFIG, "emit(error(pynvml.nvmlInit))")[:2] == ["NVMLError_Unknown", 999]
+    assert '"lost" must be an array' in nvml.last_stderr

@@ -41,15 +41,25 @@ def build_fake_nvml(out_dir: Path) -> Path:
 
 
 def fake_nvml_env(
-    library: Path, config: Path, state: Path | None = None, base: dict[str, str] | None = None
+    library: Path,
+    config: Path,
+    state: Path | None = None,
+    base: dict[str, str] | None = None,
+    events: Path | None = None,
 ) -> dict[str, str]:
-    """Environment for a subprocess whose pynvml should load the fake ``library``."""
+    """Environment for a subprocess whose pynvml should load the fake ``library``.
+
+    ``config`` becomes FAKE_NVML_CONFIG; ``state`` (shared driver state: compute modes, lost GPUs,
+    processes) FAKE_NVML_STATE and ``events`` (JSON lines that event sets read) FAKE_NVML_EVENTS.
+    Either is removed from the environment when None. See fake_nvml.c and control.py.
+    """
     env = dict(os.environ if base is None else base)
     lib_dir = str(Path(library).parent)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib_dir, env.get("LD_LIBRARY_PATH")) if p)
     env["FAKE_NVML_CONFIG"] = str(config)
-    if state is None:
-        env.pop("FAKE_NVML_STATE", None)
-    else:
-        env["FAKE_NVML_STATE"] = str(state)
+    for name, path in (("FAKE_NVML_STATE", state), ("FAKE_NVML_EVENTS", events)):
+        if path is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(path)
     return env

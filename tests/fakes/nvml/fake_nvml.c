@@ -7,11 +7,55 @@
  *      "gpus": [{"uuid": "GPU-...", "name": "...", "memoryTotal": 85520809984, "memoryUsed": 0,
  *                "major": 9, "minor": 0, "pciBusId": "00000000:18:00.0",
  *                "pciDeviceId": 2335379678, "pciSubSystemId": 381751518, "minorNumber": 0,
- *                "migMode": 0, "computeMode": 0, "setComputeModeError": 0, "lost": false}]}
+ *                "migMode": 0, "computeMode": 0, "setComputeModeError": 0, "lost": false,
+ *                "supportedEventTypes": 15, "registerEventsError": 0}]}
  *     Every key is optional; unknown keys are ignored. A GPU's index is its position in "gpus".
- *   FAKE_NVML_STATE   optional path of the shared compute-mode state, {"computeModes": {"GPU-...": 3}}.
- *     It stands in for the driver: nvmlDeviceGetComputeMode reads it, nvmlDeviceSetComputeMode
- *     rewrites it (temp file + rename, under flock of "<path>.lock"), so other processes see changes.
+ *     migMode -1 means MIG is not supported. setComputeModeError / registerEventsError, when
+ *     non-zero, is the nvmlReturn_t that nvmlDeviceSetComputeMode / nvmlDeviceRegisterEvents
+ *     returns. supportedEventTypes is what nvmlDeviceGetSupportedEventTypes reports (default 0xF:
+ *     SingleBitEccError 0x1 | DoubleBitEccError 0x2 | PState 0x4 | XidCriticalError 0x8);
+ *     registering any other type fails with NVML_ERROR_NOT_SUPPORTED.
+ *
+ *   FAKE_NVML_STATE   optional path of the shared state that stands in for the driver:
+ *     {"computeModes": {"GPU-...": 3},
+ *      "lost": ["GPU-..."],
+ *      "processes": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
+ *      "mpsProcesses": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]}}
+ *     Every key is optional; a missing file is an empty state. It is re-read by nvmlInit* and by
+ *     every call that takes a device handle (except nvmlDeviceGetHandleBy*), so changes written
+ *     by other processes show up at once:
+ *       computeModes  a GPU's entry wins over its config "computeMode". nvmlDeviceSetComputeMode
+ *                     rewrites the file (temp file + rename, under an exclusive flock of
+ *                     "<path>.lock"), keeping every other key and other UUIDs' entries.
+ *       lost          a GPU is lost if its config says "lost": true or the list names it. Lost
+ *                     GPUs still have handles, a UUID and their registered events; every other
+ *                     device call returns NVML_ERROR_GPU_IS_LOST. Removing a UUID from the list
+ *                     makes the GPU usable again.
+ *       processes     what nvmlDeviceGetComputeRunningProcesses{,_v2,_v3} report per GPU;
+ *       mpsProcesses  what nvmlDeviceGetMPSComputeRunningProcesses{,_v2,_v3} report. Per process:
+ *                     "pid"; "usedGpuMemory" (default 0, null = NVML_VALUE_NOT_AVAILABLE);
+ *                     "gpuInstanceId" / "computeInstanceId" (default 0xFFFFFFFF, i.e. not MIG).
+ *     Writers other than this library must take the same flock and replace the file atomically.
+ *
+ *   FAKE_NVML_EVENTS  optional path of an append-only JSON-lines file of events, e.g.
+ *       {"uuid": "GPU-...", "xid": 79}            XidCriticalError (0x8) with eventData 79
+ *       {"uuid": "GPU-...", "eventType": 2}       any other type; "eventData" defaults to 0
+ *       {"error": 999}                            the next nvmlEventSetWait* returns this code
+ *     Optional per event: "eventType" (default 0x8), "eventData" (default: "xid", else 0),
+ *     "gpuInstanceId" / "computeInstanceId" (default 0xFFFFFFFF). Lines whose "uuid" is not in
+ *     the config, blank lines and malformed lines (the last are reported on stderr) are skipped.
+ *     Each event set reads the file from where it stood when nvmlEventSetCreate ran (a missing
+ *     file counts as empty) and consumes each complete line once, in order: an event is delivered
+ *     when its GPU is registered to the set with at least one of its type bits (lost or not); an
+ *     "error" line is returned once by every set that reaches it. A last line without its '\n'
+ *     is left until it is complete; a file that shrinks is read again from its start. Writers
+ *     must append whole lines with one write(). nvmlEventSetWait* polls the file every 5 ms
+ *     without holding the library lock, and returns NVML_ERROR_TIMEOUT after timeoutms (at once
+ *     for 0; always, when FAKE_NVML_EVENTS is unset). nvmlEventSetWait_v2 fills nvmlEventData_t
+ *     (device, eventType, eventData, gpuInstanceId, computeInstanceId); the unversioned
+ *     nvmlEventSetWait fills the older layout without the instance IDs. Registrations are kept
+ *     by GPU index, so a set outlives nvmlShutdown/nvmlInit only while "gpus" keeps its order.
+ *   tests/fakes/nvml/control.py (FakeNvmlDriver) writes both files from Python.
  */
 
 #define _GNU_SOURCE
@@ -24,6 +68,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------------------------------------
@@ -115,12 +161,30 @@ typedef struct {
     char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
 } nvmlPciInfo_t;
 
+/* nvmlProcessInfo_v1_t: what the unversioned nvmlDevice*RunningProcesses take. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+/* nvmlProcessInfo_v2_t, also nvml.h's nvmlProcessInfo_t: what the _v2 and _v3 calls take. */
 typedef struct {
     unsigned int pid;
     unsigned long long usedGpuMemory;
     unsigned int gpuInstanceId;
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
+
+#define NVML_VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+#define NVML_NO_INSTANCE_ID 0xFFFFFFFFU
+
+#define nvmlEventTypeSingleBitEccError 0x1ULL
+#define nvmlEventTypeDoubleBitEccError 0x2ULL
+#define nvmlEventTypePState 0x4ULL
+#define nvmlEventTypeXidCriticalError 0x8ULL
+#define FAKE_DEFAULT_EVENT_TYPES                                                                   \
+    (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypePState |        \
+     nvmlEventTypeXidCriticalError)
 
 /* ------------------------------------------------------------------------------------------------
  * Fake state
@@ -144,10 +208,37 @@ struct fake_gpu {
     unsigned int config_compute_mode; /* from FAKE_NVML_CONFIG */
     unsigned int compute_mode;   /* effective: state file entry if any, else config */
     int set_compute_mode_error;  /* non-zero: nvmlDeviceSetComputeMode returns it */
-    int lost;
+    int config_lost;             /* "lost" in FAKE_NVML_CONFIG */
+    int lost;                    /* effective: config_lost, or listed in the state file's "lost" */
+    unsigned long long supported_event_types;
+    int register_events_error;   /* non-zero: nvmlDeviceRegisterEvents returns it */
 };
 
 typedef struct fake_gpu *nvmlDevice_t;
+
+/* nvmlEventData_t as nvmlEventSetWait_v2 fills it. */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+/* The older layout that the unversioned nvmlEventSetWait fills. */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+} nvmlEventData_v1_t;
+
+struct fake_event_set {
+    struct fake_event_set *next;          /* in g_event_sets */
+    off_t offset;                         /* bytes of FAKE_NVML_EVENTS already consumed */
+    unsigned long long registered[MAX_GPUS]; /* event types registered, by GPU index */
+};
+
+typedef struct fake_event_set *nvmlEventSet_t;
 
 struct fake_system {
     char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
@@ -161,6 +252,8 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned int g_init_count;   /* nvmlInit/nvmlShutdown reference count */
 static struct fake_system g_sys;    /* handles point into g_sys.gpus, so it is updated in place */
 static struct fake_system g_scratch; /* config being loaded; copied to g_sys on success */
+static struct json *g_state;        /* FAKE_NVML_STATE as last read by enter_device(); may be NULL */
+static struct fake_event_set *g_event_sets; /* live event sets, to validate handles */
 
 static void complain(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -577,7 +670,7 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     char where[64], bus_id[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
     long long total = 80LL << 30, used = 0, major = 9, minor = 0, minor_number = index;
     long long device_id = 0x233010DE, subsystem_id = 0x16C110DE;
-    long long mig = 0, mode = 0, set_error = 0;
+    long long mig = 0, mode = 0, set_error = 0, events = (long long)FAKE_DEFAULT_EVENT_TYPES, register_error = 0;
     unsigned int domain, bus, device, function;
     int lost = 0, rc = 0;
 
@@ -605,6 +698,8 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     rc |= get_int(obj, "computeMode", 0, NVML_COMPUTEMODE_COUNT - 1, &mode, where);
     rc |= get_int(obj, "setComputeModeError", 0, INT32_MAX, &set_error, where);
     rc |= get_bool(obj, "lost", &lost, where);
+    rc |= get_int(obj, "supportedEventTypes", 0, INT64_MAX, &events, where);
+    rc |= get_int(obj, "registerEventsError", 0, INT32_MAX, &register_error, where);
     if (rc)
         return -1;
     if (used > total) {
@@ -633,7 +728,9 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     g->mig_mode = (int)mig;
     g->config_compute_mode = g->compute_mode = (unsigned int)mode;
     g->set_compute_mode_error = (int)set_error;
-    g->lost = lost;
+    g->config_lost = g->lost = lost;
+    g->supported_event_types = (unsigned long long)events;
+    g->register_events_error = (int)register_error;
     return 0;
 }
 
@@ -693,10 +790,46 @@ static int load_config(struct fake_system *sys)
     return rc ? -1 : 0;
 }
 
+/* Checks a "processes"/"mpsProcesses" member: {uuid: [{"pid": N, "usedGpuMemory": N|null, ...}]}. */
+static int check_processes(const char *path, const struct json *procs)
+{
+    long long scratch;
+    int rc = 0;
+
+    if (!procs || procs->type == J_NULL)
+        return 0;
+    if (procs->type != J_OBJECT) {
+        complain("%s: \"%s\" must be an object {uuid: [process, ...]}", path, procs->key);
+        return -1;
+    }
+    for (const struct json *list = procs->child; list && !rc; list = list->next) {
+        char where[160];
+        snprintf(where, sizeof(where), "%s: %s[%.100s]", path, procs->key, list->key);
+        if (list->type != J_ARRAY) {
+            complain("%s must be an array", where);
+            return -1;
+        }
+        for (const struct json *p = list->child; p && !rc; p = p->next) {
+            const struct json *mem = json_get(p, "usedGpuMemory");
+            if (p->type != J_OBJECT || !json_get(p, "pid")) {
+                complain("%s: every process must be an object with a \"pid\"", where);
+                return -1;
+            }
+            rc |= get_int(p, "pid", 0, UINT32_MAX, &scratch, where);
+            if (!mem || mem->type != J_NULL)
+                rc |= get_int(p, "usedGpuMemory", 0, INT64_MAX, &scratch, where);
+            rc |= get_int(p, "gpuInstanceId", 0, UINT32_MAX, &scratch, where);
+            rc |= get_int(p, "computeInstanceId", 0, UINT32_MAX, &scratch, where);
+        }
+    }
+    return rc ? -1 : 0;
+}
+
 /* Reads FAKE_NVML_STATE (if set and present) into *out; NULL means "no state". */
 static nvmlReturn_t read_state(struct json **out)
 {
     const char *path = getenv("FAKE_NVML_STATE");
+    const struct json *modes, *lost;
     struct json *root;
     int missing;
 
@@ -706,40 +839,75 @@ static nvmlReturn_t read_state(struct json **out)
     root = json_load(path, &missing);
     if (!root)
         return missing ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
-    const struct json *modes = json_get(root, "computeModes");
-    if (!modes || modes->type != J_OBJECT) {
-        complain("%s: expected {\"computeModes\": {uuid: mode, ...}}", path);
-        json_free(root);
-        return NVML_ERROR_UNKNOWN;
+    if (root->type != J_OBJECT) {
+        complain("%s: expected {\"computeModes\": {...}, \"lost\": [...], \"processes\": {...}}", path);
+        goto bad;
     }
-    for (const struct json *m = modes->child; m; m = m->next) {
+    modes = json_get(root, "computeModes");
+    if (modes && modes->type != J_OBJECT && modes->type != J_NULL) {
+        complain("%s: \"computeModes\" must be an object {uuid: mode}", path);
+        goto bad;
+    }
+    for (const struct json *m = modes ? modes->child : NULL; m; m = m->next) {
         if (m->type != J_NUMBER || !m->is_int || m->inum < 0 || m->inum >= NVML_COMPUTEMODE_COUNT) {
             complain("%s: compute mode of %s must be an integer in [0, 3]", path, m->key);
-            json_free(root);
-            return NVML_ERROR_UNKNOWN;
+            goto bad;
         }
     }
+    lost = json_get(root, "lost");
+    if (lost && lost->type != J_ARRAY && lost->type != J_NULL) {
+        complain("%s: \"lost\" must be an array of UUIDs", path);
+        goto bad;
+    }
+    for (const struct json *u = lost ? lost->child : NULL; u; u = u->next) {
+        if (u->type != J_STRING) {
+            complain("%s: \"lost\" must be an array of UUIDs", path);
+            goto bad;
+        }
+    }
+    if (check_processes(path, json_get(root, "processes")) ||
+        check_processes(path, json_get(root, "mpsProcesses")))
+        goto bad;
     *out = root;
     return NVML_SUCCESS;
+bad:
+    json_free(root);
+    return NVML_ERROR_UNKNOWN;
 }
 
-/* Effective compute modes: the state file's entry for a GPU wins over the config. */
+static int state_lists_lost(const struct json *state, const char *uuid)
+{
+    const struct json *lost = json_get(state, "lost");
+    for (const struct json *u = lost ? lost->child : NULL; u; u = u->next)
+        if (u->type == J_STRING && strcmp(u->str, uuid) == 0)
+            return 1;
+    return 0;
+}
+
+/* Effective compute modes (the state file's entry for a GPU wins over the config) and lost flags.
+ * Without a state, compute modes stay as they are (changed in this process only). */
 static void apply_state(struct fake_system *sys, const struct json *state)
 {
     const struct json *modes = json_get(state, "computeModes");
     for (unsigned int i = 0; i < sys->gpu_count; i++) {
-        const struct json *m = json_get(modes, sys->gpus[i].uuid);
-        sys->gpus[i].compute_mode = m ? (unsigned int)m->inum : sys->gpus[i].config_compute_mode;
+        struct fake_gpu *g = &sys->gpus[i];
+        if (state) {
+            const struct json *m = json_get(modes, g->uuid);
+            g->compute_mode = m ? (unsigned int)m->inum : g->config_compute_mode;
+        }
+        g->lost = g->config_lost || state_lists_lost(state, g->uuid);
     }
 }
 
-static nvmlReturn_t refresh_compute_modes(void)
+/* Re-reads the state file into g_sys and g_state (the caller holds g_lock). */
+static nvmlReturn_t refresh_state(void)
 {
     struct json *state;
     nvmlReturn_t rc = read_state(&state);
-    if (rc == NVML_SUCCESS && state) {
+    if (rc == NVML_SUCCESS) {
         apply_state(&g_sys, state);
-        json_free(state);
+        json_free(g_state);
+        g_state = state;
     }
     return rc;
 }
@@ -759,7 +927,38 @@ static void write_json_string(FILE *f, const char *s)
     fputc('"', f);
 }
 
-/* Writes all compute modes (ours, plus other UUIDs already in the file) via temp file + rename. */
+static void write_json_value(FILE *f, const struct json *v)
+{
+    const char *sep = "";
+    switch (v->type) {
+    case J_NULL: fputs("null", f); break;
+    case J_BOOL: fputs(v->boolean ? "true" : "false", f); break;
+    case J_NUMBER:
+        if (v->is_int)
+            fprintf(f, "%lld", v->inum);
+        else
+            fprintf(f, "%.17g", v->num);
+        break;
+    case J_STRING: write_json_string(f, v->str); break;
+    case J_ARRAY:
+    case J_OBJECT:
+        fputc(v->type == J_ARRAY ? '[' : '{', f);
+        for (const struct json *c = v->child; c; c = c->next) {
+            fputs(sep, f);
+            if (v->type == J_OBJECT) {
+                write_json_string(f, c->key);
+                fputs(": ", f);
+            }
+            write_json_value(f, c);
+            sep = ", ";
+        }
+        fputc(v->type == J_ARRAY ? ']' : '}', f);
+        break;
+    }
+}
+
+/* Writes all compute modes (ours, plus other UUIDs already in the file) and every other member of
+ * the old state ("lost", "processes", ...) unchanged, via temp file + rename. */
 static nvmlReturn_t write_state(const char *path, const struct json *old_state)
 {
     const struct json *old_modes = json_get(old_state, "computeModes");
@@ -796,7 +995,16 @@ static nvmlReturn_t write_state(const char *path, const struct json *old_state)
         fprintf(f, ": %lld", m->inum);
         sep = ", ";
     }
-    fputs("}}\n", f);
+    fputc('}', f);
+    for (const struct json *m = old_state ? old_state->child : NULL; m; m = m->next) {
+        if (strcmp(m->key, "computeModes") == 0)
+            continue;
+        fputs(", ", f);
+        write_json_string(f, m->key);
+        fputs(": ", f);
+        write_json_value(f, m);
+    }
+    fputs("}\n", f);
     ok = fflush(f) == 0 && !ferror(f);
     ok &= fclose(f) == 0;
     if (!ok || rename(tmp, path) != 0) {
@@ -841,7 +1049,7 @@ static nvmlReturn_t enter(void)
     return g_init_count ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
 }
 
-/* Locks the library and resolves a handle; GPUs marked lost fail unless allow_lost. */
+/* Locks the library, resolves a handle and re-reads the state file; lost GPUs fail unless allow_lost. */
 static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
 {
     nvmlReturn_t rc = enter();
@@ -851,6 +1059,9 @@ static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
         return rc;
     if (!device || offset % sizeof(struct fake_gpu) != 0 || offset / sizeof(struct fake_gpu) >= g_sys.gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    rc = refresh_state();
+    if (rc != NVML_SUCCESS)
+        return rc;
     if (device->lost && !allow_lost)
         return NVML_ERROR_GPU_IS_LOST;
     return NVML_SUCCESS;
@@ -1186,8 +1397,6 @@ nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mo
     if (rc == NVML_SUCCESS && !mode)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS)
-        rc = refresh_compute_modes();
-    if (rc == NVML_SUCCESS)
         *mode = device->compute_mode;
     return leave(rc);
 }
@@ -1225,32 +1434,338 @@ nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, nvmlComputeMode_t mod
     return leave(rc);
 }
 
-/* No processes ever run on a fake GPU. */
-static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos)
+/* ------------------------------------------------------------------------------------------------
+ * Running processes: the state file's "processes" / "mpsProcesses" for the GPU
+ * ---------------------------------------------------------------------------------------------- */
+
+static unsigned long long json_ull(const struct json *obj, const char *key, unsigned long long dflt,
+                                   unsigned long long null_value)
+{
+    const struct json *v = json_get(obj, key);
+    if (!v)
+        return dflt;
+    return v->type == J_NULL ? null_value : (unsigned long long)v->inum;
+}
+
+/* layout 1: nvmlProcessInfo_v1_t; layout 2: nvmlProcessInfo_t (the _v2 and _v3 calls). */
+static nvmlReturn_t list_processes(nvmlDevice_t device, const char *key, int layout, unsigned int *infoCount,
+                                   void *infos)
 {
     nvmlReturn_t rc = enter_device(device, 0);
-    (void)infos;
+    const struct json *list;
+    unsigned int need = 0, i = 0;
+
     if (rc == NVML_SUCCESS && !infoCount)
         rc = NVML_ERROR_INVALID_ARGUMENT;
-    if (rc == NVML_SUCCESS)
-        *infoCount = 0;
-    return leave(rc);
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    list = json_get(json_get(g_state, key), device->uuid); /* checked by read_state() */
+    for (const struct json *p = list ? list->child : NULL; p; p = p->next)
+        need++;
+    if (*infoCount < need) {
+        *infoCount = need;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    if (need && !infos)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (const struct json *p = list ? list->child : NULL; p; p = p->next, i++) {
+        unsigned int pid = (unsigned int)json_ull(p, "pid", 0, 0);
+        unsigned long long used = json_ull(p, "usedGpuMemory", 0, NVML_VALUE_NOT_AVAILABLE_ULL);
+        if (layout == 1) {
+            nvmlProcessInfo_v1_t *out = (nvmlProcessInfo_v1_t *)infos + i;
+            memset(out, 0, sizeof(*out));
+            out->pid = pid;
+            out->usedGpuMemory = used;
+        } else {
+            nvmlProcessInfo_t *out = (nvmlProcessInfo_t *)infos + i;
+            memset(out, 0, sizeof(*out));
+            out->pid = pid;
+            out->usedGpuMemory = used;
+            out->gpuInstanceId = (unsigned int)json_ull(p, "gpuInstanceId", NVML_NO_INSTANCE_ID, NVML_NO_INSTANCE_ID);
+            out->computeInstanceId =
+                (unsigned int)json_ull(p, "computeInstanceId", NVML_NO_INSTANCE_ID, NVML_NO_INSTANCE_ID);
+        }
+    }
+    *infoCount = need;
+    return leave(NVML_SUCCESS);
 }
 
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
-                                                  nvmlProcessInfo_t *infos)
+                                                  nvmlProcessInfo_v1_t *infos)
 {
-    return no_processes(device, infoCount, infos);
+    return list_processes(device, "processes", 1, infoCount, infos);
 }
 
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
                                                      nvmlProcessInfo_t *infos)
 {
-    return no_processes(device, infoCount, infos);
+    return list_processes(device, "processes", 2, infoCount, infos);
 }
 
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
                                                      nvmlProcessInfo_t *infos)
 {
-    return no_processes(device, infoCount, infos);
+    return list_processes(device, "processes", 2, infoCount, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v1_t *infos)
+{
+    return list_processes(device, "mpsProcesses", 1, infoCount, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos)
+{
+    return list_processes(device, "mpsProcesses", 2, infoCount, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos)
+{
+    return list_processes(device, "mpsProcesses", 2, infoCount, infos);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Events: event sets read the JSON lines that tests append to FAKE_NVML_EVENTS
+ * ---------------------------------------------------------------------------------------------- */
+
+#define EVENT_POLL_NS 5000000L /* 5 ms */
+
+static int event_set_valid(nvmlEventSet_t set)
+{
+    for (struct fake_event_set *s = g_event_sets; s; s = s->next)
+        if (s == set)
+            return 1;
+    return 0;
+}
+
+static off_t events_file_size(void)
+{
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    struct stat st;
+    if (!path || !*path || stat(path, &st) != 0)
+        return 0;
+    return st.st_size;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    struct fake_event_set *s;
+    nvmlReturn_t rc = enter();
+
+    if (rc == NVML_SUCCESS && !set)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    s = calloc(1, sizeof(*s));
+    if (!s)
+        return leave(NVML_ERROR_MEMORY);
+    s->offset = events_file_size(); /* only events appended from now on */
+    s->next = g_event_sets;
+    g_event_sets = s;
+    *set = s;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    nvmlReturn_t rc = enter();
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    for (struct fake_event_set **link = &g_event_sets; *link; link = &(*link)->next) {
+        if (*link == set) {
+            *link = set->next;
+            free(set);
+            return leave(NVML_SUCCESS);
+        }
+    }
+    return leave(NVML_ERROR_INVALID_ARGUMENT);
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !eventTypes)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *eventTypes = device->supported_event_types;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !event_set_valid(set))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && device->register_events_error)
+        rc = (nvmlReturn_t)device->register_events_error;
+    if (rc == NVML_SUCCESS && (eventTypes & ~device->supported_event_types))
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        set->registered[device - g_sys.gpus] |= eventTypes;
+    return leave(rc);
+}
+
+/* Handles one complete line (NUL-terminated). Returns 1 when it ends the wait: *rc is then the
+ * result and, on success, *data is filled in (legacy: the nvmlEventData_v1_t layout). */
+static int handle_event_line(nvmlEventSet_t set, char *line, size_t len, const char *path, void *data, int legacy,
+                             nvmlReturn_t *rc)
+{
+    struct parser p = {.s = line, .len = len};
+    struct json *ev = NULL;
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE] = "";
+    long long error = 0, xid = -1, type = (long long)nvmlEventTypeXidCriticalError, value = 0;
+    long long gi = NVML_NO_INSTANCE_ID, ci = NVML_NO_INSTANCE_ID;
+    unsigned int i;
+    int bad = 0;
+
+    skip_ws(&p);
+    if (p.pos == p.len)
+        return 0; /* blank line */
+    if (parse_value(&p, &ev, 0) == 0) {
+        skip_ws(&p);
+        if (p.pos != p.len)
+            fail(&p, "trailing characters after JSON value");
+    }
+    if (p.error || ev->type != J_OBJECT) {
+        complain("%s: skipping malformed event line: %s", path, p.error ? p.error : "not an object");
+        json_free(ev);
+        return 0;
+    }
+    bad |= get_int(ev, "error", 0, INT32_MAX, &error, path);
+    bad |= get_string(ev, "uuid", uuid, sizeof(uuid), path);
+    bad |= get_int(ev, "xid", 0, INT64_MAX, &xid, path);
+    bad |= get_int(ev, "eventType", 1, INT64_MAX, &type, path);
+    bad |= get_int(ev, "eventData", 0, INT64_MAX, &value, path);
+    bad |= get_int(ev, "gpuInstanceId", 0, UINT32_MAX, &gi, path);
+    bad |= get_int(ev, "computeInstanceId", 0, UINT32_MAX, &ci, path);
+    if (!bad && json_get(ev, "error") && error == 0) {
+        complain("%s: \"error\" must be a non-zero nvmlReturn_t", path);
+        bad = 1;
+    }
+    if (xid >= 0 && !json_get(ev, "eventData"))
+        value = xid;
+    json_free(ev);
+    if (bad) {
+        complain("%s: skipping event line %s", path, line);
+        return 0;
+    }
+    if (error) {
+        *rc = (nvmlReturn_t)error;
+        return 1;
+    }
+    for (i = 0; i < g_sys.gpu_count; i++)
+        if (strcmp(g_sys.gpus[i].uuid, uuid) == 0)
+            break;
+    if (i == g_sys.gpu_count || !((unsigned long long)type & set->registered[i]))
+        return 0; /* unknown GPU, or not registered for this set */
+    if (legacy) {
+        nvmlEventData_v1_t *out = data;
+        out->device = &g_sys.gpus[i];
+        out->eventType = (unsigned long long)type;
+        out->eventData = (unsigned long long)value;
+    } else {
+        nvmlEventData_t *out = data;
+        out->device = &g_sys.gpus[i];
+        out->eventType = (unsigned long long)type;
+        out->eventData = (unsigned long long)value;
+        out->gpuInstanceId = (unsigned int)gi;
+        out->computeInstanceId = (unsigned int)ci;
+    }
+    *rc = NVML_SUCCESS;
+    return 1;
+}
+
+/* Consumes the complete lines appended since the set last looked (the caller holds g_lock).
+ * Returns 1 when a line ended the wait (*rc says how), 0 when there is nothing for the set yet. */
+static int next_event(nvmlEventSet_t set, void *data, int legacy, nvmlReturn_t *rc)
+{
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    struct stat st;
+    char *buf, *line, *end;
+    size_t len, got = 0;
+    int fd, done = 0;
+
+    if (!path || !*path)
+        return 0;
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno != ENOENT)
+            complain("cannot open %s: %s", path, strerror(errno));
+        set->offset = 0; /* a file created later is read from its start */
+        return 0;
+    }
+    if (fstat(fd, &st) != 0 || st.st_size == set->offset) {
+        close(fd);
+        return 0;
+    }
+    if (st.st_size < set->offset)
+        set->offset = 0; /* truncated or replaced: start over */
+    len = (size_t)(st.st_size - set->offset);
+    buf = malloc(len + 1);
+    if (!buf) {
+        close(fd);
+        *rc = NVML_ERROR_MEMORY;
+        return 1;
+    }
+    while (got < len) {
+        ssize_t n = pread(fd, buf + got, len - got, set->offset + (off_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
+    close(fd);
+    buf[got] = '\0';
+    for (line = buf; !done && (end = memchr(line, '\n', got - (size_t)(line - buf))); line = end + 1) {
+        *end = '\0';
+        set->offset += end - line + 1;
+        done = handle_event_line(set, line, (size_t)(end - line), path, data, legacy, rc);
+    }
+    free(buf);
+    return done;
+}
+
+static long long elapsed_ms(const struct timespec *start)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - start->tv_sec) * 1000LL + (now.tv_nsec - start->tv_nsec) / 1000000L;
+}
+
+/* Polls for the set's next event; g_lock is held only while looking, never while sleeping. */
+static nvmlReturn_t event_wait(nvmlEventSet_t set, void *data, unsigned int timeoutms, int legacy)
+{
+    struct timespec start;
+
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        nvmlReturn_t rc = enter();
+        int done = 1;
+        if (rc == NVML_SUCCESS && (!data || !event_set_valid(set)))
+            rc = NVML_ERROR_INVALID_ARGUMENT;
+        if (rc == NVML_SUCCESS)
+            done = next_event(set, data, legacy, &rc);
+        leave(rc);
+        if (done)
+            return rc;
+
+        long long left = (long long)timeoutms - elapsed_ms(&start);
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        struct timespec nap = {0, left * 1000000LL < EVENT_POLL_NS ? (long)(left * 1000000LL) : EVENT_POLL_NS};
+        nanosleep(&nap, NULL);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return event_wait(set, data, timeoutms, 0);
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeoutms)
+{
+    return event_wait(set, data, timeoutms, 1);
 }
