@@ -13,12 +13,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.config import Settings
 from mpsagent.devices import gpu_of
 from mpsagent.errors import DaemonError, MpsAgentError
+from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.kubelet.plugin import PluginEndpoint
@@ -91,6 +92,28 @@ def _before_start(resource: _Resource) -> BeforeStart:
     return before_start
 
 
+class _NoGpuHealth:
+    """GPUs from a node snapshot: there is no NVML to ask about their health."""
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        log.info("gpu health not watched", reason="GPUs come from a node snapshot")
+        task_status.started()
+
+
+def _gpu_health(
+    settings: Settings, plan: NodePlan, gpu_source: GpuSource, resources: Sequence[_Resource]
+) -> GpuHealthMonitor | _NoGpuHealth:
+    if gpu_source.health is None:
+        return _NoGpuHealth()
+    return GpuHealthMonitor(
+        source=gpu_source.health,
+        inventories=[r.inventory for r in resources],
+        uuids=[gpu.uuid for gpu in plan.gpus],
+        policy=settings.xid_policy,
+        recovery_s=settings.health_recovery_s,
+    )
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
@@ -128,6 +151,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg)
+                await tg.start(_gpu_health(settings, plan, gpu_source, resources).run)
                 for resource in resources:
                     resource.daemon = DaemonSupervisor(
                         resource=resource.plan,

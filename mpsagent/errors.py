@@ -34,6 +34,10 @@ class GpuDiscoveryError(MpsAgentError):
     """The GPUs of this node could not be discovered."""
 
 
+class GpuHealthError(GpuDiscoveryError):
+    """NVML's event wait failed: the GPUs' health cannot be known."""
+
+
 class SnapshotError(GpuDiscoveryError):
     """A node snapshot file is unreadable or malformed (a user error: exit 2)."""
 

@@ -42,6 +42,9 @@ class Inventory:
     def generation(self) -> int:
         return self._generation
 
+    def has_gpu(self, uuid: GpuUuid) -> bool:
+        return uuid in self._gpu_problems
+
     def gpu_health(self, uuid: GpuUuid) -> Health:
         return Health.UNHEALTHY if self._gpu_problems[uuid] or self._resource_problems else Health.HEALTHY
 

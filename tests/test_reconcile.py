@@ -21,7 +21,7 @@ def ref(pod: str, container: str = "main", namespace: str = "default") -> Contai
     return ContainerRef(namespace=namespace, pod=pod, container=container)
 
 
-def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):  # noqa: ANN201
+def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):
     return reconcile(ledger, listed, now=now, grace_s=grace, kind_of=kind_of)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,8 +12,8 @@ from typing import TypeVar
 import pynvml
 
 from mpsagent.devices import Gpu, GpuUuid, NodeGpus
-from mpsagent.errors import GpuDiscoveryError
-from mpsagent.gpu.port import ComputeMode
+from mpsagent.errors import GpuDiscoveryError, GpuHealthError
+from mpsagent.gpu.port import ComputeMode, XidEvent
 
 _T = TypeVar("_T")
 
@@ -31,8 +32,59 @@ def read_numa_node(sysfs_root: Path, nvml_bus_id: str) -> int | None:
     return node if node >= 0 else None
 
 
+# As the NVIDIA device plugin: subscribe to ECC events too, act on critical Xids only.
+EVENT_MASK = (
+    pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypeSingleBitEccError
+)
+
+
+class NvmlEventWatch:
+    """Critical-Xid events of some GPUs; holds NVML initialised (it counts references) until closed."""
+
+    def __init__(self, uuids: tuple[GpuUuid, ...]) -> None:
+        self.registration_problems: dict[GpuUuid, str] = {}
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise GpuHealthError(f"NVML could not be initialised to watch GPU events ({exc})") from exc
+        try:
+            self._set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as exc:
+            pynvml.nvmlShutdown()
+            raise GpuHealthError(f"NVML could not create an event set ({exc})") from exc
+        for uuid in uuids:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+                pynvml.nvmlDeviceRegisterEvents(handle, EVENT_MASK & supported, self._set)
+            except pynvml.NVMLError as exc:
+                self.registration_problems[uuid] = str(exc)
+
+    def wait(self, timeout_ms: int) -> XidEvent | None:
+        try:
+            data = pynvml.nvmlEventSetWait(self._set, timeout_ms)
+        except pynvml.NVMLError_Timeout:
+            return None
+        except pynvml.NVMLError as exc:
+            raise GpuHealthError(f"waiting for NVML events failed ({exc})") from exc
+        if data.eventType != pynvml.nvmlEventTypeXidCriticalError:
+            return None
+        try:
+            uuid: GpuUuid | None = GpuUuid(pynvml.nvmlDeviceGetUUID(data.device))
+        except pynvml.NVMLError:
+            uuid = None
+        return XidEvent(uuid=uuid, xid=int(data.eventData))
+
+    def close(self) -> None:
+        # Best effort: a failing driver is why a watch gets closed, and there is nothing more to do about it.
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlEventSetFree(self._set)
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
 class NvmlGpuSource:
-    """GPUs and compute modes through NVML; every call holds NVML initialised only for its own duration."""
+    """GPUs, compute modes and health through NVML; each call holds NVML initialised only for its own duration."""
 
     manages_compute_mode = True
 
@@ -89,6 +141,25 @@ class NvmlGpuSource:
         if not gpus:
             raise GpuDiscoveryError("NVML reports no GPUs on this node")
         return NodeGpus(driver_version=pynvml.nvmlSystemGetDriverVersion(), gpus=tuple(gpus), source="NVML")
+
+    @property
+    def health(self) -> NvmlGpuSource:
+        return self
+
+    def watch_events(self, uuids: tuple[GpuUuid, ...]) -> NvmlEventWatch:
+        return NvmlEventWatch(uuids)
+
+    def probe(self, uuid: GpuUuid) -> str | None:
+        try:
+            with self._session():
+                pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+        except pynvml.NVMLError_GpuIsLost:
+            return "NVML reports the GPU lost"
+        except pynvml.NVMLError as exc:
+            return f"NVML does not answer for it ({exc})"
+        except GpuDiscoveryError as exc:
+            return str(exc)
+        return None
 
     def compute_mode(self, uuid: GpuUuid) -> ComputeMode:
         return self._call(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Protocol
 
 from mpsagent.devices import GpuUuid, NodeGpus
@@ -17,10 +18,44 @@ class ComputeMode(enum.IntEnum):
     EXCLUSIVE_PROCESS = 3
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class XidEvent:
+    """A critical-Xid event; `uuid` None when NVML could not say which GPU it came from."""
+
+    uuid: GpuUuid | None
+    xid: int
+
+
+class GpuEventWatch(Protocol):
+    """A blocking NVML event subscription; used from one worker thread at a time."""
+
+    registration_problems: dict[GpuUuid, str]
+    """GPUs whose events cannot be watched, and why."""
+
+    def wait(self, timeout_ms: int) -> XidEvent | None:
+        """The next critical-Xid event, or None after the timeout; raises GpuHealthError when waiting fails."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GpuHealthSource(Protocol):
+    """Blocking calls for GPU health: the agent runs them off the event loop."""
+
+    def watch_events(self, uuids: tuple[GpuUuid, ...]) -> GpuEventWatch: ...
+
+    def probe(self, uuid: GpuUuid) -> str | None:
+        """None when the GPU answers normally, else what is wrong (for instance, lost)."""
+        ...
+
+
 class GpuSource(Protocol):
-    """Discovers the GPUs; NVML-backed sources can also change compute modes."""
+    """Discovers the GPUs; NVML-backed sources can also change compute modes and report health."""
 
     def discover(self) -> NodeGpus: ...
+
+    @property
+    def health(self) -> GpuHealthSource | None: ...
 
     @property
     def manages_compute_mode(self) -> bool: ...

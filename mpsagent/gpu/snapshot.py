@@ -153,6 +153,7 @@ class SnapshotGpuSource:
     """GPUs read once from a file; compute modes are not managed (there is no NVML to manage them with)."""
 
     manages_compute_mode = False
+    health = None  # no NVML, no health to watch
 
     def __init__(self, path: Path) -> None:
         self._path = path
