@@ -97,8 +97,13 @@ class DevicePluginServicer(pb.DevicePluginBase):
         self._log.info("kubelet watching devices")
         generation: int | None = self._inventory.generation
         while generation is not None and not self._closing.is_set():
-            snapshot = self._inventory.snapshot()
-            yield list_and_watch_response(snapshot)
+            try:
+                snapshot = self._inventory.snapshot()
+                response = list_and_watch_response(snapshot)
+            except Exception as exc:
+                self._log.exception("device list failed unexpectedly")
+                raise GRPCError(Status.INTERNAL, "internal error in ListAndWatch; see the mpsagent log") from exc
+            yield response
             generation = await self._next_generation(snapshot.generation)
 
     async def allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:

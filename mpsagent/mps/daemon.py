@@ -22,6 +22,7 @@ from mpsagent.gpu.port import ComputeMode, GpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.paths import PRIVATE_FILE_MODE
 from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
 from mpsagent.plan import (
     CapMode,
@@ -192,8 +193,9 @@ class DaemonSupervisor:
     async def _start(self) -> None:
         launch = daemon_launch(self._resource, self._control_bin)
         log_file = self._resource.log_directory / "control.log"
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
         try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
             self._process = await anyio.open_process(
                 list(launch.argv),
                 stdin=subprocess.DEVNULL,

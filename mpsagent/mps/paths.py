@@ -11,10 +11,15 @@ from mpsagent.errors import AgentLockedError, MpsAgentError
 from mpsagent.plan import NodePlan, ResourcePlan
 
 LOCK_FILE = "agent.lock"
-# MPS clients in containers run as any user: they need to reach the daemon's sockets and share /dev/shm.
+# What MPS clients in containers need: to connect to the daemon's sockets in the pipe directory (listing it and
+# traversing to it, not writing it), and to create shared-memory files in shm without deleting each other's
+# (sticky, like /dev/shm). Logs and state are the agent's and the daemon's alone.
+ROOT_MODE = 0o755
+RESOURCE_MODE = 0o755
 PIPE_MODE = 0o755
 SHM_MODE = 0o1777
-PRIVATE_MODE = 0o700
+LOG_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 
 
 def _make_directory(path: Path, mode: int) -> None:
@@ -26,12 +31,12 @@ def _make_directory(path: Path, mode: int) -> None:
 
 
 def prepare_directories(plan: NodePlan) -> None:
-    _make_directory(plan.mps_root, 0o755)
+    _make_directory(plan.mps_root, ROOT_MODE)
     _make_directory(plan.shm_directory, SHM_MODE)
     for resource in plan.resources:
-        _make_directory(resource.directory, 0o755)
+        _make_directory(resource.directory, RESOURCE_MODE)
         _make_directory(resource.pipe_directory, PIPE_MODE)
-        _make_directory(resource.log_directory, 0o755)
+        _make_directory(resource.log_directory, LOG_MODE)
 
 
 class ResourceLock:
@@ -43,7 +48,7 @@ class ResourceLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import msgspec
 
+from mpsagent.mps.paths import PRIVATE_FILE_MODE
+
 STATE_FILE = "daemon.json"
 
 
@@ -29,7 +31,7 @@ def read_state(directory: Path) -> DaemonState | None:
 def write_state(directory: Path, state: DaemonState) -> None:
     target = directory / STATE_FILE
     temporary = directory / f".{STATE_FILE}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE_MODE)
     with os.fdopen(fd, "wb") as file:
         file.write(msgspec.json.encode(state))
         file.flush()
