@@ -7,17 +7,20 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from mpsagent import __version__
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.config import Settings
-from mpsagent.devices import gpu_of
+from mpsagent.devices import GpuUuid, gpu_of
 from mpsagent.errors import DaemonError, MpsAgentError
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
@@ -29,8 +32,11 @@ from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import ResourceLock, prepare_directories
 from mpsagent.plan import NodePlan, ResourcePlan
+from mpsagent.status import DaemonView, ResourceView, remove_status, status_document, write_status
 
 log = get_logger("mpsagent.app")
+
+STATUS_INTERVAL_S = 0.5
 
 
 class _Stop(Exception):
@@ -45,6 +51,21 @@ class _Resource:
     allocator: ResourceAllocator
     inventory: Inventory
     daemon: DaemonSupervisor | None = None
+    endpoint: PluginEndpoint | None = None
+
+    def view(self) -> ResourceView:
+        daemon = self.daemon
+        return ResourceView(
+            allocator=self.allocator,
+            inventory=self.inventory,
+            daemon=DaemonView(
+                pid=daemon.pid if daemon else None,
+                up=daemon.up if daemon else False,
+                mode=daemon.mode.value if daemon and daemon.mode else None,
+                restarts=daemon.restarts if daemon else 0,
+            ),
+            registered=self.endpoint is not None and self.endpoint.registered,
+        )
 
     async def hold_ledger_mode(self) -> None:
         """Make the daemon hold the mode the ledger needs; a daemon that is down takes it when it is back."""
@@ -95,6 +116,9 @@ def _before_start(resource: _Resource) -> BeforeStart:
 class _NoGpuHealth:
     """GPUs from a node snapshot: there is no NVML to ask about their health."""
 
+    def unhealthy(self) -> dict[GpuUuid, str]:
+        return {}
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         log.info("gpu health not watched", reason="GPUs come from a node snapshot")
         task_status.started()
@@ -112,6 +136,36 @@ def _gpu_health(
         policy=settings.xid_policy,
         recovery_s=settings.health_recovery_s,
     )
+
+
+async def _publish_status(
+    settings: Settings,
+    resources: Sequence[_Resource],
+    reconciler: PodResourcesReconciler,
+    health: GpuHealthMonitor | _NoGpuHealth,
+) -> None:
+    """Keep `<mps-root>/status.json` current for `mpsagent --status`; removed when the agent stops."""
+    written: dict[str, Any] | None = None
+    try:
+        while True:
+            document = status_document(
+                version=__version__,
+                pid=os.getpid(),
+                pod_resources={
+                    "socket": str(settings.pod_resources_socket),
+                    "available": reconciler.available,
+                    "answers": reconciler.successes,
+                    "failures": reconciler.failures,
+                },
+                unhealthy_gpus=health.unhealthy(),
+                resources=[r.view() for r in resources],
+            )
+            if document != written:
+                write_status(settings.mps_root, document)
+                written = document
+            await anyio.sleep(STATUS_INTERVAL_S)
+    finally:
+        remove_status(settings.mps_root)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
@@ -151,7 +205,8 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg)
-                await tg.start(_gpu_health(settings, plan, gpu_source, resources).run)
+                health = _gpu_health(settings, plan, gpu_source, resources)
+                await tg.start(health.run)
                 for resource in resources:
                     resource.daemon = DaemonSupervisor(
                         resource=resource.plan,
@@ -169,14 +224,15 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         after_allocate=_after_allocate(resource, reconciler),
                         before_start=_before_start(resource),
                     )
-                    endpoint = PluginEndpoint(
+                    resource.endpoint = PluginEndpoint(
                         resource_name=resource.plan.name,
                         servicer=servicer,
                         kubelet_socket=settings.kubelet_socket,
                         pre_start_required=resource.plan.enforce_caps,
                     )
-                    await tg.start(endpoint.run)
+                    await tg.start(resource.endpoint.run)
                 await tg.start(reconciler.run)
+                tg.start_soon(_publish_status, settings, resources, reconciler, health)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))
         except MpsAgentError as exc:
             reason = str(exc)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
 import anyio
 
 from mpsagent import __version__
-from mpsagent.config import LOG_LEVELS, Settings, resolve_settings
+from mpsagent.config import LOG_LEVELS, Settings, resolve_settings, status_mps_root
 from mpsagent.devices import NodeGpus
 from mpsagent.errors import (
     AgentLockedError,
@@ -24,6 +25,7 @@ from mpsagent.gpu.port import GpuSource
 from mpsagent.logs import configure_logging, get_logger
 from mpsagent.plan import NodePlan, build_plan
 from mpsagent.report import plan_report, render_json, render_text
+from mpsagent.status import read_status, render_status_text
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -81,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "[env HEALTH_RECOVERY_SECONDS; default 60]",
     )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
-    add("--output", choices=("text", "json"), help="--once output format (default text)")
+    add(
+        "--status",
+        action="store_true",
+        default=False,
+        help="print what the running agent is doing (grants and their pods, health, daemons) and exit",
+    )
+    add("--output", choices=("text", "json"), help="--once and --status output format (default text)")
     add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")
     add("--log-level", choices=LOG_LEVELS, type=str.lower, help="[env LOG_LEVEL; default info]")
     add("--version", action="version", version=f"mpsagent {__version__}")
@@ -106,6 +114,10 @@ def _plan(settings: Settings, source: GpuSource) -> tuple[NodeGpus, NodePlan]:
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.status:
+            document = read_status(status_mps_root(vars(args)))
+            print(json.dumps(document, indent=2) if args.output == "json" else render_status_text(document))
+            return EXIT_OK
         settings = resolve_settings(vars(args))
         configure_logging(settings.log_format, settings.log_level)
         for key in settings.sharing.ignored_keys:

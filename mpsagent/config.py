@@ -501,6 +501,19 @@ def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path
     return Path(chosen)
 
 
+def status_mps_root(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
+    """The MPS root `--status` reads: flag, environment, the config file's `flags.mpsRoot` if one is named, default."""
+    environ = os.environ if environ is None else environ
+    chosen = _pick("mps_root", cli, environ, None)
+    if chosen:
+        return Path(chosen)
+    if _pick("config_file", cli, environ, None):
+        flags = load_config(config_file_path(cli, environ)).flags
+        if flags is not None and flags.mps_root:
+            return Path(flags.mps_root)
+    return DEFAULT_MPS_ROOT
+
+
 def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
     """Read the config file and apply precedence: flag, then environment variable, then file `flags`, then default.
 

@@ -3,12 +3,15 @@ the real nvidia-cuda-mps-control holding the caps the reconciled ledger needs.""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import grpc
 
-from tests.conftest import AgentLauncher
+from tests.conftest import ROOT, AgentLauncher
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.kubelet.podresources import FakePodResources, ListedContainer
 from tests.test_daemon import control, pipe_of, start
@@ -168,3 +171,47 @@ def test_reconciliation_stays_far_below_the_kubelets_rate_limit(
     elapsed = time.monotonic() - began
     # At most one List per 0.2 s, plus the one in flight: 5 per second, against the kubelet's 100.
     assert pod_resources.calls - calls <= elapsed / 0.2 + 2
+
+
+def status(short_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_status_shows_each_grant_with_its_container(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    pod_resources.set_containers(listed("old", ids(GPU0, 1)))
+    agent = start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU1, 0))
+    pod_resources.set_containers(listed("old", ids(GPU0, 1)), listed("new", ids(GPU1, 0), container="worker"))
+    agent.wait_log("grant identified")
+
+    def grants() -> list[dict[str, object]]:
+        result = status(short_dir, "--output", "json")
+        assert result.returncode == 0, result.stderr
+        document = json.loads(result.stdout)
+        return document["resources"][0]["grants"]
+
+    shown = wait_for(lambda: grants() if all(g["container"] for g in grants()) else None, 5, "both owners shown")
+    assert [(g["container"], g["kind"], g["adopted"], g["deviceIds"]) for g in shown] == [
+        ("ml/old/main", "capped", True, ids(GPU0, 1)),
+        ("ml/new/worker", "capped", False, ids(GPU1, 0)),
+    ]
+    text = status(short_dir)
+    assert text.returncode == 0
+    assert "nvidia.com/gpu: 8/8 replicas healthy, registered with the kubelet" in text.stdout
+    assert "ml/new/worker" in text.stdout and "ml/old/main (adopted)" in text.stdout
+    assert "mps daemon: up" in text.stdout and "caps capped" in text.stdout
+
+    assert agent.stop() == 0
+    gone = status(short_dir)
+    assert gone.returncode == 2
+    assert gone.stderr.startswith("mpsagent: error: no agent status at ") and "Traceback" not in gone.stderr

@@ -1,0 +1,159 @@
+"""The running agent's state for operators: what `mpsagent --status` prints, from `<mps-root>/status.json`.
+
+The agent rewrites the file (atomically, owner-only: it names pods) whenever its content changes; `--status`
+reads it, so it needs no connection to the agent and works the same on a node and in a container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpsagent.allocation import ResourceAllocator
+from mpsagent.devices import GpuUuid, Health
+from mpsagent.errors import UsageError
+from mpsagent.inventory import Inventory
+
+STATUS_FILE = "status.json"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonView:
+    pid: int | None
+    up: bool
+    mode: str | None
+    restarts: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResourceView:
+    allocator: ResourceAllocator
+    inventory: Inventory
+    daemon: DaemonView
+    registered: bool
+
+
+def _wall(monotonic: float | None) -> str | None:
+    if monotonic is None:
+        return None
+    wall = time.time() - (time.monotonic() - monotonic)
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+def status_document(
+    *,
+    version: str,
+    pid: int,
+    pod_resources: dict[str, Any],
+    unhealthy_gpus: dict[GpuUuid, str],
+    resources: Sequence[ResourceView],
+) -> dict[str, Any]:
+    entries = []
+    for view in resources:
+        devices = view.inventory.snapshot().devices
+        grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
+        entries.append(
+            {
+                "name": view.allocator.resource.name,
+                "registered": view.registered,
+                "replicas": len(devices),
+                "healthy": sum(d.health is Health.HEALTHY for d in devices),
+                "daemon": {
+                    "pid": view.daemon.pid,
+                    "up": view.daemon.up,
+                    "capMode": view.daemon.mode,
+                    "restarts": view.daemon.restarts,
+                },
+                "grants": [
+                    {
+                        "id": grant.grant_id,
+                        "kind": grant.kind.value,
+                        "container": str(grant.owner) if grant.owner else None,
+                        "adopted": grant.adopted,
+                        "grantedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(grant.granted_at)),
+                        "unlistedSince": _wall(grant.missing_since),
+                        "deviceIds": list(grant.replica_ids),
+                    }
+                    for grant in grants
+                ],
+            }
+        )
+    return {
+        "version": version,
+        "pid": pid,
+        "podResources": pod_resources,
+        "unhealthyGpus": dict(sorted(unhealthy_gpus.items())),
+        "resources": entries,
+    }
+
+
+def write_status(mps_root: Path, document: dict[str, Any]) -> None:
+    target = mps_root / STATUS_FILE
+    temporary = mps_root / f".{STATUS_FILE}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        json.dump({**document, "writtenAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, file, indent=1)
+    os.replace(temporary, target)
+
+
+def remove_status(mps_root: Path) -> None:
+    (mps_root / STATUS_FILE).unlink(missing_ok=True)
+
+
+def read_status(mps_root: Path) -> dict[str, Any]:
+    """The running agent's status; raises UsageError naming what to check when there is none."""
+    path = mps_root / STATUS_FILE
+    try:
+        document: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(
+            f"no agent status at {path}: is mpsagent running with this --mps-root (or MPS_ROOT)?"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the agent status {path}: {exc}") from exc
+    return document
+
+
+def agent_alive(document: dict[str, Any]) -> bool:
+    try:
+        os.kill(int(document["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return True
+    return True
+
+
+def render_status_text(document: dict[str, Any]) -> str:
+    pod_resources = document["podResources"]
+    alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
+    lines = [
+        f"mpsagent {document['version']} (pid {document['pid']}), written {document.get('writtenAt', '?')}{alive}",
+        f"pod-resources: {'answering' if pod_resources['available'] else 'NOT answering'} ({pod_resources['socket']})",
+    ]
+    for uuid, reason in document["unhealthyGpus"].items():
+        lines.append(f"GPU {uuid} unhealthy: {reason}")
+    for res in document["resources"]:
+        daemon = res["daemon"]
+        lines += [
+            "",
+            f"{res['name']}: {res['healthy']}/{res['replicas']} replicas healthy, "
+            f"{'registered' if res['registered'] else 'NOT registered'} with the kubelet",
+            f"  mps daemon: {'up' if daemon['up'] else 'DOWN'}, pid {daemon['pid']}, caps {daemon['capMode']}, "
+            f"{daemon['restarts']} restarts",
+            f"  grants: {len(res['grants'])}",
+        ]
+        for grant in res["grants"]:
+            ids = grant["deviceIds"]
+            shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
+            note = " (adopted)" if grant["adopted"] else ""
+            if grant["unlistedSince"]:
+                note += f" (not listed by the kubelet since {grant['unlistedSince']})"
+            holder = grant["container"] or "container not yet known"
+            lines.append(f"    #{grant['id']} {grant['kind']:<6} {holder}{note}: {shown}")
+    return "\n".join(lines)
