@@ -7,6 +7,7 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -151,6 +152,7 @@ async def _publish_status(
             document = status_document(
                 version=__version__,
                 pid=os.getpid(),
+                tasks=len(asyncio.all_tasks()),
                 pod_resources={
                     "socket": str(settings.pod_resources_socket),
                     "available": reconciler.available,

@@ -41,6 +41,8 @@ class RecordResult:
 class LedgerStatistics:
     grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
     regranted_replicas: int = 0
+    superseded_grants: int = 0
+    """Ended because a later grant (or the kubelet's listing) holds their replicas."""
     adopted_grants: int = 0
     released_grants: int = 0
     live_grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
@@ -70,6 +72,7 @@ class Ledger:
     def _add(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode, owner: ContainerRef | None) -> RecordResult:
         ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
         ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
+        self._stats.superseded_grants += len(ended)
         regranted = tuple(r for r in replica_ids if any(r in g.replica_ids for g in ended))
         grant = Grant(
             grant_id=next(self._ids),
@@ -118,6 +121,7 @@ class Ledger:
         return LedgerStatistics(
             grants=dict(self._stats.grants),
             regranted_replicas=self._stats.regranted_replicas,
+            superseded_grants=self._stats.superseded_grants,
             adopted_grants=self._stats.adopted_grants,
             released_grants=self._stats.released_grants,
             live_grants=live,

@@ -49,6 +49,7 @@ def status_document(
     *,
     version: str,
     pid: int,
+    tasks: int,
     pod_resources: dict[str, Any],
     unhealthy_gpus: dict[GpuUuid, str],
     resources: Sequence[ResourceView],
@@ -57,6 +58,7 @@ def status_document(
     for view in resources:
         devices = view.inventory.snapshot().devices
         grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
+        stats = view.allocator.ledger.statistics()
         entries.append(
             {
                 "name": view.allocator.resource.name,
@@ -68,6 +70,13 @@ def status_document(
                     "up": view.daemon.up,
                     "capMode": view.daemon.mode,
                     "restarts": view.daemon.restarts,
+                },
+                "ledger": {
+                    "allocated": {kind.value: count for kind, count in stats.grants.items()},
+                    "adopted": stats.adopted_grants,
+                    "superseded": stats.superseded_grants,
+                    "released": stats.released_grants,
+                    "live": {kind.value: count for kind, count in stats.live_grants.items()},
                 },
                 "grants": [
                     {
@@ -86,6 +95,7 @@ def status_document(
     return {
         "version": version,
         "pid": pid,
+        "tasks": tasks,
         "podResources": pod_resources,
         "unhealthyGpus": dict(sorted(unhealthy_gpus.items())),
         "resources": entries,
