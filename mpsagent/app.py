@@ -13,14 +13,14 @@ import signal
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent import __version__
 from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.config import Settings
+from mpsagent.config import MpsOnExit, Settings
 from mpsagent.devices import GpuUuid, gpu_of
 from mpsagent.errors import DaemonError, MpsAgentError
 from mpsagent.gpu.monitor import GpuHealthMonitor
@@ -32,8 +32,21 @@ from mpsagent.kubelet.servicer import AfterAllocate, BeforeStart, DevicePluginSe
 from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import ResourceLock, prepare_directories
+from mpsagent.nfd import remove_features, write_features
 from mpsagent.plan import NodePlan, ResourcePlan
-from mpsagent.status import DaemonView, ResourceView, remove_status, status_document, write_status
+from mpsagent.status import (
+    DaemonView,
+    ResourceView,
+    readiness,
+    remove_status,
+    status_document,
+    summary,
+    write_status,
+)
+from mpsagent.systemd import SystemdNotifier
+
+if TYPE_CHECKING:
+    from mpsagent.web import WebEndpoint
 
 log = get_logger("mpsagent.app")
 
@@ -66,6 +79,7 @@ class _Resource:
                 restarts=daemon.restarts if daemon else 0,
             ),
             registered=self.endpoint is not None and self.endpoint.registered,
+            registrations=self.endpoint.statistics().registrations if self.endpoint else 0,
         )
 
     async def hold_ledger_mode(self) -> None:
@@ -139,35 +153,96 @@ def _gpu_health(
     )
 
 
-async def _publish_status(
-    settings: Settings,
-    resources: Sequence[_Resource],
-    reconciler: PodResourcesReconciler,
-    health: GpuHealthMonitor | _NoGpuHealth,
-) -> None:
-    """Keep `<mps-root>/status.json` current for `mpsagent --status`; removed when the agent stops."""
-    written: dict[str, Any] | None = None
+class _Publisher:
+    """Publishes what the agent is doing, every STATUS_INTERVAL_S: the status file (when it changed), the
+    metrics snapshot and liveness heartbeat, and systemd's STATUS= and, once everything is up, READY=1."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        resources: Sequence[_Resource],
+        reconciler: PodResourcesReconciler,
+        health: GpuHealthMonitor | _NoGpuHealth,
+        notifier: SystemdNotifier,
+        web: WebEndpoint | None,
+    ) -> None:
+        self._settings = settings
+        self._resources = resources
+        self._reconciler = reconciler
+        self._health = health
+        self._notifier = notifier
+        self._web = web
+
+    def _document(self) -> dict[str, Any]:
+        return status_document(
+            version=__version__,
+            pid=os.getpid(),
+            tasks=len(asyncio.all_tasks()),  # the agent runs on anyio's asyncio backend
+            pod_resources={
+                "socket": str(self._settings.pod_resources_socket),
+                "available": self._reconciler.available,
+                "answers": self._reconciler.successes,
+                "failures": self._reconciler.failures,
+            },
+            unhealthy_gpus=self._health.unhealthy(),
+            resources=[r.view() for r in self._resources],
+        )
+
+    async def run(self) -> None:
+        written: dict[str, Any] | None = None
+        announced_ready = False
+        try:
+            while True:
+                document = self._document()
+                if document != written:
+                    write_status(self._settings.mps_root, document)
+                    written = document
+                if self._web is not None:
+                    self._web.publish(document)
+                if not announced_ready and readiness(document)[0]:
+                    self._notifier.notify("READY=1")
+                    announced_ready = True
+                self._notifier.status(summary(document))
+                await anyio.sleep(STATUS_INTERVAL_S)
+        finally:
+            remove_status(self._settings.mps_root)
+
+
+async def _feed_watchdog(notifier: SystemdNotifier, interval_s: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await anyio.sleep(interval_s)
+
+
+def _write_node_labels(settings: Settings, plan: NodePlan) -> None:
+    path = settings.nfd_features_file
+    if path is None:
+        return
     try:
-        while True:
-            document = status_document(
-                version=__version__,
-                pid=os.getpid(),
-                tasks=len(asyncio.all_tasks()),
-                pod_resources={
-                    "socket": str(settings.pod_resources_socket),
-                    "available": reconciler.available,
-                    "answers": reconciler.successes,
-                    "failures": reconciler.failures,
-                },
-                unhealthy_gpus=health.unhealthy(),
-                resources=[r.view() for r in resources],
-            )
-            if document != written:
-                write_status(settings.mps_root, document)
-                written = document
-            await anyio.sleep(STATUS_INTERVAL_S)
-    finally:
-        remove_status(settings.mps_root)
+        if write_features(path, plan.labels):
+            log.info("node labels written for node-feature-discovery", path=str(path), labels=len(plan.labels))
+    except FileNotFoundError:
+        log.warning(
+            "node labels not written: the node-feature-discovery features directory is missing",
+            path=str(path),
+            hint="install node-feature-discovery, or set --nfd-features-file to '' to turn this off",
+        )
+    except OSError as exc:
+        log.warning("node labels not written", path=str(path), reason=str(exc))
+
+
+def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> WebEndpoint | None:
+    if settings.metrics_address is None:
+        return None
+    # prometheus_client is only loaded when the endpoint is wanted.
+    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.web import WebEndpoint  # noqa: PLC0415
+
+    metrics = AgentMetrics(
+        gpus=tuple(gpu.uuid for gpu in plan.gpus), gpu_source=gpu_source.health, proc_root=settings.proc_root
+    )
+    return WebEndpoint(settings.metrics_address, metrics)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
@@ -178,10 +253,11 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield exc
 
 
-async def _watch_signals(task_group: TaskGroup) -> None:
+async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("stopping", reason=signal.Signals(signum).name)
+            notifier.notify("STOPPING=1", f"STATUS=stopping on {signal.Signals(signum).name}")
             task_group.cancel_scope.cancel()
             return
 
@@ -189,7 +265,11 @@ async def _watch_signals(task_group: TaskGroup) -> None:
 async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> None:
     """Run until a signal or a failure; raises MpsAgentError for a failure the operator must see."""
     reason = "signal"
+    notifier = SystemdNotifier()
+    notifier.status("starting")
+    web = _web_endpoint(settings, plan, gpu_source)
     with ExitStack() as locks:
+        locks.callback(notifier.close)
         prepare_directories(plan)
         for resource_plan in plan.resources:
             locks.enter_context(ResourceLock(resource_plan))
@@ -206,7 +286,12 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         grants_known = await reconciler.reconcile_once()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_watch_signals, tg)
+                tg.start_soon(_watch_signals, tg, notifier)
+                if notifier.watchdog_interval_s is not None:
+                    tg.start_soon(_feed_watchdog, notifier, notifier.watchdog_interval_s)
+                if web is not None:
+                    await tg.start(web.run)
+                _write_node_labels(settings, plan)
                 health = _gpu_health(settings, plan, gpu_source, resources)
                 await tg.start(health.run)
                 for resource in resources:
@@ -225,6 +310,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         pre_start_required=resource.plan.enforce_caps,
                         after_allocate=_after_allocate(resource, reconciler),
                         before_start=_before_start(resource),
+                        allocate_timer=web.allocate_timer(resource.plan.name) if web else None,
                     )
                     resource.endpoint = PluginEndpoint(
                         resource_name=resource.plan.name,
@@ -234,7 +320,15 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                     )
                     await tg.start(resource.endpoint.run)
                 await tg.start(reconciler.run)
-                tg.start_soon(_publish_status, settings, resources, reconciler, health)
+                publisher = _Publisher(
+                    settings=settings,
+                    resources=resources,
+                    reconciler=reconciler,
+                    health=health,
+                    notifier=notifier,
+                    web=web,
+                )
+                tg.start_soon(publisher.run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))
         except MpsAgentError as exc:
             reason = str(exc)
@@ -246,4 +340,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                 raise failures[0] from group
             raise
         finally:
+            if settings.nfd_features_file is not None and settings.mps_on_exit is MpsOnExit.QUIT and reason == "signal":
+                remove_features(settings.nfd_features_file)  # the node no longer offers MPS
+            notifier.notify("STOPPING=1", f"STATUS=stopped: {reason}")
             log.info("agent stopped", reason=reason)

@@ -82,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="a failed GPU is healthy again after answering NVML without a critical Xid this long "
         "[env HEALTH_RECOVERY_SECONDS; default 60]",
     )
+    add(
+        "--nfd-features-file",
+        metavar="PATH",
+        help="write the node labels there for node-feature-discovery; empty: do not [env NFD_FEATURES_FILE; "
+        "default /etc/kubernetes/node-feature-discovery/features.d/mpsagent]",
+    )
+    add(
+        "--metrics-address",
+        metavar="HOST:PORT",
+        help="serve /metrics, /healthz and /readyz over HTTP there; empty: off [env METRICS_ADDRESS; default off]",
+    )
+    add(
+        "--proc-root",
+        metavar="DIR",
+        help="the host's /proc, to map GPU processes to containers [env PROC_ROOT; default /proc]",
+    )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
     add(
         "--status",

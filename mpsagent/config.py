@@ -26,6 +26,8 @@ DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
 DEFAULT_MPS_CONTROL_BIN = "nvidia-cuda-mps-control"
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 DEFAULT_RECONCILE_GRACE_S = 60.0
+DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
+DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
 # Application errors: the GPU stays healthy (the NVIDIA device plugin's list).
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -85,6 +87,9 @@ class Flags(_Strict, frozen=True):
     pod_resources_socket: str | None = None
     reconcile_grace_seconds: float | None = None
     health_recovery_seconds: float | None = None
+    nfd_features_file: str | None = None
+    metrics_address: str | None = None
+    proc_root: str | None = None
     # NVIDIA keys without meaning here.
     fail_on_init_error: bool | None = None
     nvidia_driver_root: str | None = None
@@ -220,6 +225,9 @@ class Settings:
     reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
     health_recovery_s: float = DEFAULT_HEALTH_RECOVERY_S
     xid_policy: XidPolicy = XidPolicy()
+    nfd_features_file: Path | None = DEFAULT_NFD_FEATURES_FILE
+    metrics_address: tuple[str, int] | None = None
+    proc_root: Path = DEFAULT_PROC_ROOT
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -432,6 +440,9 @@ _ENV = {
     "pod_resources_socket": "POD_RESOURCES_SOCKET",
     "reconcile_grace_seconds": "RECONCILE_GRACE_SECONDS",
     "health_recovery_seconds": "HEALTH_RECOVERY_SECONDS",
+    "nfd_features_file": "NFD_FEATURES_FILE",
+    "metrics_address": "METRICS_ADDRESS",
+    "proc_root": "PROC_ROOT",
 }
 DISABLE_HEALTHCHECKS_ENV = "DP_DISABLE_HEALTHCHECKS"
 ENABLE_HEALTHCHECKS_ENV = "DP_ENABLE_HEALTHCHECKS"
@@ -464,6 +475,23 @@ def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from
     return value
 
 
+def _address(cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None) -> tuple[str, int] | None:
+    """`HOST:PORT` (`[v6]:PORT`, or `:PORT` for every address); empty means off."""
+    chosen = cli.get("metrics_address")
+    if chosen is None:
+        chosen = environ.get(_ENV["metrics_address"], from_file)
+    if not chosen:
+        return None
+    host, sep, port = str(chosen).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536 or " " in host:
+        raise UsageError(
+            f"--metrics-address (env METRICS_ADDRESS, config flags.metricsAddress) must be HOST:PORT, for example "
+            f"0.0.0.0:9402, or empty to turn the endpoint off; not `{chosen}`"
+        )
+    return host or "0.0.0.0", int(port)  # `:PORT` means every address
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.title() for part in rest)
@@ -489,6 +517,14 @@ def xid_policy(environ: Mapping[str, str]) -> XidPolicy:
     disabled, ignore_all = _xid_list(DISABLE_HEALTHCHECKS_ENV, environ.get(DISABLE_HEALTHCHECKS_ENV, ""))
     enabled, enable_all = _xid_list(ENABLE_HEALTHCHECKS_ENV, environ.get(ENABLE_HEALTHCHECKS_ENV, ""))
     return XidPolicy(ignored=APPLICATION_XIDS | disabled, ignore_all=ignore_all, enabled=enabled, enable_all=enable_all)
+
+
+def _optional_path(cli: str | None, env: str | None, from_file: str | None, default: Path) -> Path | None:
+    """A path that an explicitly empty value turns off (unlike `_pick`, where empty means unset)."""
+    for chosen in (cli, env, from_file):
+        if chosen is not None:
+            return Path(chosen) if chosen else None
+    return default
 
 
 def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
@@ -553,4 +589,12 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         reconcile_grace_s=DEFAULT_RECONCILE_GRACE_S if grace is None else grace,
         health_recovery_s=DEFAULT_HEALTH_RECOVERY_S if recovery is None else recovery,
         xid_policy=xid_policy(environ),
+        nfd_features_file=_optional_path(
+            cli.get("nfd_features_file"),
+            environ.get(_ENV["nfd_features_file"]),
+            flags.nfd_features_file,
+            DEFAULT_NFD_FEATURES_FILE,
+        ),
+        metrics_address=_address(cli, environ, flags.metrics_address),
+        proc_root=Path(_pick("proc_root", cli, environ, flags.proc_root) or DEFAULT_PROC_ROOT),
     )

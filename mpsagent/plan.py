@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -335,6 +335,11 @@ def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], 
 class DaemonLaunch:
     argv: tuple[str, ...]
     env: dict[str, str]
+    unset: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+    """Inherited variables the daemon must not see: it must not be able to speak for the agent to systemd."""
+
+    def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in inherited.items() if k not in self.unset} | self.env
 
 
 def daemon_launch(resource: ResourcePlan, control_bin: str) -> DaemonLaunch:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsagent.allocation import ResourceAllocator
-from mpsagent.devices import GpuUuid, Health
+from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
 from mpsagent.inventory import Inventory
 
@@ -36,6 +36,7 @@ class ResourceView:
     inventory: Inventory
     daemon: DaemonView
     registered: bool
+    registrations: int
 
 
 def _wall(monotonic: float | None) -> str | None:
@@ -57,14 +58,21 @@ def status_document(
     entries = []
     for view in resources:
         devices = view.inventory.snapshot().devices
+        per_gpu: dict[str, dict[str, int]] = {}
+        for device in devices:
+            counts = per_gpu.setdefault(gpu_of(device.replica_id), {"replicas": 0, "healthy": 0})
+            counts["replicas"] += 1
+            counts["healthy"] += device.health is Health.HEALTHY
         grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
         stats = view.allocator.ledger.statistics()
         entries.append(
             {
                 "name": view.allocator.resource.name,
                 "registered": view.registered,
+                "registrations": view.registrations,
                 "replicas": len(devices),
                 "healthy": sum(d.health is Health.HEALTHY for d in devices),
+                "gpus": per_gpu,
                 "daemon": {
                     "pid": view.daemon.pid,
                     "up": view.daemon.up,
@@ -137,6 +145,31 @@ def agent_alive(document: dict[str, Any]) -> bool:
     except (PermissionError, KeyError, ValueError, TypeError):
         return True
     return True
+
+
+def readiness(document: dict[str, Any] | None) -> tuple[bool, str]:
+    """Ready when every resource is registered with the kubelet and its MPS daemon is up; else what is not."""
+    if document is None:
+        return False, "starting"
+    problems = []
+    for res in document["resources"]:
+        if not res["registered"]:
+            problems.append(f"{res['name']}: not registered with the kubelet")
+        if not res["daemon"]["up"]:
+            problems.append(f"{res['name']}: mps daemon down")
+    return not problems, "; ".join(problems) or "ready"
+
+
+def summary(document: dict[str, Any]) -> str:
+    """One line for systemd's STATUS=."""
+    ready, problems = readiness(document)
+    if not ready:
+        return problems
+    return "serving " + "; ".join(
+        f"{res['name']} ({res['healthy']}/{res['replicas']} healthy, {len(res['grants'])} grants, "
+        f"caps {res['daemon']['capMode']})"
+        for res in document["resources"]
+    )
 
 
 def render_status_text(document: dict[str, Any]) -> str:

@@ -135,6 +135,9 @@ class AgentLauncher:
                     "debug",
                     "--pod-resources-socket",
                     str(pod_resources_socket(self.directory)),
+                    # Never the node's real features directory: tests that want labels name their own file.
+                    "--nfd-features-file",
+                    str(self.directory / "nfd-absent" / "mpsagent"),
                     *args,
                 ],
                 stdin=subprocess.DEVNULL,

@@ -13,7 +13,7 @@ import pynvml
 
 from mpsagent.devices import Gpu, GpuUuid, NodeGpus
 from mpsagent.errors import GpuDiscoveryError, GpuHealthError
-from mpsagent.gpu.port import ComputeMode, XidEvent
+from mpsagent.gpu.port import ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")
 
@@ -160,6 +160,19 @@ class NvmlGpuSource:
         except GpuDiscoveryError as exc:
             return str(exc)
         return None
+
+    def processes(self, uuid: GpuUuid) -> tuple[GpuProcess, ...]:
+        def read() -> tuple[GpuProcess, ...]:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            found = {
+                p.pid: GpuProcess(pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=False)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            }
+            for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle):
+                found[p.pid] = GpuProcess(pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=True)
+            return tuple(found.values())
+
+        return self._call(f"list the processes on {uuid}", read)
 
     def compute_mode(self, uuid: GpuUuid) -> ComputeMode:
         return self._call(

@@ -26,6 +26,14 @@ class XidEvent:
     xid: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None
+    """None when the driver cannot tell (some platforms, some MPS setups)."""
+    mps_client: bool
+
+
 class GpuEventWatch(Protocol):
     """A blocking NVML event subscription; used from one worker thread at a time."""
 
@@ -46,6 +54,10 @@ class GpuHealthSource(Protocol):
 
     def probe(self, uuid: GpuUuid) -> str | None:
         """None when the GPU answers normally, else what is wrong (for instance, lost)."""
+        ...
+
+    def processes(self, uuid: GpuUuid) -> tuple[GpuProcess, ...]:
+        """The processes using the GPU (MPS clients included); raises GpuDiscoveryError when NVML cannot say."""
         ...
 
 

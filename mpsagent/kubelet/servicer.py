@@ -3,6 +3,7 @@ status. The only place that raises GRPCError."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
@@ -52,12 +53,14 @@ class DevicePluginServicer(pb.DevicePluginBase):
         pre_start_required: bool = False,
         after_allocate: AfterAllocate = _nothing_after_allocate,
         before_start: BeforeStart = _nothing_before_start,
+        allocate_timer: Callable[[float], None] | None = None,
     ) -> None:
         self._allocator = allocator
         self._inventory = inventory
         self._pre_start_required = pre_start_required
         self._after_allocate = after_allocate
         self._before_start = before_start
+        self._allocate_timer = allocate_timer
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
 
@@ -107,6 +110,14 @@ class DevicePluginServicer(pb.DevicePluginBase):
             generation = await self._next_generation(snapshot.generation)
 
     async def allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
+        began = time.perf_counter()
+        try:
+            return await self._allocate(message)
+        finally:
+            if self._allocate_timer is not None:
+                self._allocate_timer(time.perf_counter() - began)
+
+    async def _allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
         requests = [list(container.devices_ids) for container in message.container_requests]
         try:
             allocations = self._allocator.allocate(requests)

@@ -201,7 +201,7 @@ class DaemonSupervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
                 stderr=fd,
-                env={**os.environ, **launch.env},
+                env=launch.environment(os.environ),
                 start_new_session=True,  # survives the agent: clients keep working through an agent restart
             )
         except OSError as exc:

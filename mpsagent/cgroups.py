@@ -1,0 +1,33 @@
+"""Which pod and container a process belongs to, from its `/proc/<pid>/cgroup`.
+
+The kubelet names pod cgroups after the pod UID, and the runtime names container cgroups after the container ID:
+- cgroup v1 / cgroupfs driver: `.../kubepods/burstable/pod<uid>/<container id>`
+- systemd driver: `.../kubepods-burstable-pod<uid with _ for ->.slice/cri-containerd-<container id>.scope`
+  (`crio-`, `docker-` for other runtimes)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_POD = re.compile(rf"pod({_UID})(?:\.slice)?(?=/|$)")
+_CONTAINER = re.compile(r"/(?:[a-z-]+-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class PodContainer:
+    pod_uid: str
+    container_id: str
+
+
+def pod_container(cgroup_text: str) -> PodContainer | None:
+    """The pod and container of a process, or None for a process outside any pod's container."""
+    for line in cgroup_text.splitlines():
+        path = line.split(":", 2)[-1]
+        pod = _POD.search(path)
+        container = _CONTAINER.search(path)
+        if pod and container:
+            return PodContainer(pod_uid=pod.group(1).replace("_", "-"), container_id=container.group(1))
+    return None

@@ -1,0 +1,42 @@
+"""The node labels as a node-feature-discovery local feature file: `key=value` lines, written atomically.
+
+NFD's worker reads every file in its `features.d` directory and labels the node with them. The directory is
+NFD's: when it is absent (NFD not installed), the agent says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+FILE_MODE = 0o644  # NFD's worker may run as another user
+
+
+def features_text(labels: Mapping[str, str]) -> str:
+    return "".join(f"{key}={value}\n" for key, value in sorted(labels.items()))
+
+
+def write_features(path: Path, labels: Mapping[str, str]) -> bool:
+    """Write the labels unless the file already holds them; True when written. Raises OSError."""
+    text = features_text(labels)
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return False
+    # NFD lists the directory: the temporary file's name starts with a dot so that it is never read half-written.
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.chmod(temporary, FILE_MODE)
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise
+    return True
+
+
+def remove_features(path: Path) -> None:
+    path.unlink(missing_ok=True)

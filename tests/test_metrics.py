@@ -1,0 +1,148 @@
+"""The HTTP endpoint through a real TCP socket: probes, Prometheus metrics, and GPU memory per container from
+NVML's process lists (the fake NVML) mapped through a fake /proc tree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT, AgentLauncher, write_config
+from tests.fakes.nvml.build import fake_nvml_env
+from tests.fakes.nvml.control import FakeNvmlDriver
+from tests.kubelet.fake import FakeKubelet, wait_for
+from tests.test_daemon import start
+from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
+
+
+def serve(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, *extra: str, **kw: object):
+    agent = start(agents, kubelet, short_dir, "--metrics-address", "127.0.0.1:0", *extra, **kw)  # type: ignore[arg-type]
+    address = agent.wait_log("http endpoint serving")["address"]
+    return agent, f"http://{address}"
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, text = get(base + "/metrics")
+    assert status == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(base: str, name: str, **labels: str) -> float | None:
+    return samples(base).get((name, tuple(sorted(labels.items()))))
+
+
+def test_probes_follow_registration_and_metrics_follow_the_ledger(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    kubelet.stop()
+    agent, base = serve(agents, kubelet, short_dir)
+    assert get(base + "/healthz")[0] == 200
+    wait_for(lambda: get(base + "/readyz") == (503, "nvidia.com/gpu: not registered with the kubelet\n"), 5, "503")
+    kubelet.start()
+    plugin = kubelet.wait_registered(RESOURCE)
+    wait_for(lambda: get(base + "/readyz") == (200, "ready\n"), 5, "ready")
+    assert get(base + "/nothing")[0] == 404
+
+    allocate(plugin, ids(GPU0, 1))
+    wait_for(lambda: value(base, "mpsagent_active_grants", resource=RESOURCE, kind="capped") == 1, 5, "a live grant")
+    assert value(base, "mpsagent_grants_total", resource=RESOURCE, kind="capped") == 1
+    assert value(base, "mpsagent_grants_total", resource=RESOURCE, kind="full") == 0
+    assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE) == 1
+    assert value(base, "mpsagent_replicas", resource=RESOURCE, gpu=GPU0, health="Healthy") == 4
+    assert value(base, "mpsagent_replicas", resource=RESOURCE, gpu=GPU0, health="Unhealthy") == 0
+    assert value(base, "mpsagent_daemon_up", resource=RESOURCE) == 1
+    assert value(base, "mpsagent_daemon_cap_mode", resource=RESOURCE, mode="capped") == 1
+    assert value(base, "mpsagent_daemon_restarts_total", resource=RESOURCE) == 0
+    assert value(base, "mpsagent_kubelet_registrations_total", resource=RESOURCE) == 1
+    assert value(base, "mpsagent_kubelet_registered", resource=RESOURCE) == 1
+    assert value(base, "mpsagent_pod_resources_up") == 1
+    assert agent.stop() == 0
+
+
+def test_gpu_memory_per_container_and_mps_clients_per_gpu(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fake_nvml_library: Path
+) -> None:
+    gpu_a, gpu_b = "GPU-aaaaaaaa-1111-2222-3333-444444444444", "GPU-bbbbbbbb-1111-2222-3333-444444444444"
+    nvml = short_dir / "nvml.json"
+    nvml.write_text(
+        json.dumps({"gpus": [{"uuid": u, "memoryTotal": 17179869184, "major": 7, "minor": 5} for u in (gpu_a, gpu_b)]})
+    )
+    driver = FakeNvmlDriver(short_dir / "nvml-state.json")
+    pod = "0f3e9b1c-6a2d-4c8e-9f10-2b3c4d5e6f70"
+    train, serve_c = "a" * 64, "b" * 64
+    proc = short_dir / "proc"
+    cgroups = {
+        101: f"0::/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-{train}.scope\n",
+        102: f"0::/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-{train}.scope\n",
+        103: f"0::/kubepods/besteffort/pod{pod}/{serve_c}\n",
+        200: "0::/system.slice/nvidia-mps.service\n",  # the MPS server: not a container
+    }
+    for pid, text in cgroups.items():
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(text)
+    driver.set_processes(gpu_a, [(200, 300 << 20)])
+    driver.set_processes(gpu_a, [(101, 1 << 30), (102, 512 << 20), (103, 256 << 20), (999, 64 << 20)], mps=True)
+    env = fake_nvml_env(fake_nvml_library, nvml, driver.state_path)
+    _, base = serve(agents, kubelet, short_dir, "--proc-root", str(proc), env=env, nvml=True)
+    kubelet.wait_registered(RESOURCE)
+
+    memory = {
+        (dict(labels)["gpu"], dict(labels)["container_id"]): v
+        for (name, labels), v in samples(base).items()
+        if name == "mpsagent_container_gpu_memory_bytes"
+    }
+    assert memory == {(gpu_a, train): (1 << 30) + (512 << 20), (gpu_a, serve_c): 256 << 20}
+    assert value(base, "mpsagent_container_gpu_memory_bytes", gpu=gpu_a, pod_uid=pod, container_id=train) > 0
+    assert value(base, "mpsagent_mps_clients", gpu=gpu_a) == 4
+    assert value(base, "mpsagent_mps_clients", gpu=gpu_b) == 0
+
+
+def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    cfg = write_config(short_dir / "config.yaml", config())
+    refused = subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--config-file", str(cfg), "--metrics-address", "9402", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "--metrics-address" in refused.stderr and "`9402`" in refused.stderr
+
+    first, base = serve(agents, kubelet, short_dir)
+    port = base.rpartition(":")[2]
+    first.stop()
+    holder = start(agents, kubelet, short_dir, "--metrics-address", f"127.0.0.1:{port}")
+    holder.wait_log("http endpoint serving")
+    second = agents.start(
+        "--config-file",
+        str(cfg),
+        "--node-snapshot",
+        str(short_dir / "node.json"),
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        "--mps-root",
+        str(short_dir / "other"),
+    )
+    assert second.process.wait(30) == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in second.log()
