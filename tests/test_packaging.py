@@ -1,0 +1,535 @@
+"""Packaging: the one-file executable, the systemd units, the container image recipe and the Kubernetes manifests.
+
+The one-file build is slow (about 25 s on 2 cores): it is built once per module, into a
+temporary directory, and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from importlib.metadata import packages_distributions, requires
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from tests.conftest import EXAMPLES, H100_NODE, ROOT, small_node, write_config
+from tests.kubelet.fake import FakeKubelet, wait_for
+
+PACKAGING = ROOT / "packaging"
+BUILD_SH = PACKAGING / "binary" / "build.sh"
+HOOK = PACKAGING / "binary" / "rthook_mpsagent.py"
+GLIBC_FLOOR = PACKAGING / "binary" / "glibc_floor.py"
+UNIT = PACKAGING / "systemd" / "mpsagent.service"
+SHM_MOUNT = PACKAGING / "systemd" / "run-nvidia-mps-shm.mount"
+DOCKERFILE = PACKAGING / "container" / "Dockerfile"
+KUSTOMIZE = PACKAGING / "kubernetes"
+INSTALL_DOC = ROOT / "docs" / "install.md"
+CONFIG = EXAMPLES / "config-mps.yaml"
+
+MPS_ROOT = "/run/nvidia/mps"
+METRICS_PORT = 9402
+# The Kubernetes releases the manifests are validated against: every one kubernetes-validate ships from this on.
+OLDEST_KUBERNETES = Version("1.30")
+# Variables in the units that are not the agent's flags: the NVIDIA container runtime's, and the one-file build's.
+NOT_AGENT_FLAGS = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "TMPDIR", "MPSAGENT_CHILD_TMPDIR"}
+
+BUILD_TIMEOUT_S = 540
+COMMAND_TIMEOUT_S = 60
+
+
+def run(*argv: str | Path, timeout: float = COMMAND_TIMEOUT_S, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in argv], capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT, **kw
+    )
+
+
+def python_agent(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return run(sys.executable, "-m", "mpsagent", *args)
+
+
+# --- the one-file executable --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def binary() -> Iterator[Path]:
+    out = Path(tempfile.mkdtemp(prefix="mpsagent-onefile-"))
+    try:
+        env = {**os.environ, "PYTHON": sys.executable, "DIST_DIR": str(out / "dist"), "WORK_DIR": str(out / "work")}
+        built = run(BUILD_SH, env=env, timeout=BUILD_TIMEOUT_S)
+        assert built.returncode == 0, built.stdout + built.stderr
+        path = out / "dist" / "mpsagent"
+        assert path.is_file() and os.access(path, os.X_OK)
+        yield path
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def bundle_members(path: Path) -> tuple[dict[str, bytes], set[str]]:
+    """The binaries (ELF files) in the one-file bundle, and the Python modules in its archive."""
+    from PyInstaller.archive.readers import CArchiveReader  # noqa: PLC0415  (a test-only dependency)
+
+    archive = CArchiveReader(str(path))
+    elves = {}
+    for name in archive.toc:
+        if name.endswith(".pyz"):
+            continue
+        data = archive.extract(name)
+        if data and data[:4] == b"\x7fELF":
+            elves[name] = data
+    modules: set[str] = set()
+    for name in archive.toc:
+        if name.endswith(".pyz"):
+            modules |= set(archive.open_embedded_archive(name).toc)
+    return elves, modules
+
+
+def runtime_import_names() -> set[str]:
+    """Top-level import names of mpsagent's runtime dependencies, followed through their own requirements."""
+    distributions: set[str] = set()
+    pending = [Requirement(r) for r in requires("mpsagent") or [] if "extra ==" not in r]
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name in distributions or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        distributions.add(name)
+        for text in requires(requirement.name) or []:
+            child = Requirement(text)
+            if child.marker is None or any(child.marker.evaluate({"extra": e}) for e in {"", *requirement.extras}):
+                child.marker = None
+                pending.append(child)
+    return {
+        module
+        for module, owners in packages_distributions().items()
+        if any(canonicalize_name(owner) in distributions for owner in owners)
+    } | {"mpsagent"}
+
+
+def documented_glibc_floor() -> Version:
+    match = re.search(r"glibc (\d+\.\d+) or newer", INSTALL_DOC.read_text())
+    assert match, "docs/install.md must state the build's glibc floor as `glibc X.Y or newer`"
+    return Version(match.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_binary_prints_the_same_version_as_the_package(binary: Path) -> None:
+    ours = run(binary, "--version")
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == python_agent("--version").stdout
+    assert re.fullmatch(r"mpsagent \d+\.\d+\.\d+\S*\n", ours.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("output", [(), ("--output", "json")], ids=["text", "json"])
+def test_binary_dry_run_matches_the_package(binary: Path, output: tuple[str, ...]) -> None:
+    args = ("--once", "--node-snapshot", H100_NODE, "--config-file", CONFIG, *output)
+    ours = run(binary, *args)
+    theirs = python_agent(*args)
+    assert ours.returncode == theirs.returncode == 0, ours.stderr + theirs.stderr
+    assert ours.stdout == theirs.stdout
+    if output:
+        assert json.loads(ours.stdout)
+    else:
+        assert "Resource nvidia.com/gpu: 8 GPUs x 4 replicas = 32 devices" in ours.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_binary_reports_a_bad_config_like_the_package(binary: Path, tmp_path: Path) -> None:
+    bad = write_config(tmp_path / "bad.yaml", "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n")
+    args = ("--once", "--node-snapshot", H100_NODE, "--config-file", bad)
+    ours = run(binary, *args)
+    theirs = python_agent(*args)
+    assert ours.returncode == theirs.returncode == 2
+    assert ours.stderr == theirs.stderr
+    assert "sharing.mps.resources[0]" in ours.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_binary_bundles_python_and_only_the_runtime_dependencies(binary: Path) -> None:
+    elves, modules = bundle_members(binary)
+    assert any(name.startswith("libpython3") for name in elves)
+    tops = {name.split(".")[0] for name in modules}
+    allowed = set(sys.stdlib_module_names) | runtime_import_names()
+    assert tops - allowed == set(), "not a runtime dependency of mpsagent: add it to build.sh's --exclude-module"
+    assert {"mpsagent", "anyio", "grpclib", "betterproto2", "msgspec", "yaml", "structlog", "pynvml"} <= tops
+    assert {"mpsagent.gpu.nvml", "mpsagent.app", "anyio._backends._asyncio"} <= modules
+    assert binary.stat().st_size < 40 * 1024**2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_binary_needs_no_newer_glibc_than_documented(binary: Path) -> None:
+    done = run(sys.executable, GLIBC_FLOOR, binary)
+    # Exit status 1: a library that is neither bundled nor glibc's.
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = Version(done.stdout.split()[0])
+    assert found >= Version("2.17")  # objdump did find versioned glibc symbols
+    assert found <= documented_glibc_floor(), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_binary_serves_the_kubelet_and_gives_the_mps_daemon_a_clean_environment(
+    binary: Path, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    """The agent proper (gRPC server, anyio, the real MPS daemon) from the one-file build: it registers, lists the
+    replicas and stops on SIGTERM; the MPS programs it starts see neither the bundle's libraries nor its TMPDIR."""
+    real_control = shutil.which("nvidia-cuda-mps-control")
+    assert real_control, "scripts/install-system-deps.sh installs nvidia-cuda-mps"
+    envs = short_dir / "envs"
+    envs.mkdir()
+    control = short_dir / "control"
+    control.write_text(f'#!/bin/sh\nenv > "{envs}/$$"\nexec {real_control} "$@"\n')
+    control.chmod(0o755)
+    unpack = short_dir / "unpack"
+    unpack.mkdir()
+    env = {**os.environ, "TMPDIR": str(unpack), "MPSAGENT_CHILD_TMPDIR": ""}
+    args = [
+        *("--config-file", write_config(short_dir / "config.yaml", CONFIG.read_text())),
+        *("--node-snapshot", small_node(short_dir / "node.json")),
+        *("--kubelet-socket", kubelet.socket_path),
+        *("--mps-root", short_dir / "mps"),
+        *("--mps-control-bin", control),
+        *("--mps-on-exit", "quit", "--log-format", "json"),
+    ]
+    log = short_dir / "agent.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen([str(binary), *map(str, args)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        plugin = kubelet.wait_registered("nvidia.com/gpu", timeout=30)
+        wait_for(lambda: len(plugin.latest()) == 8, 10, "8 replicas listed")
+        assert {health for _, health, _ in plugin.latest()} == {"Healthy"}
+        assert [p.name for p in unpack.iterdir() if p.name.startswith("_MEI")], "unpacked under $TMPDIR"
+        seen = [dict(line.split("=", 1) for line in p.read_text().splitlines() if "=" in line) for p in envs.iterdir()]
+        assert seen, "the agent ran the MPS control program"
+        for child in seen:
+            assert "_MEI" not in child.get("LD_LIBRARY_PATH", ""), child.get("LD_LIBRARY_PATH")
+            assert child.get("LD_LIBRARY_PATH") == os.environ.get("LD_LIBRARY_PATH")
+            assert "LD_LIBRARY_PATH_ORIG" not in child
+            assert "TMPDIR" not in child
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0, log.read_text()
+        assert not [p for p in unpack.iterdir() if p.name.startswith("_MEI")], "the bootloader cleaned up"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+
+
+def test_runtime_hook_restores_the_environment_and_follows_the_bootloader() -> None:
+    """The hook, run by a plain Python whose parent (this test's Python) stands in for the bootloader."""
+    script = (
+        "import ctypes, json, os, runpy, sys\n"
+        f"runpy.run_path({str(HOOK)!r})\n"
+        "sig = ctypes.c_int()\n"
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"  # PR_GET_PDEATHSIG
+        "keys = ('LD_LIBRARY_PATH', 'LD_LIBRARY_PATH_ORIG', 'TMPDIR', 'MPSAGENT_CHILD_TMPDIR', 'WATCHDOG_PID')\n"
+        "print(json.dumps({'pid': os.getpid(), 'deathsig': sig.value, 'env': {k: os.environ.get(k) for k in keys}}))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in {"LD_LIBRARY_PATH", "TMPDIR", "WATCHDOG_PID"}}
+    cases = [
+        (
+            {"LD_LIBRARY_PATH": "/tmp/_MEI1:/usr/local/lib", "LD_LIBRARY_PATH_ORIG": "/usr/local/lib"},
+            {"LD_LIBRARY_PATH": "/usr/local/lib"},
+        ),
+        (
+            {"LD_LIBRARY_PATH": "/tmp/_MEI1", "TMPDIR": "/run/mpsagent", "MPSAGENT_CHILD_TMPDIR": ""},
+            {"LD_LIBRARY_PATH": None, "TMPDIR": None},
+        ),
+        ({"TMPDIR": "/run/mpsagent", "MPSAGENT_CHILD_TMPDIR": "/var/tmp"}, {"TMPDIR": "/var/tmp"}),
+        ({"TMPDIR": "/srv/tmp"}, {"TMPDIR": "/srv/tmp"}),
+    ]
+    for given, expected in cases:
+        env = {**base, **given, "WATCHDOG_PID": str(os.getpid())}
+        done = run(sys.executable, "-c", script, env=env)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["deathsig"] == signal.SIGKILL
+        assert result["env"]["WATCHDOG_PID"] == str(result["pid"])
+        assert result["env"]["LD_LIBRARY_PATH_ORIG"] is None
+        assert result["env"]["MPSAGENT_CHILD_TMPDIR"] is None
+        for key, value in expected.items():
+            assert result["env"][key] == value, (given, key)
+
+
+# --- systemd ------------------------------------------------------------------------------------------------
+
+
+def unit_settings(path: Path) -> dict[str, list[str]]:
+    """`Section.Key` -> every value it is given, in order (systemd keys repeat, so no configparser)."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        settings.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return settings
+
+
+def unit_environment(settings: dict[str, list[str]]) -> dict[str, str]:
+    return dict(value.split("=", 1) for value in settings.get("Service.Environment", []))
+
+
+def systemd_verify(units: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`systemd-analyze verify` in a scratch root: the distribution's units, ours, and a stand-in for the
+    executable (verify checks that ExecStart= names an executable file). Needs no systemd running as PID 1."""
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    for name, text in units.items():
+        (root / "etc/systemd/system" / name).write_text(text)
+    executable = root / unit_settings(UNIT)["Service.ExecStart"][0].split()[0].lstrip("/")
+    executable.parent.mkdir(parents=True)
+    executable.write_text("#!/bin/sh\n")
+    executable.chmod(0o755)
+    return run("systemd-analyze", "verify", "--man=no", "--generators=no", f"--root={root}", *units)
+
+
+def our_units() -> dict[str, str]:
+    return {UNIT.name: UNIT.read_text(), SHM_MOUNT.name: SHM_MOUNT.read_text()}
+
+
+def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    done = systemd_verify(our_units(), tmp_path)
+    # verify exits 0 on settings it ignores (unknown keys, bad values): any message at all is a failure.
+    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("KillMode=process", "KillMode=sometimes"), ("Type=notify", "Typ=notify"), ("[Service]", "[Servic]")],
+)
+def test_systemd_verify_catches_a_broken_unit(tmp_path: Path, old: str, new: str) -> None:
+    units = our_units()
+    assert old in units[UNIT.name]
+    units[UNIT.name] = units[UNIT.name].replace(old, new)
+    done = systemd_verify(units, tmp_path)
+    assert done.returncode != 0 or done.stdout + done.stderr != ""
+
+
+def test_systemd_unit_keeps_mps_across_restarts_and_notifies() -> None:
+    service = unit_settings(UNIT)
+    assert service["Service.Type"] == ["notify"]
+    # The one-file build's Python runs as the bootloader's child, not as the main PID.
+    assert service["Service.NotifyAccess"] == ["all"]
+    assert service["Service.WatchdogSec"]
+    assert service["Service.KillMode"] == ["process"]
+    assert service["Service.Restart"] == ["on-failure"]
+    assert service["Service.RestartPreventExitStatus"] == ["2"]
+    assert service["Service.ExecStart"] == ["/usr/local/bin/mpsagent"]
+    env = unit_environment(service)
+    assert env["CONFIG_FILE"] == "/etc/mpsagent/config.yaml"
+    assert env["MPS_ROOT"] == MPS_ROOT
+    assert env["MPS_ON_EXIT"] == "keep"
+    assert env["METRICS_ADDRESS"].endswith(f":{METRICS_PORT}")
+    assert env["TMPDIR"] == "%t/mpsagent" and service["Service.RuntimeDirectory"] == ["mpsagent"]
+    # The daemon, a child of the agent, must see the clients' shm as its /dev/shm.
+    assert service["Service.BindPaths"] == [f"{MPS_ROOT}/shm:/dev/shm"]
+    assert f"{SHM_MOUNT.name}" in service["Unit.Requires"][0].split()
+    assert SHM_MOUNT.name in service["Unit.After"][0].split()
+
+
+def test_systemd_shm_mount_is_a_tmpfs_at_the_mps_root() -> None:
+    mount = unit_settings(SHM_MOUNT)
+    assert mount["Mount.Where"] == [f"{MPS_ROOT}/shm"]
+    assert mount["Mount.Type"] == ["tmpfs"]
+    options = mount["Mount.Options"][0].split(",")
+    assert "mode=1777" in options
+    assert any(o.startswith("size=") for o in options)
+    escaped = run("systemd-escape", "--path", "--suffix=mount", mount["Mount.Where"][0])
+    assert escaped.stdout.strip() == SHM_MOUNT.name
+
+
+def test_example_config_for_etc_mpsagent_is_valid() -> None:
+    done = python_agent("--once", "--node-snapshot", H100_NODE, "--config-file", CONFIG)
+    assert done.returncode == 0, done.stderr
+
+
+# --- container image ----------------------------------------------------------------------------------------
+
+
+def test_dockerfile_runs_the_agent_with_mps_from_debian_non_free() -> None:
+    """A static check: no Docker engine is needed (nor available in CI)."""
+    text = DOCKERFILE.read_text()
+    lines = re.sub(r"\\\n", " ", text).splitlines()
+    instructions = [line.split(None, 1) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    entrypoints = [json.loads(rest) for word, rest in instructions if word == "ENTRYPOINT"]
+    assert entrypoints == [["/opt/mpsagent/bin/mpsagent"]]
+    assert not [rest for word, rest in instructions if word == "CMD"]
+    runs = " ".join(rest for word, rest in instructions if word == "RUN")
+    assert "non-free" in runs
+    assert re.search(r"apt-get install [^&]*\bnvidia-cuda-mps\b", runs)
+    assert [rest.strip() for word, rest in instructions if word == "USER"] == ["0:0"]
+    for word, rest in instructions:
+        if word == "COPY" and not rest.startswith("--from"):
+            *sources, _ = rest.split()
+            for source in sources:
+                assert (ROOT / source).exists(), source
+    env = " ".join(rest for word, rest in instructions if word == "ENV")
+    assert "CONFIG_FILE=/etc/mpsagent/config.yaml" in env
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "scripts/install-system-deps.sh installs kubectl (Debian's kubernetes-client)"
+    done = run(kubectl, "kustomize", KUSTOMIZE)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, kind
+    return found[0]
+
+
+def agent_container(daemonset: dict) -> dict:
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def kubernetes_versions() -> list[str]:
+    versions = sorted({Version(v) for v in all_versions()})
+    return [str(v) for v in versions if v >= OLDEST_KUBERNETES]
+
+
+def test_kustomize_renders_a_namespace_configmap_and_daemonset(rendered: list[dict]) -> None:
+    assert sorted(o["kind"] for o in rendered) == ["ConfigMap", "DaemonSet", "Namespace"]
+    namespace = one(rendered, "Namespace")["metadata"]["name"]
+    assert {o["metadata"].get("namespace") for o in rendered if o["kind"] != "Namespace"} == {namespace}
+
+
+def test_kustomize_objects_match_the_kubernetes_schemas(rendered: list[dict]) -> None:
+    versions = kubernetes_versions()
+    assert versions and Version(versions[-1]) >= Version("1.34"), versions
+    for version in versions:
+        for obj in rendered:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_validation_catches_a_misspelt_field(rendered: list[dict]) -> None:
+    broken = json.loads(json.dumps(one(rendered, "DaemonSet")))
+    agent_container(broken)["livenessProbe"]["httpGet"]["paht"] = "/healthz"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_versions()[-1], strict=True)
+
+
+def test_daemonset_runs_on_gpu_nodes_as_node_critical_and_never_restarts_mps_by_itself(rendered: list[dict]) -> None:
+    daemonset = one(rendered, "DaemonSet")
+    spec = daemonset["spec"]
+    pod = spec["template"]["spec"]
+    assert spec["updateStrategy"] == {"type": "OnDelete"}
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["hostPID"] is True
+    assert not pod.get("hostNetwork")
+    assert pod["automountServiceAccountToken"] is False
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    container = agent_container(daemonset)
+    assert "command" not in container and "args" not in container  # the image's entrypoint: the agent
+    assert container["image"].startswith("mpsagent:")
+    assert container["resources"]["requests"].keys() == {"cpu", "memory"}
+    assert "limits" not in container["resources"]
+
+
+def test_daemonset_probes_are_the_agents_health_endpoints(rendered: list[dict]) -> None:
+    container = agent_container(one(rendered, "DaemonSet"))
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["METRICS_ADDRESS"] == f"0.0.0.0:{METRICS_PORT}"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": METRICS_PORT}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": METRICS_PORT}
+    assert {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"} in container["ports"]
+
+
+def test_daemonset_shares_the_mps_directories_with_client_pods_through_host_paths(rendered: list[dict]) -> None:
+    daemonset = one(rendered, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    container = agent_container(daemonset)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+
+    def mounted_at(name: str) -> tuple[str, str]:
+        return host_paths[name], mounts[name]["mountPath"]
+
+    # The agent hands host paths under its MPS root to the kubelet: the same path inside and out.
+    assert env["MPS_ROOT"] == MPS_ROOT
+    assert mounted_at("mps-root") == (MPS_ROOT, MPS_ROOT)
+    assert mounts["mps-root"]["mountPropagation"] == "HostToContainer"
+    # The daemon's /dev/shm is the host's <mps-root>/shm, which clients get as theirs: not an emptyDir.
+    assert mounted_at("mps-shm") == (f"{MPS_ROOT}/shm", "/dev/shm")
+    assert not [v for v in pod["volumes"] if "emptyDir" in v]
+    kubelet_dir = "/var/lib/kubelet/device-plugins"
+    assert mounted_at("device-plugins") == (kubelet_dir, kubelet_dir)
+    assert env["KUBELET_SOCKET"] == f"{kubelet_dir}/kubelet.sock"
+    pod_resources = "/var/lib/kubelet/pod-resources"
+    assert mounted_at("pod-resources") == (pod_resources, pod_resources)
+    assert env["POD_RESOURCES_SOCKET"] == f"{pod_resources}/kubelet.sock"
+    assert env["CONFIG_FILE"].startswith(mounts["config"]["mountPath"] + "/")
+    # The init container mounts the shm tmpfs on the host.
+    (init,) = pod["initContainers"]
+    init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert init_mounts["mps-root"]["mountPath"] == MPS_ROOT
+    assert init_mounts["mps-root"]["mountPropagation"] == "Bidirectional"
+    assert init["securityContext"]["privileged"] is True
+    script = init["command"][-1]
+    assert "mount -t tmpfs" in script and "mode=1777" in script and "mountpoint -q" in script
+    assert {e["name"]: e["value"] for e in init["env"]}["MPS_ROOT"] == MPS_ROOT
+
+
+def test_daemonset_agent_is_root_with_only_the_capabilities_it_needs(rendered: list[dict]) -> None:
+    security = agent_container(one(rendered, "DaemonSet"))["securityContext"]
+    assert security["privileged"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert set(security["capabilities"]["add"]) == {"SYS_ADMIN", "SETUID", "SETGID", "KILL"}
+    # The API server refuses allowPrivilegeEscalation=false together with SYS_ADMIN.
+    assert "allowPrivilegeEscalation" not in security
+
+
+def test_configmap_holds_a_config_the_agent_accepts(rendered: list[dict], tmp_path: Path) -> None:
+    configmap = one(rendered, "ConfigMap")
+    daemonset = one(rendered, "DaemonSet")
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    config = write_config(tmp_path / "config.yaml", configmap["data"]["config.yaml"])
+    done = python_agent("--once", "--node-snapshot", H100_NODE, "--config-file", config)
+    assert done.returncode == 0, done.stderr
+
+
+def test_units_use_only_the_agents_environment_variables(rendered: list[dict]) -> None:
+    """Every variable that the systemd unit or the DaemonSet sets is one of the agent's flags (`--help` names
+    each flag's variable), but for the NVIDIA runtime's and the one-file build's own."""
+    done = python_agent("--help")
+    assert done.returncode == 0
+    known = set(re.findall(r"\[env\s+([A-Z_]+)", done.stdout))
+    assert {"CONFIG_FILE", "MPS_ROOT", "KUBELET_SOCKET"} <= known
+    used = set(unit_environment(unit_settings(UNIT)))
+    used |= {e["name"] for e in agent_container(one(rendered, "DaemonSet"))["env"]}
+    assert used - NOT_AGENT_FLAGS - known == set()
