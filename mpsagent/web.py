@@ -82,9 +82,7 @@ class WebEndpoint:
             ) from exc
         thread = threading.Thread(target=server.serve_forever, name="mpsagent-http", daemon=True)
         thread.start()
-        log.info(
-            "http endpoint serving", address=f"{host}:{server.server_port}", paths=["/metrics", "/healthz", "/readyz"]
-        )
+        log.info("http endpoint serving", address=f"{host}:{server.server_port}")
         task_status.started()
         try:
             await anyio.sleep_forever()

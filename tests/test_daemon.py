@@ -240,3 +240,23 @@ def test_a_hung_front_end_times_out(tmp_path: Path) -> None:
 def test_commands_that_could_inject_another_line_are_refused(command: str) -> None:
     with pytest.raises(DaemonCommandError, match="malformed"):
         check_command(command)
+
+
+@pytest.mark.parametrize(
+    ("line", "level"),
+    [
+        ("[2026-11-30 09:32:57.976 Control 17694] Accepting connection...", "DEBUG"),
+        ("[2026-11-30 09:32:57.976 Control 17694] Cmd:get_default_active_thread_percentage", "DEBUG"),
+        ("[2026-11-30 09:32:57.976 Control 17694] 25.0", "DEBUG"),
+        ("[2026-11-30 09:32:57.976 Control 17694] 0=19G,1=19G", "DEBUG"),
+        ("[2026-11-30 09:32:57.976 Control 17694] Starting control daemon using socket /run/x/pipe/control", "INFO"),
+        ("[2026-11-30 09:32:57.976 Control 17694] Server 4242 exited with status 1", "INFO"),
+        ("[2026-11-30 09:32:57.976 Control 17694] Failed to start the MPS server", "WARNING"),
+    ],
+)
+def test_the_daemons_log_reaches_the_agents_log_at_a_fitting_level(line: str, level: str) -> None:
+    import logging  # noqa: PLC0415
+
+    from mpsagent.mps.daemon import daemon_log_level  # noqa: PLC0415
+
+    assert logging.getLevelName(daemon_log_level(line)) == level

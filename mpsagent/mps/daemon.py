@@ -8,7 +8,9 @@ never takes it (or its CUDA clients) down; the next agent adopts it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -337,8 +339,23 @@ class DaemonSupervisor:
             position, chunk = _read_from(path, position)
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                if line.strip():
-                    self._log.info("mps daemon log", line=line.decode(errors="replace").strip())
+                text = line.decode(errors="replace").strip()
+                if text:
+                    self._log.log(daemon_log_level(text), "mps daemon log", line=text)
+
+
+# The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them.
+_CONTROL_CHATTER = re.compile(
+    r"\] (Accepting connection\.\.\.|NEW UI|UI closed|Cmd:(get|set)_\S*.*|[\d.]+[MG]?|(\d+=\d+[MG],?)+)$"
+)
+
+
+def daemon_log_level(line: str) -> int:
+    if _CONTROL_CHATTER.search(line):
+        return logging.DEBUG
+    if re.search(r"error|fail", line, re.IGNORECASE):
+        return logging.WARNING
+    return logging.INFO
 
 
 def _file_size(path: Path) -> int:
