@@ -276,7 +276,8 @@ class DaemonSupervisor:
 
     async def _stop(self) -> None:
         if self._on_exit is MpsOnExit.KEEP:
-            self._log.info("mps daemon left running", pid=self._pid)
+            if self._pid is not None:
+                self._log.info("mps daemon left running", pid=self._pid)
             return
         with contextlib.suppress(DaemonCommandError):
             await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
