@@ -7,18 +7,15 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from mpsagent import __version__
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.config import MpsOnExit, Settings
 from mpsagent.devices import GpuUuid, gpu_of
@@ -34,27 +31,14 @@ from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import ResourceLock, prepare_directories
 from mpsagent.nfd import remove_features, write_features
 from mpsagent.plan import NodePlan, ResourcePlan
-from mpsagent.status import (
-    DaemonView,
-    ResourceView,
-    readiness,
-    remove_status,
-    status_document,
-    summary,
-    write_status,
-)
+from mpsagent.publisher import StatePublisher, feed_watchdog
+from mpsagent.status import DaemonView, ResourceView
 from mpsagent.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
     from mpsagent.web import WebEndpoint
 
 log = get_logger("mpsagent.app")
-
-STATUS_INTERVAL_S = 0.5
-
-
-class _Stop(Exception):
-    """Raised inside the task group to stop the agent with a reason."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,68 +137,6 @@ def _gpu_health(
     )
 
 
-class _Publisher:
-    """Publishes what the agent is doing, every STATUS_INTERVAL_S: the status file (when it changed), the
-    metrics snapshot and liveness heartbeat, and systemd's STATUS= and, once everything is up, READY=1."""
-
-    def __init__(
-        self,
-        *,
-        settings: Settings,
-        resources: Sequence[_Resource],
-        reconciler: PodResourcesReconciler,
-        health: GpuHealthMonitor | _NoGpuHealth,
-        notifier: SystemdNotifier,
-        web: WebEndpoint | None,
-    ) -> None:
-        self._settings = settings
-        self._resources = resources
-        self._reconciler = reconciler
-        self._health = health
-        self._notifier = notifier
-        self._web = web
-
-    def _document(self) -> dict[str, Any]:
-        return status_document(
-            version=__version__,
-            pid=os.getpid(),
-            tasks=len(asyncio.all_tasks()),  # the agent runs on anyio's asyncio backend
-            pod_resources={
-                "socket": str(self._settings.pod_resources_socket),
-                "available": self._reconciler.available,
-                "answers": self._reconciler.successes,
-                "failures": self._reconciler.failures,
-            },
-            unhealthy_gpus=self._health.unhealthy(),
-            resources=[r.view() for r in self._resources],
-        )
-
-    async def run(self) -> None:
-        written: dict[str, Any] | None = None
-        announced_ready = False
-        try:
-            while True:
-                document = self._document()
-                if document != written:
-                    write_status(self._settings.mps_root, document)
-                    written = document
-                if self._web is not None:
-                    self._web.publish(document)
-                if not announced_ready and readiness(document)[0]:
-                    self._notifier.notify("READY=1")
-                    announced_ready = True
-                self._notifier.status(summary(document))
-                await anyio.sleep(STATUS_INTERVAL_S)
-        finally:
-            remove_status(self._settings.mps_root)
-
-
-async def _feed_watchdog(notifier: SystemdNotifier, interval_s: float) -> None:
-    while True:
-        notifier.notify("WATCHDOG=1")
-        await anyio.sleep(interval_s)
-
-
 def _write_node_labels(settings: Settings, plan: NodePlan) -> None:
     path = settings.nfd_features_file
     if path is None:
@@ -288,7 +210,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg, notifier)
                 if notifier.watchdog_interval_s is not None:
-                    tg.start_soon(_feed_watchdog, notifier, notifier.watchdog_interval_s)
+                    tg.start_soon(feed_watchdog, notifier, notifier.watchdog_interval_s)
                 if web is not None:
                     await tg.start(web.run)
                 _write_node_labels(settings, plan)
@@ -320,11 +242,12 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                     )
                     await tg.start(resource.endpoint.run)
                 await tg.start(reconciler.run)
-                publisher = _Publisher(
-                    settings=settings,
-                    resources=resources,
+                publisher = StatePublisher(
+                    mps_root=settings.mps_root,
+                    pod_resources_socket=settings.pod_resources_socket,
+                    resources=lambda: [r.view() for r in resources],
                     reconciler=reconciler,
-                    health=health,
+                    unhealthy_gpus=health.unhealthy,
                     notifier=notifier,
                     web=web,
                 )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.app import STATUS_INTERVAL_S
+from mpsagent.publisher import STATUS_INTERVAL_S
 from tests.conftest import AgentLauncher
 from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
 from tests.test_daemon import daemon_pid, start

@@ -221,3 +221,16 @@ def test_bad_config_starts_nothing(agents: AgentLauncher, kubelet: FakeKubelet, 
     assert not (short_dir / "mps").exists()
     assert kubelet.plugins == []
     assert os.listdir(short_dir / "dp") == ["kubelet.sock"]
+
+
+def test_a_kubelet_that_comes_back_is_registered_with_at_once_not_after_the_backoff(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    kubelet.stop()
+    agent = start_agent(agents, kubelet, short_dir, config())
+    agent.wait_log("kubelet registration failed")
+    time.sleep(3.5)  # the retry backoff has grown past 3 s by now
+    kubelet.start()
+    began = time.monotonic()
+    kubelet.wait_registered(RESOURCE, timeout=5)
+    assert time.monotonic() - began < 1.0

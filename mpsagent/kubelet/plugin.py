@@ -83,13 +83,18 @@ class PluginEndpoint:
         """Serve and register until cancelled; reports started once the socket is first served."""
         started = False
         while True:
+            if started:
+                # The kubelet empties its directory when it starts, then creates its socket: a socket served
+                # before that would be deleted under us.
+                await self._wait_for_kubelet_socket()
             server = await self._serve()
             try:
                 if not started:
                     task_status.started()
                     started = True
                 kubelet = await self._register_with_backoff()
-                await self._wait_for_kubelet_restart(kubelet)
+                if kubelet is not None:
+                    await self._wait_for_kubelet_restart(kubelet)
             finally:
                 self._registered = False
                 await self._close(server)
@@ -114,9 +119,30 @@ class PluginEndpoint:
         self.socket_path.unlink(missing_ok=True)
         self._servicer.reopen()
 
+    async def _wait_for_kubelet_socket(self) -> None:
+        while True:
+            if _identity(self._kubelet_socket) is not None:
+                return
+            await anyio.sleep(WATCH_INTERVAL_S)
+
+    async def _backoff(self, delay: float, kubelet: _FileIdentity | None) -> None:
+        """Sleep `delay`, but no longer than it takes a (new) kubelet socket to appear: a kubelet that is back
+        must not wait for the end of a long backoff."""
+        with anyio.move_on_after(delay):
+            while True:
+                await anyio.sleep(WATCH_INTERVAL_S)
+                if _identity(self._kubelet_socket) not in (None, kubelet):
+                    return
+
     async def _register_with_backoff(self) -> _FileIdentity | None:
+        """Register, retrying with backoff; the kubelet socket's identity when registered, None when our own socket
+        was deleted meanwhile (the kubelet restarted while we retried: serve again first)."""
+        own = _identity(self.socket_path)
         delay = REGISTER_BACKOFF_INITIAL_S
         while True:
+            if _identity(self.socket_path) != own:
+                self._log.warning("plugin socket removed while registering; serving again")
+                return None
             kubelet = _identity(self._kubelet_socket)
             try:
                 await register(
@@ -135,7 +161,7 @@ class PluginEndpoint:
                     reason=str(exc) or type(exc).__name__,
                     retry_in_s=round(delay, 2),
                 )
-                await anyio.sleep(delay)
+                await self._backoff(delay, kubelet)
                 delay = min(delay * 2, REGISTER_BACKOFF_MAX_S)
                 continue
             self._registered = True

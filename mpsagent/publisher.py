@@ -1,0 +1,87 @@
+"""Publishing what the agent is doing: the status file (`--status`), the metrics snapshot and liveness heartbeat
+(`/metrics`, `/healthz`, `/readyz`), and systemd's STATUS=, READY=1 and WATCHDOG=1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from mpsagent import __version__
+from mpsagent.devices import GpuUuid
+from mpsagent.kubelet.podresources import PodResourcesReconciler
+from mpsagent.status import ResourceView, readiness, remove_status, status_document, summary, write_status
+from mpsagent.systemd import SystemdNotifier
+
+if TYPE_CHECKING:
+    from mpsagent.web import WebEndpoint
+
+STATUS_INTERVAL_S = 0.5
+
+
+class StatePublisher:
+    """Every STATUS_INTERVAL_S: the status file (when it changed), the web endpoint's snapshot and heartbeat,
+    systemd's STATUS=, and READY=1 the first time every resource is registered with its daemon up."""
+
+    def __init__(
+        self,
+        *,
+        mps_root: Path,
+        pod_resources_socket: Path,
+        resources: Callable[[], Sequence[ResourceView]],
+        reconciler: PodResourcesReconciler,
+        unhealthy_gpus: Callable[[], dict[GpuUuid, str]],
+        notifier: SystemdNotifier,
+        web: WebEndpoint | None,
+    ) -> None:
+        self._mps_root = mps_root
+        self._pod_resources_socket = pod_resources_socket
+        self._resources = resources
+        self._reconciler = reconciler
+        self._unhealthy_gpus = unhealthy_gpus
+        self._notifier = notifier
+        self._web = web
+
+    def document(self) -> dict[str, Any]:
+        return status_document(
+            version=__version__,
+            pid=os.getpid(),
+            tasks=len(asyncio.all_tasks()),  # the agent runs on anyio's asyncio backend
+            pod_resources={
+                "socket": str(self._pod_resources_socket),
+                "available": self._reconciler.available,
+                "answers": self._reconciler.successes,
+                "failures": self._reconciler.failures,
+            },
+            unhealthy_gpus=self._unhealthy_gpus(),
+            resources=self._resources(),
+        )
+
+    async def run(self) -> None:
+        written: dict[str, Any] | None = None
+        announced_ready = False
+        try:
+            while True:
+                document = self.document()
+                if document != written:
+                    write_status(self._mps_root, document)
+                    written = document
+                if self._web is not None:
+                    self._web.publish(document)
+                if not announced_ready and readiness(document)[0]:
+                    self._notifier.notify("READY=1")
+                    announced_ready = True
+                self._notifier.status(summary(document))
+                await anyio.sleep(STATUS_INTERVAL_S)
+        finally:
+            remove_status(self._mps_root)
+
+
+async def feed_watchdog(notifier: SystemdNotifier, interval_s: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await anyio.sleep(interval_s)
