@@ -592,6 +592,19 @@ SETTINGS = {
     # setting: (cli key, environment variable, key under `flags`, default)
     "kubelet_socket": ("kubelet_socket", "KUBELET_SOCKET", "kubeletSocket", DEFAULT_KUBELET_SOCKET),
     "mps_root": ("mps_root", "MPS_ROOT", "mpsRoot", DEFAULT_MPS_ROOT),
+    "pod_resources_socket": (
+        "pod_resources_socket",
+        "POD_RESOURCES_SOCKET",
+        "podResourcesSocket",
+        Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+    ),
+    "nfd_features_file": (
+        "nfd_features_file",
+        "NFD_FEATURES_FILE",
+        "nfdFeaturesFile",
+        Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent"),
+    ),
+    "proc_root": ("proc_root", "PROC_ROOT", "procRoot", Path("/proc")),
 }
 
 
@@ -629,7 +642,7 @@ def test_precedence_flag_env_file_default(
     assert resolved == (default if winner == "default" else Path(values[winner]))
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("setting", sorted(set(SETTINGS) - {"nfd_features_file"}))  # there, empty means off
 def test_an_empty_environment_variable_does_not_count(tmp_path: Path, setting: str) -> None:
     _, env_var, file_key, _ = SETTINGS[setting]
     config = tmp_path / "config.yaml"
@@ -790,3 +803,52 @@ def test_a_null_resources_list_is_refused_on_its_path() -> None:
 
 def test_a_null_flags_section_means_defaults() -> None:
     assert load(MINIMAL + "flags:\n  # migStrategy: none\n") == load(MINIMAL)
+
+
+# --- the agent's numeric and address settings ------------------------------------------------------------------
+
+
+def settings_with(tmp_path: Path, file_flags: str = "", cli: dict[str, object] | None = None, **environ: str):
+    config = tmp_path / "config.yaml"
+    config.write_text(MINIMAL + (f"flags:\n{file_flags}" if file_flags else ""))
+    return resolve_settings({"config_file": str(config), **(cli or {})}, environ)
+
+
+def test_seconds_from_flag_env_and_file(tmp_path: Path) -> None:
+    assert settings_with(tmp_path).reconcile_grace_s == 60
+    assert settings_with(tmp_path, "  reconcileGraceSeconds: 5\n").reconcile_grace_s == 5
+    assert settings_with(tmp_path, "  healthRecoverySeconds: 2.5\n").health_recovery_s == 2.5
+    assert settings_with(tmp_path, RECONCILE_GRACE_SECONDS="7").reconcile_grace_s == 7
+    assert (
+        settings_with(tmp_path, cli={"health_recovery_seconds": "0"}, HEALTH_RECOVERY_SECONDS="9").health_recovery_s
+        == 0
+    )
+
+
+@pytest.mark.parametrize("bad", ["-1", "soon", "1e9", "nan"])
+def test_bad_seconds_name_the_flag_the_variable_and_the_key(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(UsageError) as info:
+        settings_with(tmp_path, RECONCILE_GRACE_SECONDS=bad)
+    message = str(info.value)
+    assert "--reconcile-grace-seconds" in message and "RECONCILE_GRACE_SECONDS" in message
+    assert "flags.reconcileGraceSeconds" in message and f"`{bad}`" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [("0.0.0.0:9402", ("0.0.0.0", 9402)), (":9402", ("0.0.0.0", 9402)), ("[::1]:80", ("::1", 80)), ("", None)],
+)
+def test_metrics_address_forms(tmp_path: Path, text: str, address: tuple[str, int] | None) -> None:
+    assert settings_with(tmp_path, METRICS_ADDRESS=text).metrics_address == address
+    assert settings_with(tmp_path, f"  metricsAddress: '{text}'\n").metrics_address == address
+
+
+@pytest.mark.parametrize("bad", ["9402", "host:", "host:65536", "host:http", "a b:1"])
+def test_bad_metrics_addresses_are_refused(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(UsageError, match=r"--metrics-address .* must be HOST:PORT"):
+        settings_with(tmp_path, cli={"metrics_address": bad})
+
+
+def test_an_empty_nfd_path_turns_the_feature_file_off_even_over_the_file(tmp_path: Path) -> None:
+    assert settings_with(tmp_path, "  nfdFeaturesFile: /x\n", NFD_FEATURES_FILE="").nfd_features_file is None
+    assert settings_with(tmp_path, "  nfdFeaturesFile: ''\n").nfd_features_file is None
