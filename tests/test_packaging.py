@@ -6,6 +6,7 @@ temporary directory, and removed afterwards.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -82,14 +83,13 @@ def bundle_members(path: Path) -> tuple[dict[str, bytes], set[str]]:
     """The binaries (ELF files) in the one-file bundle, and the Python modules in its archive."""
     from PyInstaller.archive.readers import CArchiveReader  # noqa: PLC0415  (a test-only dependency)
 
+    # The script's own reader of the bundle (loaded by path: `packaging` is also a PyPI package's name).
+    spec = importlib.util.spec_from_file_location("glibc_floor", GLIBC_FLOOR)
+    assert spec is not None and spec.loader is not None
+    glibc_floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(glibc_floor)
+    elves = {name: data for name, data in glibc_floor.elf_members(path).items() if name != "(bootloader)"}
     archive = CArchiveReader(str(path))
-    elves = {}
-    for name in archive.toc:
-        if name.endswith(".pyz"):
-            continue
-        data = archive.extract(name)
-        if data and data[:4] == b"\x7fELF":
-            elves[name] = data
     modules: set[str] = set()
     for name in archive.toc:
         if name.endswith(".pyz"):
