@@ -73,7 +73,8 @@ class Ledger:
         ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
         ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
         self._stats.superseded_grants += len(ended)
-        regranted = tuple(r for r in replica_ids if any(r in g.replica_ids for g in ended))
+        ended_replicas = {r for g in ended for r in g.replica_ids}
+        regranted = tuple(r for r in replica_ids if r in ended_replicas)
         grant = Grant(
             grant_id=next(self._ids),
             replica_ids=replica_ids,
