@@ -1,15 +1,23 @@
 """The DevicePlugin gRPC servicer: translates messages to the allocator and inventory, and maps errors to gRPC
-status. The only place that raises GRPCError."""
+status. The only place that raises GRPCError.
+
+Its messages are the upb `protobuf` runtime's, not betterproto2's: the kubelet waits on these calls during pod
+admission, and at node scale (768 IDs) betterproto2 alone spends 5 ms parsing a request that upb parses in 0.02 ms
+(docs/performance.md). grpclib serves them with its own protobuf codec, through the plain handler table below.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 from grpclib import GRPCError, Status
+from grpclib.const import Cardinality, Handler
+from grpclib.server import Stream
 
-from mpsagent._proto import v1beta1 as pb
+from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.allocation import Allocation, ResourceAllocator
 from mpsagent.errors import MpsAgentError, RequestError
 from mpsagent.inventory import Inventory, InventorySnapshot
@@ -33,9 +41,9 @@ def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchRespo
     return pb.ListAndWatchResponse(
         devices=[
             pb.Device(
-                id=device.replica_id,
+                ID=device.replica_id,
                 health=device.health.value,
-                topology=pb.TopologyInfo(nodes=[pb.NumaNode(id=device.numa_node)])
+                topology=pb.TopologyInfo(nodes=[pb.NUMANode(ID=device.numa_node)])
                 if device.numa_node is not None
                 else None,
             )
@@ -44,7 +52,10 @@ def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchRespo
     )
 
 
-class DevicePluginServicer(pb.DevicePluginBase):
+SERVICE = "/v1beta1.DevicePlugin/"
+
+
+class DevicePluginServicer:
     def __init__(
         self,
         allocator: ResourceAllocator,
@@ -139,7 +150,7 @@ class DevicePluginServicer(pb.DevicePluginBase):
                         pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
                         for m in a.grant.mounts
                     ],
-                    cdi_devices=[pb.CdiDevice(name=name) for name in a.grant.cdi_devices],
+                    cdi_devices=[pb.CDIDevice(name=name) for name in a.grant.cdi_devices],
                 )
                 for a in allocations
             ]
@@ -164,7 +175,7 @@ class DevicePluginServicer(pb.DevicePluginBase):
                 Status.INTERNAL, "internal error in GetPreferredAllocation; the mpsagent log has the details"
             ) from exc
         return pb.PreferredAllocationResponse(
-            container_responses=[pb.ContainerPreferredAllocationResponse(device_i_ds=list(ids)) for ids in chosen]
+            container_responses=[pb.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in chosen]
         )
 
     async def pre_start_container(self, message: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
@@ -177,3 +188,46 @@ class DevicePluginServicer(pb.DevicePluginBase):
             self._log.exception("pre-start failed unexpectedly")
             raise GRPCError(Status.INTERNAL, "internal error in PreStartContainer; see the mpsagent log") from exc
         return pb.PreStartContainerResponse()
+
+    # --- the gRPC handler table (grpclib's IServable) ---------------------------------------------------------
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            SERVICE + "GetDevicePluginOptions": Handler(
+                _unary(self.get_device_plugin_options), Cardinality.UNARY_UNARY, pb.Empty, pb.DevicePluginOptions
+            ),
+            SERVICE + "ListAndWatch": Handler(
+                self._list_and_watch_stream, Cardinality.UNARY_STREAM, pb.Empty, pb.ListAndWatchResponse
+            ),
+            SERVICE + "GetPreferredAllocation": Handler(
+                _unary(self.get_preferred_allocation),
+                Cardinality.UNARY_UNARY,
+                pb.PreferredAllocationRequest,
+                pb.PreferredAllocationResponse,
+            ),
+            SERVICE + "Allocate": Handler(
+                _unary(self.allocate), Cardinality.UNARY_UNARY, pb.AllocateRequest, pb.AllocateResponse
+            ),
+            SERVICE + "PreStartContainer": Handler(
+                _unary(self.pre_start_container),
+                Cardinality.UNARY_UNARY,
+                pb.PreStartContainerRequest,
+                pb.PreStartContainerResponse,
+            ),
+        }
+
+    async def _list_and_watch_stream(self, stream: Stream[Any, Any]) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            return  # the kubelet went away before asking
+        async for response in self.list_and_watch(request):
+            await stream.send_message(response)
+
+
+def _unary(method: Callable[[Any], Awaitable[Any]]) -> Callable[[Stream[Any, Any]], Awaitable[None]]:
+    async def handle(stream: Stream[Any, Any]) -> None:
+        request = await stream.recv_message()
+        if request is not None:  # None: the kubelet went away before asking
+            await stream.send_message(await method(request))
+
+    return handle
