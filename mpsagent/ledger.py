@@ -55,6 +55,16 @@ class Ledger:
         self._live: dict[int, Grant] = {}
         self._holder: dict[ReplicaId, int] = {}
         self._stats = LedgerStatistics()
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """Moves whenever a grant is added, ended, or learns its owner or listing state: a cheap "changed?"."""
+        return self._version
+
+    def note_change(self) -> None:
+        """Called by whoever updates a live grant's owner or listing state in place."""
+        self._version += 1
 
     def record(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode) -> RecordResult:
         """Record an Allocate's grant."""
@@ -87,6 +97,7 @@ class Ledger:
         self._live[grant.grant_id] = grant
         for replica in replica_ids:
             self._holder[replica] = grant.grant_id
+        self._version += 1
         return RecordResult(grant=grant, ended=ended)
 
     def release(self, grant_ids: Iterable[int]) -> tuple[Grant, ...]:
@@ -96,6 +107,7 @@ class Ledger:
         return released
 
     def _end(self, grant_id: int) -> Grant:
+        self._version += 1
         grant = self._live.pop(grant_id)
         for replica in grant.replica_ids:
             if self._holder.get(replica) == grant_id:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,15 +61,30 @@ class StatePublisher:
             resources=self._resources(),
         )
 
+    def _fingerprint(self) -> Hashable:
+        """Cheap to take, and different whenever the document would be: most cycles build nothing."""
+        return (
+            len(asyncio.all_tasks()),
+            self._reconciler.available,
+            self._reconciler.successes,
+            self._reconciler.failures,
+            tuple(sorted(self._unhealthy_gpus().items())),
+            tuple(
+                (v.inventory.generation, v.allocator.ledger.version, v.daemon, v.registered, v.registrations)
+                for v in self._resources()
+            ),
+        )
+
     async def run(self) -> None:
-        written: dict[str, Any] | None = None
+        seen: Hashable = None
+        document: dict[str, Any] | None = None
         announced_ready = False
         try:
             while True:
-                document = self.document()
-                if document != written:
+                fingerprint = self._fingerprint()
+                if document is None or fingerprint != seen:
+                    seen, document = fingerprint, self.document()
                     write_status(self._mps_root, document)
-                    written = document
                 if self._web is not None:
                     self._web.publish(document)
                 if not announced_ready and readiness(document)[0]:

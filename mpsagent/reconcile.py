@@ -83,9 +83,12 @@ def reconcile(
         holders = {grant.grant_id: grant for r in holding.replica_ids if (grant := ledger.holder(r)) is not None}
         match = next(iter(holders.values())) if len(holders) == 1 else None
         if match is not None and set(match.replica_ids) == set(holding.replica_ids):
-            match.missing_since = None
+            if match.missing_since is not None:
+                match.missing_since = None
+                ledger.note_change()
             if match.owner != holding.container:
                 match.owner = holding.container
+                ledger.note_change()
                 identified.append(match)
             seen.add(match.grant_id)
             continue
@@ -101,6 +104,7 @@ def reconcile(
             continue
         if grant.missing_since is None:
             grant.missing_since = now
+            ledger.note_change()
         if now - grant.missing_since >= grace_s:
             expired.append(grant.grant_id)
         else:
