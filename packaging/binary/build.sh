@@ -28,24 +28,10 @@ fi
 # --exclude-module: optional imports of the runtime dependencies that the agent never uses (protobuf and pydantic
 # for betterproto2, rich for structlog, attrs for msgspec, ...) and the build tools, which are installed beside it
 # in a development environment; tests/test_packaging.py checks that only the runtime dependencies are bundled.
-excludes=""
-for module in numpy PIL pydantic google rich pygments markdown_it mdurl attr attrs setuptools pkg_resources \
-  _distutils_hack distutils packaging importlib_resources pytest _pytest hypothesis grpc grpc_tools IPython \
-  tkinter trio; do
-  excludes="$excludes --exclude-module $module"
-done
 "$PYTHON" -m PyInstaller \
-  --onefile \
   --noconfirm \
   --log-level WARN \
-  --name mpsagent \
   --distpath "$dist" \
   --workpath "$work" \
-  --specpath "$work" \
-  --copy-metadata mpsagent \
-  --collect-submodules mpsagent \
-  --collect-submodules anyio._backends \
-  $excludes \
-  --runtime-hook "$here/rthook_mpsagent.py" \
-  "$here/entry.py"
+  "$here/mpsagent.spec"
 echo "built $dist/mpsagent"

@@ -1,6 +1,7 @@
 """Prints the oldest glibc that a one-file `mpsagent` runs on: the highest GLIBC_x.y symbol version that the
 bootloader or any binary bundled in it (libpython, extension modules, libssl, ...) needs, found with `objdump -T`.
-Also checks that every shared library the bundle needs and does not carry is part of glibc.
+Also checks that every shared library the bundle needs and does not carry is part of glibc, or the C++ runtime
+(libstdc++, libgcc_s) that every distribution has and the bundle leaves out on purpose.
 
     .venv/bin/python packaging/binary/glibc_floor.py dist/mpsagent
     2.35 (libpython3.11.so.1.0)
@@ -20,6 +21,8 @@ from pathlib import Path
 from PyInstaller.archive.readers import CArchiveReader
 
 GLIBC_LIBRARIES = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libutil.so.1"}
+# Left out of the bundle on purpose (mpsagent.spec): every distribution carries its own C++ runtime.
+SYSTEM_CPP_RUNTIME = {"libstdc++.so.6", "libgcc_s.so.1"}
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -58,12 +61,12 @@ def floors(members: dict[str, bytes]) -> dict[str, str]:
 
 
 def foreign_libraries(members: dict[str, bytes]) -> set[str]:
-    """Shared libraries needed by some member that are neither bundled nor part of glibc."""
+    """Shared libraries needed by some member that are neither bundled nor glibc's nor the system's C++ runtime."""
     needed: set[str] = set()
     for data in members.values():
         needed |= set(re.findall(r"NEEDED\s+(\S+)", _objdump("-p", data)))
     carried = {Path(name).name for name in members}
-    return {n for n in needed - carried - GLIBC_LIBRARIES if not n.startswith("ld-linux")}
+    return {n for n in needed - carried - GLIBC_LIBRARIES - SYSTEM_CPP_RUNTIME if not n.startswith("ld-linux")}
 
 
 def main(argv: list[str]) -> int:
