@@ -201,7 +201,14 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
     assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 0, "GPU-bbbb": 0}
 
 
-@pytest.mark.parametrize(("fault", "message"), [("wrong-value", "did not hold"), ("garbage", "did not hold")])
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("wrong-value", "did not hold"),
+        ("garbage", "did not hold"),
+        ("silent", "reading back 3 values gave 0 lines"),  # a reply per `get_` command, or the batch is refused
+    ],
+)
 def test_a_daemon_that_does_not_hold_its_defaults_fails_start_up_loudly(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fault: str, message: str
 ) -> None:

@@ -1,5 +1,9 @@
-"""The control-command channel: one `nvidia-cuda-mps-control` front-end session per command, serialized, each
-with a timeout. Commands are checked before they are written, so nothing can inject a second command line."""
+"""The control-command channel: `nvidia-cuda-mps-control` front-end sessions, serialized, each with a timeout.
+Commands are checked before they are written, so nothing can inject another command line.
+
+A session may carry several commands: the front-end prints the replies in order when its stdin ends. Every `get_`
+command prints exactly one line, so a batch of `get_` commands reads back one line each; a batch of `set_`
+commands is only checked for failures. A cap switch on 8 GPUs is then 2 sessions, not 18."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import contextlib
 import os
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -38,44 +43,56 @@ class ControlChannel:
 
     async def send(self, command: str) -> str:
         """Send one command; returns the daemon's reply (stripped), raises DaemonCommandError on any failure."""
-        check_command(command)
+        return await self.send_all([command])
+
+    async def send_all(self, commands: Sequence[str]) -> str:
+        """Send commands in one session; returns all replies (stripped), raises DaemonCommandError on any failure."""
+        for command in commands:
+            check_command(command)
+        what = f"`{commands[0]}`" + (f" and {len(commands) - 1} more" if len(commands) > 1 else "")
         async with self._lock:
             try:
                 with anyio.fail_after(self._timeout):
-                    returncode, output = await self._exchange(command)
+                    returncode, output = await self._exchange(commands)
             except TimeoutError:
-                raise DaemonCommandError(f"`{command}` got no answer within {self._timeout:g}s") from None
+                raise DaemonCommandError(f"{what} got no answer within {self._timeout:g}s") from None
             except OSError as exc:
                 raise DaemonCommandError(
                     f"cannot run {self._bin} ({exc.strerror}); install nvidia-cuda-mps or set --mps-control-bin"
                 ) from exc
         reply = output.decode(errors="replace").strip()
         if returncode != 0 or any(marker in reply for marker in _FAILURE_MARKERS):
-            raise DaemonCommandError(f"`{command}` failed: {reply or f'exit status {returncode}'}")
+            raise DaemonCommandError(f"{what} failed: {reply or f'exit status {returncode}'}")
         return reply
 
-    async def _exchange(self, command: str) -> tuple[int, bytes]:
-        """One front-end session: the command on stdin, then EOF; the reply is whatever it prints until it exits.
-        (On a pipe the front-end holds its replies until EOF, so one command per session keeps replies apart.)"""
+    async def _exchange(self, commands: Sequence[str]) -> tuple[int, bytes]:
+        """One front-end session: the commands on stdin, then EOF; the replies are whatever it prints until it
+        exits (on a pipe it holds them until EOF)."""
         async with await anyio.open_process(
             [self._bin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env
         ) as process:
             assert process.stdin is not None and process.stdout is not None
             # A front-end that finds no daemon exits before reading: its closed stdin is an answer, not an error.
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await process.stdin.send(f"{command}\n".encode())
+                await process.stdin.send("".join(f"{command}\n" for command in commands).encode())
             await process.stdin.aclose()
             output = b"".join([chunk async for chunk in process.stdout])
             return await process.wait(), output
 
-    async def apply(self, step: ControlStep) -> None:
-        """Send a `set_` command and read it back; the daemon must hold exactly what was asked for."""
-        await self.send(step.command)
-        held = await self.send(step.read_back)
-        if held != step.expected:
+    async def apply(self, steps: Sequence[ControlStep]) -> None:
+        """Send the `set_` commands, then read each back: the daemon must hold exactly what was asked for."""
+        await self.send_all([step.command for step in steps])
+        replies = (await self.send_all([step.read_back for step in steps])).splitlines()
+        if len(replies) != len(steps):
             raise DaemonCommandError(
-                f"`{step.command}` did not hold: `{step.read_back}` reads {held!r}, expected {step.expected!r}"
+                f"reading back {len(steps)} values gave {len(replies)} lines: {' | '.join(replies)[:200]!r}"
             )
+        for step, held in zip(steps, replies, strict=True):
+            if held.strip() != step.expected:
+                raise DaemonCommandError(
+                    f"`{step.command}` did not hold: `{step.read_back}` reads {held.strip()!r}, "
+                    f"expected {step.expected!r}"
+                )
 
     async def probe(self, attempts: int = 2) -> bool:
         """True when the daemon answers a round trip; a failed probe is retried before the daemon is called dead."""

@@ -115,11 +115,12 @@ class DaemonSupervisor:
             if self._held is mode:
                 return
             self._held = None
-            for step in daemon_default_steps(self._resource, mode):
-                await self._channel.apply(step)
-            for server in await self._channel.server_pids():
-                for command in running_server_commands(self._resource, mode, server):
-                    await self._channel.send(command)
+            await self._channel.apply(daemon_default_steps(self._resource, mode))
+            servers = await self._channel.server_pids()
+            if servers:
+                await self._channel.send_all(
+                    [command for server in servers for command in running_server_commands(self._resource, mode, server)]
+                )
             self._held = mode
             self._save_state()
             self._log.info("mps daemon caps set", mode=mode.value, pid=self._pid)
