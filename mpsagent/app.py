@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 log = get_logger("mpsagent.app")
 
+MAX_LOGGED_GRANTS = 5
+
 
 @dataclass(kw_only=True, slots=True)
 class _Resource:
@@ -88,14 +90,17 @@ def _after_allocate(resource: _Resource, reconciler: PodResourcesReconciler) -> 
                 replicas=len(grant.replica_ids),
                 gpus=sorted({gpu_of(r) for r in grant.replica_ids}),
             )
-            for ended in allocation.record.ended:
+            ended = allocation.record.ended
+            if ended:
+                # One line per Allocate however many grants it ends: a full grant can end hundreds at once.
                 log.warning(
                     "replicas granted again while believed live",
                     resource=resource.plan.name,
                     grant=grant.grant_id,
-                    earlier_grant=ended.grant_id,
-                    container=str(ended.owner) if ended.owner else None,
-                    replicas=len(set(ended.replica_ids) & set(grant.replica_ids)),
+                    earlier_grants=[g.grant_id for g in ended[:MAX_LOGGED_GRANTS]],
+                    earlier_grant_count=len(ended),
+                    containers=sorted({str(g.owner) for g in ended if g.owner})[:MAX_LOGGED_GRANTS],
+                    replicas=len(grant.superseded_ids),
                 )
         reconciler.request()
         assert resource.daemon is not None

@@ -234,3 +234,17 @@ def test_a_kubelet_that_comes_back_is_registered_with_at_once_not_after_the_back
     began = time.monotonic()
     kubelet.wait_registered(RESOURCE, timeout=5)
     assert time.monotonic() - began < 1.0
+
+
+def test_a_full_grant_over_believed_live_grants_says_so_in_one_line(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start_agent(agents, kubelet, short_dir, config())
+    plugin = kubelet.wait_registered(RESOURCE)
+    for replica in ALL[:5]:
+        allocate(plugin, [replica])
+    allocate(plugin, ALL)  # the kubelet gives every replica: the five earlier containers are gone
+    warnings = [e for e in agent.log_events() if e.get("event") == "replicas granted again while believed live"]
+    assert len(warnings) == 1
+    assert warnings[0]["earlier_grant_count"] == 5 and warnings[0]["replicas"] == 5
+    assert warnings[0]["earlier_grants"] == [1, 2, 3, 4, 5]
