@@ -58,14 +58,6 @@ def end_group(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> int 
     return process.returncode
 
 
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "State:\tZ" not in status
-
-
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -18,10 +18,11 @@ from bench.client import allocate_request, burst, cycle, preferred_request, stub
 from bench.floor import FloorProcess
 from bench.kubelet import all_health, updates_of, wait_message
 from bench.params import Params
-from bench.procs import alive, cpu_times, marked_env, rss_bytes
+from bench.procs import cpu_times, marked_env, rss_bytes
 from bench.results import RunResults
 from bench.stats import median, median_ms, ms, p99_ms
 from tests.kubelet.fake import Plugin, wait_for
+from tests.processes import alive
 
 MB = 1_000_000
 HEALTH_TIMEOUT_S = 30.0

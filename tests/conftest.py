@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,31 +18,12 @@ import pytest
 from tests.fakes.nvml.build import build_fake_nvml
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.kubelet.podresources import FakePodResources
+from tests.processes import kill_processes_using
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BUILD = ROOT / "tests" / ".build"
 H100_NODE = EXAMPLES / "node-h100x8.yaml"
-
-
-def processes_using(directory: Path) -> list[int]:
-    """PIDs whose environment names a path under `directory` (MPS daemons started for a test)."""
-    marker = str(directory).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def kill_processes_using(directory: Path) -> None:
-    for pid in processes_using(directory):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

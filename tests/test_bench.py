@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.plot import plot
-from tests.conftest import ROOT, processes_using
+from tests.conftest import ROOT
+from tests.processes import processes_using
 
 QUICK_TIMEOUT_S = 150
 

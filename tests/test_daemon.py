@@ -20,6 +20,7 @@ from tests.conftest import ROOT, AgentLauncher, small_node, write_config
 from tests.fakes.nvml.build import fake_nvml_env
 from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
 from tests.kubelet.stubs import dp_pb2
+from tests.processes import alive
 from tests.test_plugin_integration import ALL, GPU0, RESOURCE, allocate, config, ids
 
 REAL_BIN = shutil.which("nvidia-cuda-mps-control")
@@ -50,14 +51,6 @@ def pipe_of(short_dir: Path) -> Path:
 
 def daemon_pid(short_dir: Path) -> int:
     return json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
 
 
 def start(

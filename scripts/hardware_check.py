@@ -1,0 +1,1002 @@
+#!/usr/bin/env python3
+"""The hardware check: proves on a real GPU what the test suite cannot (see docs/hardware-check.md).
+
+It starts the agent as a real process (GPUs through NVML) against the test suite's fake kubelet and fake
+pod-resources server, makes one capped and then one full grant through `Allocate`, reads the MPS control
+daemon's defaults back, runs CUDA clients that allocate GPU memory under each grant, stops the agent, and writes
+`DIR/hardware-check.json` and `DIR/hardware-check.md` (a table to paste into docs/hardware-check.md).
+Exit status: 0 when every check that ran passed, 1 otherwise, 2 on bad usage.
+
+On the GPU node, as root, from the repository root (about a minute; needs the NVIDIA driver, which brings
+`nvidia-smi`, `nvidia-cuda-mps-control` and `libcuda.so.1`; nothing else CUDA is needed):
+
+    python3 -m venv /tmp/hwc-venv
+    /tmp/hwc-venv/bin/pip install -e . grpcio grpcio-tools      # or -e '.[test]'
+    /tmp/hwc-venv/bin/python scripts/hardware_check.py --out /tmp/hwc-out
+
+No network there? Build the wheel folder build/hwc-wheels on a machine with network and bring it along; then
+`pip install --no-index --find-links build/hwc-wheels mpsagent grpcio grpcio-tools` instead (docs/hardware-check.md
+has both commands, and a fallback for a Python without pip). The checkout's mpsagent is what runs either way: the
+repository goes first on PYTHONPATH.
+
+Without a GPU (what tests/test_hardware_check.py runs; every CUDA and compute-mode step is reported
+"skipped (no GPU)"):
+
+    .venv/bin/python scripts/hardware_check.py --dry-run-snapshot NODE.json --out /tmp/hwc-out
+
+The CUDA client is this same file run with `--probe BYTES`; it uses only the standard library and the driver API
+in `libcuda.so.1` (ctypes) by default, or PyTorch / CuPy with `--probe-backend torch|cupy|auto`, and
+`--probe-python` picks the interpreter that has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the checkout's mpsagent and its test fakes, whatever the working directory
+
+from tests.processes import alive, processes_using  # noqa: E402
+
+RESOURCE = "nvidia.com/gpu"
+REPLICAS = 4
+MIB = 1024 * 1024
+PROBE_PREFIX = "HWC-PROBE "
+WORK_MARKER_ENV = "MPSAGENT_HWC_WORK_DIR"
+SKIPPED_NO_GPU = "skipped (no GPU)"
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CONFIG = f"""version: v1
+sharing:
+  mps:
+    failRequestsGreaterThanOne: false
+    resources:
+    - name: gpu
+      devices: [0]
+      replicas: {REPLICAS}
+"""
+
+
+# --- the CUDA client (`--probe`): standard library only, run in a child process ----------------------------
+
+
+class CudaCallError(Exception):
+    def __init__(self, function: str, code: int, name: str) -> None:
+        super().__init__(f"{function} returned {name} ({code})")
+        self.function = function
+        self.code = code
+
+
+class _DriverApi:
+    """The few CUDA driver API calls the probe needs, through ctypes (CUresult is an int, CUdevice an int,
+    CUdeviceptr an unsigned long long, sizes size_t, CUcontext a pointer)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        c_int, c_uint, c_size_t, c_void_p = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p
+        ptr = ctypes.POINTER
+        self._declare("cuInit", [c_uint])
+        self._declare("cuDriverGetVersion", [ptr(c_int)])
+        self._declare("cuDeviceGet", [ptr(c_int), c_int])
+        self._declare("cuDeviceGetName", [ctypes.c_char_p, c_int, c_int])
+        self._declare("cuDeviceTotalMem_v2", [ptr(c_size_t), c_int])
+        self._declare("cuDeviceGetAttribute", [ptr(c_int), c_int, c_int])
+        self._declare("cuDevicePrimaryCtxRetain", [ptr(c_void_p), c_int])
+        self._declare("cuCtxSetCurrent", [c_void_p])
+        self._declare("cuCtxSynchronize", [])
+        self._declare("cuMemGetInfo_v2", [ptr(c_size_t), ptr(c_size_t)])
+        self._declare("cuMemAlloc_v2", [ptr(ctypes.c_ulonglong), c_size_t])
+        self._declare("cuMemsetD8_v2", [ctypes.c_ulonglong, ctypes.c_ubyte, c_size_t])
+        self._declare("cuMemFree_v2", [ctypes.c_ulonglong])
+        self._declare("cuGetErrorName", [c_int, ptr(ctypes.c_char_p)])
+        # cuDevicePrimaryCtxRelease is _v2 since CUDA 11; older drivers have only the plain name.
+        self.release_name = (
+            "cuDevicePrimaryCtxRelease_v2"
+            if hasattr(self.lib, "cuDevicePrimaryCtxRelease_v2")
+            else "cuDevicePrimaryCtxRelease"
+        )
+        self._declare(self.release_name, [c_int])
+
+    def _declare(self, name: str, argtypes: list[Any]) -> None:
+        function = getattr(self.lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+
+    def error_name(self, code: int) -> str:
+        text = ctypes.c_char_p()
+        if self.lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value:
+            return text.value.decode()
+        return f"CUresult {code}"
+
+    def call(self, name: str, *args: Any) -> None:
+        code = int(getattr(self.lib, name)(*args))
+        if code != 0:
+            raise CudaCallError(name, code, self.error_name(code))
+
+
+def _probe_driver(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
+    """Allocate `nbytes` with cuMemAlloc on device 0's primary context; returns what frees it again."""
+    try:
+        api = _DriverApi()
+    except (OSError, AttributeError) as exc:
+        result["stage"] = "load"
+        raise RuntimeError(f"libcuda.so.1 not usable: {exc}") from exc
+    result["stage"] = "init"
+    api.call("cuInit", 0)
+    version = ctypes.c_int()
+    api.call("cuDriverGetVersion", ctypes.byref(version))
+    result["cudaDriverVersion"] = version.value
+    result["stage"] = "device"
+    device = ctypes.c_int()
+    api.call("cuDeviceGet", ctypes.byref(device), 0)
+    name = ctypes.create_string_buffer(256)
+    api.call("cuDeviceGetName", name, 256, device)
+    result["device"] = name.value.decode(errors="replace")
+    total = ctypes.c_size_t()
+    api.call("cuDeviceTotalMem_v2", ctypes.byref(total), device)
+    result["total"] = total.value
+    sm_count = ctypes.c_int()
+    api.call("cuDeviceGetAttribute", ctypes.byref(sm_count), CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+    result["smCount"] = sm_count.value
+    result["stage"] = "context"  # under MPS this is where the client connects to the server
+    context = ctypes.c_void_p()
+    api.call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+    api.call("cuCtxSetCurrent", context)
+    free, total_in_context = ctypes.c_size_t(), ctypes.c_size_t()
+    api.call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total_in_context))
+    result["memGetInfo"] = {"free": free.value, "total": total_in_context.value}
+    result["stage"] = "alloc"
+    pointer = ctypes.c_ulonglong()
+    api.call("cuMemAlloc_v2", ctypes.byref(pointer), ctypes.c_size_t(nbytes))
+    result["stage"] = "memset"  # touch every byte, so the allocation is really backed
+    api.call("cuMemsetD8_v2", pointer, 0, ctypes.c_size_t(nbytes))
+    api.call("cuCtxSynchronize")
+
+    def free_it() -> None:
+        api.lib.cuMemFree_v2(pointer)
+        getattr(api.lib, api.release_name)(device)
+
+    return free_it
+
+
+def _probe_torch(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
+    result["stage"] = "load"
+    import torch  # noqa: PLC0415 - optional, only in the child
+
+    result["stage"] = "init"
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch.cuda.is_available() is False")
+    properties = torch.cuda.get_device_properties(0)
+    result.update(device=properties.name, total=properties.total_memory, smCount=properties.multi_processor_count)
+    result["stage"] = "context"
+    free, total = torch.cuda.mem_get_info(0)
+    result["memGetInfo"] = {"free": free, "total": total}
+    result["stage"] = "alloc"
+    tensor = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    result["stage"] = "memset"
+    tensor.zero_()
+    torch.cuda.synchronize()
+    holder = [tensor]
+    return holder.clear
+
+
+def _probe_cupy(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
+    result["stage"] = "load"
+    import cupy  # noqa: PLC0415 - optional, only in the child
+
+    result["stage"] = "device"
+    device = cupy.cuda.Device(0)
+    result["smCount"] = device.attributes.get("MultiProcessorCount")
+    result["stage"] = "context"
+    free, total = device.mem_info
+    result.update(total=total, memGetInfo={"free": free, "total": total})
+    result["stage"] = "alloc"
+    array = cupy.empty(nbytes, dtype=cupy.uint8)
+    result["stage"] = "memset"
+    array.fill(0)
+    cupy.cuda.runtime.deviceSynchronize()
+    holder = [array]
+    return holder.clear
+
+
+PROBES: dict[str, Callable[[int, dict[str, Any]], Callable[[], None]]] = {
+    "driver": _probe_driver,
+    "torch": _probe_torch,
+    "cupy": _probe_cupy,
+}
+
+
+def _is_out_of_memory(exc: BaseException, stage: str) -> bool:
+    if isinstance(exc, CudaCallError):
+        return exc.code == CUDA_ERROR_OUT_OF_MEMORY and stage == "alloc"
+    text = f"{type(exc).__name__} {exc}".lower()
+    return stage == "alloc" and ("outofmemory" in text or "out of memory" in text)
+
+
+def _hold_expired(*_: object) -> None:
+    raise TimeoutError("held long enough")
+
+
+def probe_main(nbytes: int, backend: str, hold_s: float) -> int:
+    """Print one line `HWC-PROBE {"ok": ..., "error": ..., "bytes": n, "total": ...}`; with `hold_s`, keep the
+    allocation (and the MPS connection) until stdin closes or `hold_s` passes, so the parent can look at it."""
+    result: dict[str, Any] = {"backend": backend, "ok": False, "oom": False, "error": None, "stage": "start"}
+    result.update(bytes=nbytes, total=None, device=None, smCount=None, memGetInfo=None)
+    release: Callable[[], None] | None = None
+    try:
+        release = PROBES[backend](nbytes, result)
+        result["ok"] = True
+        result["stage"] = "done"
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["oom"] = _is_out_of_memory(exc, str(result["stage"]))
+    print(PROBE_PREFIX + json.dumps(result), flush=True)
+    if hold_s > 0:
+        signal.signal(signal.SIGALRM, _hold_expired)
+        signal.alarm(max(1, int(hold_s)))
+        with contextlib.suppress(OSError, TimeoutError):
+            sys.stdin.read()  # the parent closes stdin when it has looked
+        signal.alarm(0)
+    if release is not None:
+        with contextlib.suppress(Exception):
+            release()
+    return 0
+
+
+# --- the report ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    id: str
+    step: str
+    expected: str
+    observed: str
+    result: str  # pass, FAIL, info, or skipped (...)
+
+
+@dataclass
+class Report:
+    mode: str
+    started: float = field(default_factory=time.monotonic)
+    checks: list[Check] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, id_: str, step: str, expected: str, observed: object, ok: bool | None) -> Check:
+        result = "info" if ok is None else ("pass" if ok else "FAIL")
+        check = Check(id_, step, expected, _text(observed), result)
+        self.checks.append(check)
+        say(f"{result:>7}  {step}: {check.observed}")
+        return check
+
+    def skip(self, id_: str, step: str, expected: str, why: str = SKIPPED_NO_GPU) -> None:
+        self.checks.append(Check(id_, step, expected, "", why))
+        say(f"{'skipped':>7}  {step}: {why}")
+
+    @property
+    def passed(self) -> bool:
+        ran = [c for c in self.checks if c.result in ("pass", "FAIL")]
+        return bool(ran) and all(c.result == "pass" for c in ran)
+
+    def markdown(self) -> str:
+        lines = [
+            f"Mode: {self.mode}; {self.facts.get('summary', '')}".rstrip("; "),
+            "",
+            "| # | step | expected | observed | result |",
+            "|---|---|---|---|---|",
+        ]
+        for number, check in enumerate(self.checks, 1):
+            cells = [str(number), check.step, check.expected, check.observed, check.result]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        verdict = "every check that ran passed" if self.passed else "SOME CHECKS FAILED"
+        lines += ["", f"Result: {verdict} ({time.monotonic() - self.started:.1f} s)."]
+        return "\n".join(lines) + "\n"
+
+    def write(self, out: Path) -> None:
+        document = {
+            "mode": self.mode,
+            "passed": self.passed,
+            "runtimeSeconds": round(time.monotonic() - self.started, 1),
+            "facts": self.facts,
+            "checks": [asdict(c) for c in self.checks],
+        }
+        (out / "hardware-check.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
+        (out / "hardware-check.md").write_text(self.markdown())
+
+
+def _text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>") or " "
+
+
+_T0 = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[hwc {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+
+def memory_read_back(mib: int) -> str:
+    """How the control daemon prints a pinned-memory limit (the agent's own rule, from mpsagent.plan)."""
+    from mpsagent.plan import memory_read_back as rule  # noqa: PLC0415 - the repository is on sys.path by now
+
+    return rule(mib)
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
+def run_text(argv: list[str], timeout: float = 30, env: dict[str, str] | None = None) -> tuple[int, str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, f"<{type(exc).__name__}: {exc}>"
+    return done.returncode, (done.stdout.strip() or done.stderr.strip())
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"<{path} not readable>"
+
+
+class Interrupted(BaseException):
+    """SIGTERM (e.g. a timeout around the whole run): unwind through every `finally`, so cleanup runs."""
+
+
+def _on_sigterm(*_: object) -> None:
+    raise Interrupted("SIGTERM")
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+class HardwareCheck:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.dry_run = args.dry_run_snapshot is not None
+        self.report = Report(mode="dry run (node snapshot, no GPU)" if self.dry_run else "hardware")
+        self.work = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
+        self.mps_root = self.work / "mps"
+        self.pipe = self.mps_root / RESOURCE / "pipe"
+        self.mps_control = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.agent_log = self.work / "agent.log"
+        self.kubelet: Any = None
+        self.pod_resources: Any = None
+        self.plugin: Any = None
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.daemon_pid: int | None = None
+        self.server_pids: set[int] = set()
+        self.compute_mode_before: str | None = None
+        self.backend = "driver"
+        self.deadline = time.monotonic() + args.budget_seconds
+        self.report.facts["workDir"] = str(self.work)
+        self.report.facts["host"] = platform.node()
+        self.report.facts["python"] = sys.version.split()[0]
+
+    # -- the steps ----------------------------------------------------------------------------------------------
+
+    def execute(self) -> None:
+        self.preflight()
+        plan = self.plan()
+        gpu = next(g for g in plan["gpus"] if g["index"] == 0)
+        full_mib = gpu["memoryBytes"] // MIB
+        capped_mib = gpu["memoryBytes"] // REPLICAS // MIB
+        self.report.facts.update(gpu=gpu, driverVersion=plan.get("driverVersion"))
+        self.report.facts["summary"] = (
+            f"{gpu['name']} ({gpu['memoryBytes'] / 1024**3:.1f} GiB), driver {plan.get('driverVersion')}, "
+            f"mpsagent from {ROOT}"
+        )
+        self.start_fakes()
+        self.start_agent()
+        self.wait_registered()
+        ids = sorted(device[0] for device in self.plugin.latest())
+        self.report.add(
+            "registered",
+            "agent registers and lists the replicas",
+            f"{REPLICAS} replicas of {RESOURCE}",
+            f"{len(ids)} replicas: {', '.join(ids)}",
+            len(ids) == REPLICAS,
+        )
+        self.compute_mode("compute-mode-serving", "compute mode while the agent serves", "Exclusive_Process")
+        self.daemon_reads("start", "no grant yet", "100.0", memory_read_back(full_mib))
+
+        # A capped grant: one replica.
+        envs = self.allocate(ids[:1], "capped", "main")
+        expected_capped = {
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // REPLICAS),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={capped_mib}M",
+            "CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe",
+            "NVIDIA_VISIBLE_DEVICES": gpu["uuid"],
+        }
+        self.report.add(
+            "capped-envs",
+            "Allocate 1 replica: the container's environment",
+            _text(expected_capped),
+            envs,
+            envs == expected_capped,
+        )
+        self.daemon_reads("capped", "after the capped Allocate", f"{100 / REPLICAS:.1f}", memory_read_back(capped_mib))
+        self.cap_mode_metric("capped")
+        half, fifth = gpu["memoryBytes"] // 2, gpu["memoryBytes"] // 5
+        self.probe("probe-a", "capped client allocates 50 %", envs, half, expect_ok=False)
+        uncapped_env = {
+            k: v
+            for k, v in envs.items()
+            if k not in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        }
+        self.probe(
+            "probe-b", "capped client without its cap variables allocates 50 %", uncapped_env, half, expect_ok=False
+        )
+        self.probe("probe-c", "capped client allocates 20 %", envs, fifth, expect_ok=True, observe="capped")
+
+        # The capped container ends (the kubelet lists it no more), then a full grant: every replica.
+        self.pod_resources.set_containers()
+        envs = self.allocate(ids, "full", "main")
+        expected_full = {"CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe", "NVIDIA_VISIBLE_DEVICES": gpu["uuid"]}
+        self.report.add(
+            "full-envs",
+            f"Allocate all {REPLICAS} replicas: the container's environment (no caps)",
+            _text(expected_full),
+            envs,
+            envs == expected_full,
+        )
+        self.daemon_reads("full", "after the full Allocate", "100.0", memory_read_back(full_mib))
+        self.cap_mode_metric("full")
+        if self.server_pids:  # started while capped: the agent must have raised it to the full hardware
+            self.server_values("server-values-after-full-allocate", "running MPS server after the full Allocate")
+        self.probe("probe-d", "full-grant client allocates 50 %", envs, half, expect_ok=True, observe="full")
+        self.stop_agent()
+
+    def preflight(self) -> None:
+        if self.dry_run:
+            self.report.skip("compute-mode-before", "compute mode before the agent starts", "Default")
+            return
+        code, text = run_text(
+            ["nvidia-smi", "-i", "0", "--query-gpu=name,memory.total,memory.used,compute_mode", "--format=csv,noheader"]
+        )
+        self.report.add("nvidia-smi", "nvidia-smi sees GPU 0", "name, memory, compute mode", text, code == 0)
+        self.compute_mode_before = self.read_compute_mode()
+        self.report.add(
+            "compute-mode-before", "compute mode before the agent starts", "Default", self.compute_mode_before, None
+        )
+        if self.args.probe_backend == "auto":
+            for candidate in ("torch", "cupy"):
+                check = f"import importlib.util,sys; sys.exit(importlib.util.find_spec('{candidate}') is None)"
+                if run_text([self.args.probe_python, "-c", check], timeout=60)[0] == 0:
+                    self.backend = candidate
+                    break
+        else:
+            self.backend = self.args.probe_backend
+        self.report.add(
+            "probe-backend",
+            "CUDA client used for the probes",
+            "driver (ctypes, libcuda.so.1) unless asked otherwise",
+            f"{self.backend} with {self.args.probe_python}",
+            None,
+        )
+
+    def common_args(self) -> list[str]:
+        gpus = ["--node-snapshot", str(self.args.dry_run_snapshot)] if self.dry_run else []
+        return [
+            "--config-file",
+            str(self.work / "config.yaml"),
+            "--mps-root",
+            str(self.mps_root),
+            "--nfd-features-file",
+            "",
+            *gpus,
+        ]
+
+    def agent_env(self) -> dict[str, str]:
+        python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        # The marker lets the cleanup find the agent and everything it started (the daemon inherits it).
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path, WORK_MARKER_ENV: str(self.work)}
+
+    def plan(self) -> dict[str, Any]:
+        (self.work / "config.yaml").write_text(CONFIG)
+        argv = [sys.executable, "-m", "mpsagent", "--once", "--output", "json", *self.common_args()]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=self.agent_env(), check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"`mpsagent --once` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        plan: dict[str, Any] = json.loads(done.stdout)
+        resource = plan["resources"][0]
+        self.report.facts["plan"] = {"capModes": resource.get("capModes"), "computeMode": resource.get("computeMode")}
+        return plan
+
+    def start_fakes(self) -> None:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from tests.kubelet.fake import FakeKubelet  # noqa: PLC0415 - needs grpcio (the test extra)
+        from tests.kubelet.podresources import FakePodResources  # noqa: PLC0415
+
+        (self.work / "dp").mkdir()
+        self.pod_resources = FakePodResources(self.work / "pr" / "kubelet.sock").start()
+        self.kubelet = FakeKubelet(self.work / "dp" / "kubelet.sock").start()
+
+    def start_agent(self) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "mpsagent",
+            *self.common_args(),
+            "--kubelet-socket",
+            str(self.kubelet.socket_path),
+            "--pod-resources-socket",
+            str(self.pod_resources.socket_path),
+            "--mps-on-exit",
+            "quit",
+            "--log-format",
+            "json",
+            "--metrics-address",
+            "127.0.0.1:0",
+        ]
+        say("starting the agent: " + " ".join(argv[1:]))
+        with self.agent_log.open("wb") as log:
+            self.agent = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=self.agent_env(),
+                start_new_session=True,
+            )
+
+    def log_events(self) -> Iterator[dict[str, Any]]:
+        try:
+            text = self.agent_log.read_text(errors="replace")
+        except OSError:
+            return
+        for line in text.splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    yield json.loads(line)
+
+    def wait_registered(self) -> None:
+        assert self.agent is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.agent.poll() is not None:
+                raise RuntimeError(
+                    f"the agent exited {self.agent.returncode} before registering:\n{tail(self.agent_log)}"
+                )
+            matching = [p for p in list(self.kubelet.plugins) if p.request.resource_name == RESOURCE and p.updates]
+            if matching:
+                self.plugin = matching[-1]
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the agent did not register within 60 s:\n{tail(self.agent_log)}")
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            self.daemon_pid = int(json.loads((self.mps_root / RESOURCE / "daemon.json").read_text())["pid"])
+        self.report.facts["daemonPid"] = self.daemon_pid
+
+    def allocate(self, ids: list[str], pod: str, container: str) -> dict[str, str]:
+        from tests.kubelet.podresources import ListedContainer  # noqa: PLC0415
+        from tests.kubelet.stubs import dp_pb2  # noqa: PLC0415
+
+        request = dp_pb2.AllocateRequest(container_requests=[dp_pb2.ContainerAllocateRequest(devices_ids=ids)])
+        response = self.plugin.stub.Allocate(request, timeout=30).container_responses[0]
+        envs = dict(response.envs)
+        mounts = [{"container": m.container_path, "host": m.host_path} for m in response.mounts]
+        self.report.facts[f"allocate-{pod}"] = {"ids": ids, "envs": envs, "mounts": mounts}
+        # As the kubelet does once the pod runs: pod-resources lists the container with its devices.
+        self.pod_resources.set_containers(ListedContainer("hwc", pod, container, RESOURCE, tuple(ids)))
+        return envs
+
+    def control(self, command: str) -> str:
+        """One command to the resource's control daemon, as an operator would send it (`echo ... | ...`)."""
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe)}
+        try:
+            done = subprocess.run(
+                [self.mps_control],
+                input=command + "\n",
+                capture_output=True,
+                text=True,
+                timeout=10,
+                env=env,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"<{type(exc).__name__}: {exc}>"
+        return done.stdout.strip() or done.stderr.strip()
+
+    def daemon_reads(self, phase: str, when: str, threads: str, memory: str) -> None:
+        observed = self.control("get_default_active_thread_percentage")
+        self.report.add(
+            f"daemon-threads-{phase}",
+            f"daemon default thread percentage, {when}",
+            threads,
+            observed,
+            observed == threads,
+        )
+        observed = self.control("get_default_device_pinned_mem_limit 0")
+        self.report.add(
+            f"daemon-memory-{phase}",
+            f"daemon default pinned memory limit of GPU 0, {when}",
+            memory,
+            observed,
+            observed == memory,
+        )
+
+    def compute_mode(self, id_: str, step: str, expected: str) -> None:
+        if self.dry_run:
+            self.report.skip(id_, step, expected)
+            return
+        observed = self.read_compute_mode()
+        self.report.add(id_, step, expected, observed, observed == expected)
+
+    def read_compute_mode(self) -> str:
+        return run_text(["nvidia-smi", "-i", "0", "--query-gpu=compute_mode", "--format=csv,noheader"])[1]
+
+    def observe(self, phase: str) -> None:
+        """What the daemon, the agent's metrics and nvidia-smi show while a client holds its allocation."""
+        servers = self.control("get_server_list")
+        self.server_pids |= {int(token) for token in servers.split() if token.isdigit()}
+        clients = {pid: self.control(f"get_client_list {pid}") for pid in sorted(self.server_pids)}
+        self.report.add(
+            f"servers-{phase}",
+            f"MPS servers and their clients while the {phase} client runs",
+            "a server listed, with the client's PID",
+            {"get_server_list": servers, "get_client_list": clients},
+            None,
+        )
+        self.server_values(f"server-values-{phase}", f"running MPS server while the {phase} client runs")
+        self.report.add(
+            f"metrics-{phase}",
+            f"agent metrics while the {phase} client runs",
+            "mpsagent_mps_clients counts it; container memory is empty outside pods",
+            self.metrics(),
+            None,
+        )
+        if not self.dry_run:
+            apps = run_text(
+                ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
+            )
+            self.report.add(f"gpu-apps-{phase}", f"nvidia-smi compute apps, {phase} client running", "", apps[1], None)
+
+    def server_values(self, id_: str, step: str) -> None:
+        values = {}
+        for pid in sorted(self.server_pids):
+            values[str(pid)] = {
+                "get_active_thread_percentage": self.control(f"get_active_thread_percentage {pid}"),
+                "get_device_pinned_mem_limit 0": self.control(f"get_device_pinned_mem_limit {pid} 0"),
+            }
+        self.report.add(id_, step, "the grant's caps (capped: 25 %, full: 100 %)", values, None)
+
+    def cap_mode_metric(self, phase: str) -> None:
+        """The agent's own account of the daemon's mode (its status is rewritten within half a second)."""
+
+        def current() -> str:
+            lines = [line for line in self.metrics().splitlines() if line.startswith("mpsagent_daemon_cap_mode{")]
+            return " ".join(line for line in lines if line.endswith(" 1.0")) or self.metrics()
+
+        expected = f'mode="{phase}"'
+
+        def matching() -> str | None:
+            text = current()
+            return text if expected in text else None
+
+        seen = wait_until(matching, 3) or current()
+        self.report.add(
+            f"metric-cap-mode-{phase}",
+            f"metric mpsagent_daemon_cap_mode after the {phase} Allocate",
+            f"{expected} is 1",
+            seen,
+            expected in seen,
+        )
+
+    def metrics(self) -> str:
+        address = next((e.get("address") for e in self.log_events() if e.get("event") == "http endpoint serving"), None)
+        if address is None:
+            return "<no `http endpoint serving` event in the agent's log>"
+        try:
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError as exc:
+            return f"<GET /metrics failed: {exc}>"
+        wanted = ("mpsagent_mps_clients", "mpsagent_container_gpu_memory_bytes", "mpsagent_daemon_cap_mode")
+        lines = [line for line in text.splitlines() if line.startswith(wanted)]
+        return "\n".join(lines) or "<no mpsagent_mps_clients / mpsagent_container_gpu_memory_bytes samples>"
+
+    def probe(
+        self, id_: str, step: str, envs: dict[str, str], nbytes: int, *, expect_ok: bool, observe: str | None = None
+    ) -> None:
+        expected = "succeeds" if expect_ok else "fails: out of memory"
+        step = f"{step} ({nbytes / 1024**3:.1f} GiB)"
+        if self.dry_run:
+            self.report.skip(id_, step, expected)
+            if observe:
+                self.observe(observe)
+            return
+        remaining = self.deadline - time.monotonic()
+        if remaining < 10:
+            self.report.add(id_, step, expected, "not run: the time budget (--budget-seconds) is spent", False)
+            return
+        env = {**os.environ, **envs}
+        # No container here, so no mount: the client reaches the daemon through the host's pipe directory (the
+        # one a container sees at /mps/nvidia.com/gpu/pipe), and shares the host's /dev/shm with the server.
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe)
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+        for variable in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+            if variable not in envs:
+                env.pop(variable, None)
+        timeout = min(self.args.probe_timeout, remaining)
+        argv = [
+            self.args.probe_python,
+            str(Path(__file__).resolve()),
+            "--probe",
+            str(nbytes),
+            "--probe-backend",
+            self.backend,
+            "--hold",
+            str(timeout),
+        ]
+        stderr_path = self.work / f"{id_}.stderr"
+        with stderr_path.open("wb") as stderr:
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                cwd=self.work,
+                start_new_session=True,
+            )
+        self.children.append(child)
+        try:
+            result = self.read_probe_line(child, timeout)
+            if result is None:
+                observed = f"no answer within {timeout:.0f} s (killed); stderr: {tail(stderr_path, 10)}"
+                self.report.add(id_, step, expected, observed, False)
+                return
+            self.report.facts[id_] = result
+            seen = (
+                f"{'allocated' if result['ok'] else 'failed'}"
+                + (f" at {result['stage']}: {result['error']}" if result["error"] else "")
+                + f"; client sees total {_gib(result.get('total'))}, "
+                + f"cuMemGetInfo {_mem_info(result.get('memGetInfo'))}, {result.get('smCount')} SMs"
+            )
+            ok = result["ok"] if expect_ok else (not result["ok"] and result["oom"])
+            self.report.add(id_, step, expected, seen, ok)
+            if observe:
+                self.observe(observe)  # the client still holds its memory and its connection to the server
+        finally:
+            self.end_child(child)
+        if not ok:
+            self.report.facts[f"{id_}-stderr"] = tail(stderr_path, 20)
+            self.report.facts[f"{id_}-mps-logs"] = {
+                name: tail(self.mps_root / RESOURCE / "log" / name, 20) for name in ("control.log", "server.log")
+            }
+
+    def read_probe_line(self, child: subprocess.Popen[bytes], timeout: float) -> dict[str, Any] | None:
+        assert child.stdout is not None
+        deadline = time.monotonic() + timeout
+        buffer = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(child.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not selector.select(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                    continue
+                chunk = os.read(child.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                buffer += chunk
+                for raw in buffer.split(b"\n")[:-1]:  # whole lines only
+                    line = raw.decode(errors="replace")
+                    if line.startswith(PROBE_PREFIX):
+                        parsed: dict[str, Any] = json.loads(line[len(PROBE_PREFIX) :])
+                        return parsed
+        return None
+
+    def end_child(self, child: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(OSError):
+            if child.stdin is not None:
+                child.stdin.close()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait(5)
+        if child.stdout is not None:
+            child.stdout.close()
+
+    def stop_agent(self) -> None:
+        assert self.agent is not None
+        self.agent.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.agent.wait(30)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.report.add("agent-exit", "SIGTERM: the agent stops", "exit status 0", f"exit status {code}", code == 0)
+        daemon_gone = self.daemon_pid is not None and wait_until(lambda: not alive(self.daemon_pid or 0), 10)
+        servers_gone = wait_until(lambda: not any(alive(pid) for pid in self.server_pids), 10)
+        record = self.mps_root / RESOURCE / "daemon.json"
+        self.report.add(
+            "daemon-quit",
+            "--mps-on-exit quit: the daemon (and its servers) quit",
+            "daemon and servers gone, daemon.json removed",
+            f"daemon {self.daemon_pid} {'gone' if daemon_gone else 'STILL RUNNING'}, "
+            f"servers {sorted(self.server_pids)} {'gone' if servers_gone else 'STILL RUNNING'}, "
+            f"daemon.json {'present' if record.exists() else 'removed'}",
+            bool(daemon_gone and servers_gone and not record.exists()),
+        )
+        if self.dry_run:
+            self.report.skip("compute-mode-restored", "compute mode after the agent stopped", "Default")
+        else:
+            before = self.compute_mode_before or "Default"
+            self.compute_mode("compute-mode-restored", "compute mode after the agent stopped", before)
+        wait_until(lambda: not processes_using(self.work), 10)
+        left = processes_using(self.work)
+        self.report.add(
+            "nothing-left",
+            "no process of this run is left (agent, daemon, servers, clients)",
+            "none",
+            f"PIDs {left}" if left else "none",
+            not left,
+        )
+
+    # -- cleanup, on every exit path ----------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(5)
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.send_signal(signal.SIGTERM)  # --mps-on-exit quit: it quits the daemon, restores the mode
+            try:
+                self.agent.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.agent.pid, signal.SIGKILL)
+                self.agent.wait(5)
+        if self.pipe.exists() and (self.daemon_pid is None or alive(self.daemon_pid)):
+            self.control("quit")  # the fallback: the daemon is in its own session, out of the agent's group
+            if self.daemon_pid is not None:
+                wait_until(lambda: not alive(self.daemon_pid or 0), 10)
+        leftovers = processes_using(self.work)
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        if leftovers and not wait_until(lambda: not processes_using(self.work), 5):
+            for pid in processes_using(self.work) + [p for p in self.server_pids if alive(p)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if leftovers:
+            self.report.facts["cleanupKilled"] = leftovers
+        if not self.dry_run and self.compute_mode_before and shutil.which("nvidia-smi"):
+            now = self.read_compute_mode()
+            if now != self.compute_mode_before:
+                target = {"Default": "DEFAULT", "Exclusive_Process": "EXCLUSIVE_PROCESS", "Prohibited": "PROHIBITED"}
+                restore = run_text(["nvidia-smi", "-i", "0", "-c", target.get(self.compute_mode_before, "DEFAULT")])
+                self.report.facts["computeModeRestoredByCleanup"] = {"was": now, "nvidia-smi": restore}
+        for fake in (self.kubelet, self.pod_resources):
+            if fake is not None:
+                with contextlib.suppress(Exception):
+                    fake.stop()
+
+    def keep_logs(self, out: Path) -> None:
+        for source, name in (
+            (self.agent_log, "agent.log"),
+            (self.mps_root / RESOURCE / "log" / "control.log", "mps-control.log"),
+            (self.mps_root / RESOURCE / "log" / "server.log", "mps-server.log"),
+        ):
+            with contextlib.suppress(OSError):
+                shutil.copyfile(source, out / name)
+        if not self.args.keep_work:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _gib(value: object) -> str:
+    return f"{value / 1024**3:.1f} GiB" if isinstance(value, int) else "?"
+
+
+def _mem_info(value: object) -> str:
+    if isinstance(value, dict):
+        return f"free {_gib(value.get('free'))} / total {_gib(value.get('total'))}"
+    return "?"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, help="where hardware-check.json, hardware-check.md and the logs go")
+    parser.add_argument(
+        "--dry-run-snapshot", type=Path, help="no GPU: the agent reads this node snapshot, CUDA steps skip"
+    )
+    parser.add_argument(
+        "--probe-backend",
+        choices=["driver", "torch", "cupy", "auto"],
+        default="driver",
+        help="the CUDA client: driver API through ctypes (default), PyTorch, CuPy, or the first of "
+        "torch, cupy, driver that --probe-python can import",
+    )
+    parser.add_argument("--probe-python", default=sys.executable, help="interpreter for the CUDA clients")
+    parser.add_argument("--probe-timeout", type=float, default=45.0, help="seconds per CUDA client (killed after)")
+    parser.add_argument("--budget-seconds", type=float, default=150.0, help="no CUDA client starts after this long")
+    parser.add_argument("--keep-work", action="store_true", help="keep the /tmp/hwc-* work directory")
+    parser.add_argument("--probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    parser.add_argument("--hold", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe is None and args.out is None:
+        parser.error("--out DIR is required")
+    if args.probe_backend == "auto" and args.probe is not None:
+        parser.error("--probe needs a concrete --probe-backend")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.probe is not None:
+        return probe_main(args.probe, args.probe_backend, args.hold)
+    if args.dry_run_snapshot is not None and not args.dry_run_snapshot.is_file():
+        print(f"hardware_check: error: no snapshot at {args.dry_run_snapshot}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    check = HardwareCheck(args)
+    say(f"work directory {check.work}, mode: {check.report.mode}")
+    try:
+        try:
+            check.execute()
+        except (Exception, Interrupted, KeyboardInterrupt) as exc:
+            check.report.add(
+                "aborted", "the run stopped early", "runs to the end", f"{type(exc).__name__}: {exc}", False
+            )
+            check.report.facts["traceback"] = traceback.format_exc()
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup is not interrupted a second time
+            check.cleanup()
+            check.keep_logs(args.out)
+    finally:
+        check.report.write(args.out)
+    print(check.report.markdown())
+    print(f"written: {args.out / 'hardware-check.md'} and {args.out / 'hardware-check.json'}")
+    return 0 if check.report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
