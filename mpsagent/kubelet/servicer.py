@@ -9,7 +9,8 @@ admission, and at node scale (768 IDs) betterproto2 alone spends 5 ms parsing a 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -111,12 +112,9 @@ class DevicePluginServicer:
         self._log.info("kubelet watching devices")
         generation: int | None = self._inventory.generation
         while generation is not None and not self._closing.is_set():
-            try:
+            with self._answering("ListAndWatch", "device list"):
                 snapshot = self._inventory.snapshot()
                 response = list_and_watch_response(snapshot)
-            except Exception as exc:
-                self._log.exception("device list failed unexpectedly")
-                raise GRPCError(Status.INTERNAL, "internal error in ListAndWatch; see the mpsagent log") from exc
             yield response
             generation = await self._next_generation(snapshot.generation)
 
@@ -130,18 +128,9 @@ class DevicePluginServicer:
 
     async def _allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
         requests = [list(container.devices_ids) for container in message.container_requests]
-        try:
+        with self._answering("Allocate", "allocate", containers=len(requests)):
             allocations = self._allocator.allocate(requests)
             await self._after_allocate(allocations)
-        except RequestError as exc:
-            self._log.warning("allocate refused", reason=str(exc), containers=len(requests))
-            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
-        except MpsAgentError as exc:
-            self._log.error("allocate failed", reason=str(exc))
-            raise GRPCError(Status.UNAVAILABLE, f"{self._allocator.resource.name}: {exc}") from exc
-        except Exception as exc:
-            self._log.exception("allocate failed unexpectedly", containers=len(requests))
-            raise GRPCError(Status.INTERNAL, "internal error in Allocate; the mpsagent log has the details") from exc
         return pb.AllocateResponse(
             container_responses=[
                 pb.ContainerAllocateResponse(
@@ -157,7 +146,7 @@ class DevicePluginServicer:
         )
 
     async def get_preferred_allocation(self, message: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
-        try:
+        with self._answering("GetPreferredAllocation", "preferred allocation"):
             chosen = [
                 self._allocator.preferred(
                     list(request.available_deviceIDs),
@@ -166,28 +155,31 @@ class DevicePluginServicer:
                 )
                 for request in message.container_requests
             ]
-        except RequestError as exc:
-            self._log.warning("preferred allocation refused", reason=str(exc))
-            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
-        except Exception as exc:
-            self._log.exception("preferred allocation failed unexpectedly")
-            raise GRPCError(
-                Status.INTERNAL, "internal error in GetPreferredAllocation; the mpsagent log has the details"
-            ) from exc
         return pb.PreferredAllocationResponse(
             container_responses=[pb.ContainerPreferredAllocationResponse(deviceIDs=ids) for ids in chosen]
         )
 
     async def pre_start_container(self, message: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
-        try:
+        with self._answering("PreStartContainer", "pre-start"):
             await self._before_start(list(message.devices_ids))
+        return pb.PreStartContainerResponse()
+
+    @contextmanager
+    def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:
+        """Turn what goes wrong inside an RPC into its gRPC status: a refused request is INVALID_ARGUMENT with the
+        reason, a failure of the node (the daemon) UNAVAILABLE, anything else a bug: INTERNAL with a short message,
+        and the traceback in the log."""
+        try:
+            yield
+        except RequestError as exc:
+            self._log.warning(f"{action} refused", reason=str(exc), **context)
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
         except MpsAgentError as exc:
-            self._log.error("pre-start failed", reason=str(exc))
+            self._log.error(f"{action} failed", reason=str(exc), **context)
             raise GRPCError(Status.UNAVAILABLE, f"{self._allocator.resource.name}: {exc}") from exc
         except Exception as exc:
-            self._log.exception("pre-start failed unexpectedly")
-            raise GRPCError(Status.INTERNAL, "internal error in PreStartContainer; see the mpsagent log") from exc
-        return pb.PreStartContainerResponse()
+            self._log.exception(f"{action} failed unexpectedly", **context)
+            raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc
 
     # --- the gRPC handler table (grpclib's IServable) ---------------------------------------------------------
 
