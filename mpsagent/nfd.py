@@ -7,9 +7,10 @@ NFD's: when it is absent (NFD not installed), the agent says so and writes nothi
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from mpsagent.host import write_atomically
 
 FILE_MODE = 0o644  # NFD's worker may run as another user
 
@@ -24,17 +25,7 @@ def write_features(path: Path, labels: Mapping[str, str]) -> bool:
     with contextlib.suppress(OSError):
         if path.read_text() == text:
             return False
-    # NFD lists the directory: the temporary file's name starts with a dot so that it is never read half-written.
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.chmod(temporary, FILE_MODE)
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_atomically(path, text.encode(), FILE_MODE)
     return True
 
 

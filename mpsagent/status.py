@@ -7,7 +7,6 @@ reads it, so it needs no connection to the agent and works the same on a node an
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,9 +16,11 @@ from typing import Any
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
+from mpsagent.host import pid_alive, write_atomically
 from mpsagent.inventory import Inventory
 
 STATUS_FILE = "status.json"
+STATUS_FILE_MODE = 0o600  # it names pods
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,11 +40,15 @@ class ResourceView:
     registrations: int
 
 
+def _utc(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
 def _wall(monotonic: float | None) -> str | None:
+    """A monotonic time (the ledger's grace clock) as the UTC time it was."""
     if monotonic is None:
         return None
-    wall = time.time() - (time.monotonic() - monotonic)
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+    return _utc(time.time() - (time.monotonic() - monotonic))
 
 
 def status_document(
@@ -92,7 +97,7 @@ def status_document(
                         "kind": grant.kind.value,
                         "container": str(grant.owner) if grant.owner else None,
                         "adopted": grant.adopted,
-                        "grantedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(grant.granted_at)),
+                        "grantedAt": _utc(grant.granted_at),
                         "unlistedSince": _wall(grant.missing_since),
                         "deviceIds": list(grant.replica_ids),
                     }
@@ -111,12 +116,8 @@ def status_document(
 
 
 def write_status(mps_root: Path, document: dict[str, Any]) -> None:
-    target = mps_root / STATUS_FILE
-    temporary = mps_root / f".{STATUS_FILE}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        json.dump({**document, "writtenAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, file, indent=1)
-    os.replace(temporary, target)
+    written = {**document, "writtenAt": _utc(time.time())}
+    write_atomically(mps_root / STATUS_FILE, json.dumps(written, indent=1).encode(), STATUS_FILE_MODE)
 
 
 def remove_status(mps_root: Path) -> None:
@@ -139,12 +140,10 @@ def read_status(mps_root: Path) -> dict[str, Any]:
 
 def agent_alive(document: dict[str, Any]) -> bool:
     try:
-        os.kill(int(document["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, KeyError, ValueError, TypeError):
-        return True
-    return True
+        pid = int(document["pid"])
+    except (KeyError, ValueError, TypeError):
+        return True  # an older or damaged file: do not claim the agent is gone
+    return pid_alive(pid)
 
 
 def readiness(document: dict[str, Any] | None) -> tuple[bool, str]:

@@ -21,6 +21,7 @@ from mpsagent.config import MpsOnExit
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import DaemonCommandError, DaemonError, GpuDiscoveryError
 from mpsagent.gpu.port import ComputeMode, GpuSource
+from mpsagent.host import pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
@@ -44,16 +45,6 @@ RESTART_BACKOFF_MAX_S = 30.0
 QUIT_TIMEOUT_S = 5
 LOG_POLL_S = 0.5
 HEALTH_SOURCE = "mps daemon"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DaemonSupervisor:
@@ -174,7 +165,7 @@ class DaemonSupervisor:
         if not await self._channel.probe():
             return False
         state = read_state(self._resource.directory)
-        if state is None or not _alive(state.pid):
+        if state is None or not pid_alive(state.pid):
             raise DaemonError(
                 f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
                 f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
@@ -270,7 +261,7 @@ class DaemonSupervisor:
             with anyio.move_on_after(2):
                 await self._process.wait()
             self._process = None
-        elif self._pid is not None and _alive(self._pid):
+        elif self._pid is not None and pid_alive(self._pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._pid, 9)
         self._pid = None

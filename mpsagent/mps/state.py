@@ -4,11 +4,11 @@ a restart (PID, the GPUs it serves, the cap mode it holds, the compute modes to 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import msgspec
 
+from mpsagent.host import write_atomically
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
 
 STATE_FILE = "daemon.json"
@@ -29,14 +29,7 @@ def read_state(directory: Path) -> DaemonState | None:
 
 
 def write_state(directory: Path, state: DaemonState) -> None:
-    target = directory / STATE_FILE
-    temporary = directory / f".{STATE_FILE}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "wb") as file:
-        file.write(msgspec.json.encode(state))
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, target)
+    write_atomically(directory / STATE_FILE, msgspec.json.encode(state), PRIVATE_FILE_MODE, durable=True)
 
 
 def remove_state(directory: Path) -> None:
