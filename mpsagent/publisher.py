@@ -46,7 +46,7 @@ class StatePublisher:
         self._notifier = notifier
         self._web = web
 
-    def document(self) -> dict[str, Any]:
+    def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> dict[str, Any]:
         return status_document(
             version=__version__,
             pid=os.getpid(),
@@ -57,21 +57,21 @@ class StatePublisher:
                 "answers": self._reconciler.successes,
                 "failures": self._reconciler.failures,
             },
-            unhealthy_gpus=self._unhealthy_gpus(),
-            resources=self._resources(),
+            unhealthy_gpus=unhealthy_gpus,
+            resources=views,
         )
 
-    def _fingerprint(self) -> Hashable:
+    def _fingerprint(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> Hashable:
         """Cheap to take, and different whenever the document would be: most cycles build nothing."""
         return (
             len(asyncio.all_tasks()),
             self._reconciler.available,
             self._reconciler.successes,
             self._reconciler.failures,
-            tuple(sorted(self._unhealthy_gpus().items())),
+            tuple(sorted(unhealthy_gpus.items())),
             tuple(
                 (v.inventory.generation, v.allocator.ledger.version, v.daemon, v.registered, v.registrations)
-                for v in self._resources()
+                for v in views
             ),
         )
 
@@ -81,16 +81,17 @@ class StatePublisher:
         announced_ready = False
         try:
             while True:
-                fingerprint = self._fingerprint()
+                views, unhealthy_gpus = self._resources(), self._unhealthy_gpus()
+                fingerprint = self._fingerprint(views, unhealthy_gpus)
                 if document is None or fingerprint != seen:
-                    seen, document = fingerprint, self.document()
+                    seen, document = fingerprint, self._document(views, unhealthy_gpus)
                     write_status(self._mps_root, document)
+                    if not announced_ready and readiness(document)[0]:
+                        self._notifier.notify("READY=1")
+                        announced_ready = True
+                    self._notifier.status(summary(document))
                 if self._web is not None:
-                    self._web.publish(document)
-                if not announced_ready and readiness(document)[0]:
-                    self._notifier.notify("READY=1")
-                    announced_ready = True
-                self._notifier.status(summary(document))
+                    self._web.publish(document)  # every cycle: it is also the liveness heartbeat
                 await anyio.sleep(STATUS_INTERVAL_S)
         finally:
             remove_status(self._mps_root)
