@@ -475,11 +475,8 @@ def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from
     return value
 
 
-def _address(cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None) -> tuple[str, int] | None:
-    """`HOST:PORT` (`[v6]:PORT`, or `:PORT` for every address); empty means off."""
-    chosen = cli.get("metrics_address")
-    if chosen is None:
-        chosen = environ.get(_ENV["metrics_address"], from_file)
+def _address(chosen: str | None) -> tuple[str, int] | None:
+    """`HOST:PORT` (`[v6]:PORT`, or `:PORT` for every address); unset or empty means off."""
     if not chosen:
         return None
     host, sep, port = str(chosen).rpartition(":")
@@ -519,12 +516,14 @@ def xid_policy(environ: Mapping[str, str]) -> XidPolicy:
     return XidPolicy(ignored=APPLICATION_XIDS | disabled, ignore_all=ignore_all, enabled=enabled, enable_all=enable_all)
 
 
-def _optional_path(cli: str | None, env: str | None, from_file: str | None, default: Path) -> Path | None:
-    """A path that an explicitly empty value turns off (unlike `_pick`, where empty means unset)."""
-    for chosen in (cli, env, from_file):
+def _pick_switchable(
+    name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None
+) -> str | None:
+    """Like `_pick`, for a setting that an explicitly empty value turns off: "" is a choice, None is unset."""
+    for chosen in (cli.get(name), environ.get(_ENV[name]), from_file):
         if chosen is not None:
-            return Path(chosen) if chosen else None
-    return default
+            return str(chosen)
+    return None
 
 
 def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
@@ -571,6 +570,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     snapshot = _pick("node_snapshot", cli, environ, None)
     grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
     recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
+    nfd_file = _pick_switchable("nfd_features_file", cli, environ, flags.nfd_features_file)
     return Settings(
         config_file=path,
         sharing=sharing,
@@ -589,12 +589,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         reconcile_grace_s=DEFAULT_RECONCILE_GRACE_S if grace is None else grace,
         health_recovery_s=DEFAULT_HEALTH_RECOVERY_S if recovery is None else recovery,
         xid_policy=xid_policy(environ),
-        nfd_features_file=_optional_path(
-            cli.get("nfd_features_file"),
-            environ.get(_ENV["nfd_features_file"]),
-            flags.nfd_features_file,
-            DEFAULT_NFD_FEATURES_FILE,
-        ),
-        metrics_address=_address(cli, environ, flags.metrics_address),
+        nfd_features_file=DEFAULT_NFD_FEATURES_FILE if nfd_file is None else (Path(nfd_file) if nfd_file else None),
+        metrics_address=_address(_pick_switchable("metrics_address", cli, environ, flags.metrics_address)),
         proc_root=Path(_pick("proc_root", cli, environ, flags.proc_root) or DEFAULT_PROC_ROOT),
     )
