@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
+from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
@@ -101,7 +102,13 @@ class PluginEndpoint:
 
     async def _serve(self) -> Server:
         self.socket_path.unlink(missing_ok=True)
-        server = Server([self._servicer])
+        # What a client may send before the servicer reads it (grpclib's default is 4 MiB per stream and per
+        # connection): no more than the largest request, which the servicer reads before it lets more through.
+        window = self._servicer.receive_limit
+        server = Server(
+            [self._servicer],
+            config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
+        )
         # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
         old_umask = os.umask(0o177)
         try:

@@ -8,12 +8,14 @@ admission, and at node scale (768 IDs) betterproto2 alone spends 5 ms parsing a 
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+from google.protobuf.message import DecodeError, Message
 from grpclib import GRPCError, Status
 from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
@@ -26,6 +28,7 @@ from mpsagent.logs import get_logger
 
 log = get_logger(__name__)
 
+_Request = TypeVar("_Request", bound=Message)
 AfterAllocate = Callable[[Sequence[Allocation]], Awaitable[None]]
 BeforeStart = Callable[[Sequence[str]], Awaitable[None]]
 
@@ -54,6 +57,24 @@ def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchRespo
 
 
 SERVICE = "/v1beta1.DevicePlugin/"
+# gRPC's length prefix: a compressed flag and the message length (big-endian).
+_MESSAGE_PREFIX = struct.Struct(">?I")
+MIN_RECEIVE_LIMIT = 64 * 1024
+RECEIVE_LIMIT_MARGIN = 2
+
+
+def receive_limit(device_ids: Sequence[str]) -> int:
+    """The largest request message the plugin of a resource with these IDs accepts: twice the largest one a kubelet
+    sends (a preferred allocation naming every replica as available and as required), and at least 64 KiB."""
+    largest = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=device_ids, must_include_deviceIDs=device_ids, allocation_size=len(device_ids)
+            )
+        ]
+    )
+    size: int = largest.ByteSize()
+    return max(MIN_RECEIVE_LIMIT, RECEIVE_LIMIT_MARGIN * size)
 
 
 class DevicePluginServicer:
@@ -75,6 +96,7 @@ class DevicePluginServicer:
         self._allocate_timer = allocate_timer
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
+        self.receive_limit = receive_limit(allocator.resource.device_ids)
 
     def close(self) -> None:
         """End every open ListAndWatch stream."""
@@ -181,45 +203,94 @@ class DevicePluginServicer:
             self._log.exception(f"{action} failed unexpectedly", **context)
             raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc
 
+    # --- receiving requests ----------------------------------------------------------------------------------
+
+    async def _receive(self, stream: Stream[Any, Any], rpc: str, message_type: type[_Request]) -> _Request | None:
+        """The request message, or None when the kubelet went away before sending one.
+
+        grpclib has no receive limit: it reads a message whole, whatever length its prefix declares, and keeps what
+        it read until the connection's handler is collected (an aborted 4 GiB message grew the agent by the 200 MiB
+        sent, every time). So the prefix is read here, and a longer message than a kubelet ever sends is refused
+        before its body is read; the endpoint's flow-control windows bound what a client can push beyond that."""
+        h2_stream = stream._stream
+        try:
+            prefix = await h2_stream.recv_data(_MESSAGE_PREFIX.size)
+            if not prefix:
+                return None
+            compressed, length = _MESSAGE_PREFIX.unpack(prefix)
+            if compressed:
+                raise self._refusal(
+                    Status.INVALID_ARGUMENT, rpc, f"the {rpc} request is compressed; no kubelet does that"
+                )
+            if length > self.receive_limit:
+                raise self._refusal(
+                    Status.RESOURCE_EXHAUSTED,
+                    rpc,
+                    f"{rpc} request of {length} bytes is larger than the {self.receive_limit} bytes a kubelet sends",
+                )
+            body = await h2_stream.recv_data(length)
+        except AssertionError:  # grpclib's way of saying that the stream ended inside the message
+            raise self._refusal(Status.INVALID_ARGUMENT, rpc, f"the {rpc} request ended inside its message") from None
+        try:
+            message: _Request = message_type.FromString(body)
+        except DecodeError:
+            raise self._refusal(
+                Status.INVALID_ARGUMENT,
+                rpc,
+                f"the {rpc} request is not a valid protobuf message; was it sent by a kubelet?",
+            ) from None
+        return message
+
+    def _refusal(self, status: Status, rpc: str, reason: str) -> GRPCError:
+        self._log.warning("request refused", rpc=rpc, reason=reason)
+        return GRPCError(status, f"{self._allocator.resource.name}: {reason}")
+
     # --- the gRPC handler table (grpclib's IServable) ---------------------------------------------------------
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
             SERVICE + "GetDevicePluginOptions": Handler(
-                _unary(self.get_device_plugin_options), Cardinality.UNARY_UNARY, pb.Empty, pb.DevicePluginOptions
+                self._unary("GetDevicePluginOptions", pb.Empty, self.get_device_plugin_options),
+                Cardinality.UNARY_UNARY,
+                pb.Empty,
+                pb.DevicePluginOptions,
             ),
             SERVICE + "ListAndWatch": Handler(
                 self._list_and_watch_stream, Cardinality.UNARY_STREAM, pb.Empty, pb.ListAndWatchResponse
             ),
             SERVICE + "GetPreferredAllocation": Handler(
-                _unary(self.get_preferred_allocation),
+                self._unary("GetPreferredAllocation", pb.PreferredAllocationRequest, self.get_preferred_allocation),
                 Cardinality.UNARY_UNARY,
                 pb.PreferredAllocationRequest,
                 pb.PreferredAllocationResponse,
             ),
             SERVICE + "Allocate": Handler(
-                _unary(self.allocate), Cardinality.UNARY_UNARY, pb.AllocateRequest, pb.AllocateResponse
+                self._unary("Allocate", pb.AllocateRequest, self.allocate),
+                Cardinality.UNARY_UNARY,
+                pb.AllocateRequest,
+                pb.AllocateResponse,
             ),
             SERVICE + "PreStartContainer": Handler(
-                _unary(self.pre_start_container),
+                self._unary("PreStartContainer", pb.PreStartContainerRequest, self.pre_start_container),
                 Cardinality.UNARY_UNARY,
                 pb.PreStartContainerRequest,
                 pb.PreStartContainerResponse,
             ),
         }
 
+    def _unary(
+        self, rpc: str, request_type: type[_Request], method: Callable[[_Request], Awaitable[Message]]
+    ) -> Callable[[Stream[Any, Any]], Awaitable[None]]:
+        async def handle(stream: Stream[Any, Any]) -> None:
+            request = await self._receive(stream, rpc, request_type)
+            if request is not None:  # None: the kubelet went away before asking
+                await stream.send_message(await method(request))
+
+        return handle
+
     async def _list_and_watch_stream(self, stream: Stream[Any, Any]) -> None:
-        request = await stream.recv_message()
+        request = await self._receive(stream, "ListAndWatch", pb.Empty)
         if request is None:
             return  # the kubelet went away before asking
         async for response in self.list_and_watch(request):
             await stream.send_message(response)
-
-
-def _unary(method: Callable[[Any], Awaitable[Any]]) -> Callable[[Stream[Any, Any]], Awaitable[None]]:
-    async def handle(stream: Stream[Any, Any]) -> None:
-        request = await stream.recv_message()
-        if request is not None:  # None: the kubelet went away before asking
-            await stream.send_message(await method(request))
-
-    return handle
