@@ -83,6 +83,12 @@ class ResourceAllocator:
         grants = [self.grant_for(ids) for ids in requests]
         return [Allocation(grant=g, record=self.ledger.record(g.replica_ids, g.kind)) for g in grants]
 
+    def withdraw(self, allocations: Sequence[Allocation]) -> None:
+        """Undo `allocate` (its answer was an error): the ledger is as it was before, as far as nothing else has
+        changed it meanwhile (see Ledger.withdraw)."""
+        for allocation in reversed(allocations):
+            self.ledger.withdraw(allocation.record)
+
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[ReplicaId]:
         if size < 1:
             raise RequestError(f"{self.resource.name}: allocation size must be at least 1, not {size}")
@@ -100,10 +106,6 @@ class ResourceAllocator:
     def daemon_mode(self) -> CapMode:
         """The cap mode the resource's daemon must hold for the grants the ledger believes live."""
         return daemon_mode_for(self.resource, self.ledger.has_live(CapMode.CAPPED))
-
-    def mode_for_grant(self, ids: Sequence[str]) -> CapMode:
-        """The daemon mode a container holding these IDs needs (PreStartContainer re-asserts it)."""
-        return CapMode.FULL if self._kind_of(ids) is CapMode.FULL else daemon_mode_for(self.resource, True)
 
     def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
         """Bring the ledger to the kubelet's listing of this resource (see mpsagent.reconcile)."""

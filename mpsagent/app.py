@@ -25,7 +25,7 @@ from mpsagent.gpu.port import GpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.kubelet.plugin import PluginEndpoint
 from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
-from mpsagent.kubelet.servicer import AfterAllocate, BeforeStart, DevicePluginServicer
+from mpsagent.kubelet.servicer import DevicePluginServicer, OnGranted
 from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import ResourceLock, prepare_directories
@@ -68,18 +68,24 @@ class _Resource:
             registrations=self.endpoint.statistics().registrations if self.endpoint else 0,
         )
 
+    async def hold_caps(self) -> None:
+        """Make the daemon hold the mode the ledger needs; raises DaemonError when it cannot (an Allocate or a
+        pre-start then fails)."""
+        assert self.daemon is not None
+        await self.daemon.set_mode(self.allocator.daemon_mode())
+
     async def hold_ledger_mode(self) -> None:
         """Make the daemon hold the mode the ledger needs; a daemon that is down takes it when it is back."""
         if self.daemon is None:
             return
         try:
-            await self.daemon.set_mode(self.allocator.daemon_mode())
+            await self.hold_caps()
         except DaemonError as exc:
             log.error("mps daemon caps not changed", resource=self.plan.name, reason=str(exc))  # noqa: TRY400 (no traceback for a known failure)
 
 
-def _after_allocate(resource: _Resource, reconciler: PodResourcesReconciler) -> AfterAllocate:
-    async def after_allocate(allocations: Sequence[Allocation]) -> None:
+def _on_granted(resource: _Resource, reconciler: PodResourcesReconciler) -> OnGranted:
+    def on_granted(allocations: Sequence[Allocation]) -> None:
         for allocation in allocations:
             grant = allocation.record.grant
             log.info(
@@ -103,18 +109,8 @@ def _after_allocate(resource: _Resource, reconciler: PodResourcesReconciler) -> 
                     replicas=len(grant.superseded_ids),
                 )
         reconciler.request()
-        assert resource.daemon is not None
-        await resource.daemon.set_mode(resource.allocator.daemon_mode())
 
-    return after_allocate
-
-
-def _before_start(resource: _Resource) -> BeforeStart:
-    async def before_start(replica_ids: Sequence[str]) -> None:
-        assert resource.daemon is not None
-        await resource.daemon.set_mode(resource.allocator.mode_for_grant(replica_ids))
-
-    return before_start
+    return on_granted
 
 
 class _NoGpuHealth:
@@ -235,8 +231,8 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         resource.allocator,
                         resource.inventory,
                         pre_start_required=resource.plan.enforce_caps,
-                        after_allocate=_after_allocate(resource, reconciler),
-                        before_start=_before_start(resource),
+                        hold_caps=resource.hold_caps,
+                        on_granted=_on_granted(resource, reconciler),
                         allocate_timer=web.allocate_timer(resource.plan.name) if web else None,
                     )
                     resource.endpoint = PluginEndpoint(

@@ -100,6 +100,24 @@ class Ledger:
         self._version += 1
         return RecordResult(grant=grant, ended=ended)
 
+    def withdraw(self, result: RecordResult) -> None:
+        """Undo an Allocate's `record`: the Allocate was answered with an error, so no container got the grant.
+
+        The grant goes, and the grants it ended are live again, unless another grant took one of their replicas
+        meanwhile (a grant that did is the kubelet's word again). Withdraw several records latest first."""
+        grant = result.grant
+        if self._live.get(grant.grant_id) is grant:
+            self._end(grant.grant_id)
+        restored = [g for g in result.ended if all(r not in self._holder for r in g.replica_ids)]
+        for earlier in restored:
+            self._live[earlier.grant_id] = earlier
+            for replica in earlier.replica_ids:
+                self._holder[replica] = earlier.grant_id
+        self._stats.grants[grant.kind] -= 1
+        self._stats.regranted_replicas -= len(grant.superseded_ids)
+        self._stats.superseded_grants -= len(restored)
+        self._version += 1
+
     def release(self, grant_ids: Iterable[int]) -> tuple[Grant, ...]:
         """End these grants (the containers that held them are gone)."""
         released = tuple(self._end(grant_id) for grant_id in sorted(set(grant_ids)) if grant_id in self._live)

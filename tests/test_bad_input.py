@@ -87,6 +87,27 @@ def test_allocate_answers_or_refuses_with_a_message_and_a_refusal_changes_nothin
 
 @settings(max_examples=300, deadline=None)
 @given(
+    earlier=st.lists(st.lists(st.sampled_from(ALL), min_size=1, max_size=8), max_size=5),
+    requests=st.lists(st.lists(st.sampled_from(ALL), min_size=1, max_size=8), min_size=1, max_size=3),
+)
+def test_a_withdrawn_allocate_leaves_the_ledger_as_it_was(earlier: list[list[str]], requests: list[list[str]]) -> None:
+    """An Allocate answered with an error (its cap switch failed) is withdrawn, whatever grants it ended."""
+    a = allocator(False)
+    for ids in earlier:
+        a.allocate([ids])
+
+    def state() -> object:
+        live = sorted(a.ledger.live_grants(), key=lambda g: g.grant_id)
+        holders = {r: g.grant_id for r in ALL if (g := a.ledger.holder(r))}
+        return [(g.grant_id, g.replica_ids, g.kind) for g in live], holders, a.ledger.statistics(), a.daemon_mode()
+
+    before = state()
+    a.withdraw(a.allocate(requests))
+    assert state() == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(
     available=id_lists,
     must=id_lists,
     size=st.integers(-3, 60),

@@ -19,7 +19,6 @@ from mpsagent.mps.control import ControlChannel, check_command
 from tests.conftest import ROOT, AgentLauncher, small_node, write_config
 from tests.fakes.nvml.build import fake_nvml_env
 from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.kubelet.stubs import dp_pb2
 from tests.processes import alive
 from tests.test_plugin_integration import ALL, GPU0, RESOURCE, allocate, config, ids
 
@@ -104,11 +103,6 @@ def test_capped_and_full_allocations_switch_the_daemon(
     allocate(plugin, ALL)
     assert control(pipe, "get_default_active_thread_percentage") == "100.0"
     assert control(pipe, "get_default_device_pinned_mem_limit 1") == "16G"
-    # A container restart re-asserts its grant's mode before it starts.
-    plugin.stub.PreStartContainer(dp_pb2.PreStartContainerRequest(devices_ids=ids(GPU0, 2)), timeout=5)
-    assert control(pipe, "get_default_active_thread_percentage") == "25.0"
-    plugin.stub.PreStartContainer(dp_pb2.PreStartContainerRequest(devices_ids=ALL), timeout=5)
-    assert control(pipe, "get_default_active_thread_percentage") == "100.0"
 
 
 def test_caps_not_enforced_leaves_the_daemon_at_full(

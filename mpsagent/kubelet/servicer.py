@@ -29,15 +29,18 @@ from mpsagent.logs import get_logger
 log = get_logger(__name__)
 
 _Request = TypeVar("_Request", bound=Message)
-AfterAllocate = Callable[[Sequence[Allocation]], Awaitable[None]]
-BeforeStart = Callable[[Sequence[str]], Awaitable[None]]
+HoldCaps = Callable[[], Awaitable[None]]
+"""Makes the resource's daemon hold the cap mode the ledger's live grants need; raises when it cannot."""
+OnGranted = Callable[[Sequence[Allocation]], None]
+"""Told of the grants of an Allocate that is answered OK."""
+RESTORE_TIMEOUT_S = 30.0
 
 
-async def _nothing_after_allocate(allocations: Sequence[Allocation]) -> None:
+async def _no_daemon() -> None:
     return None
 
 
-async def _nothing_before_start(replica_ids: Sequence[str]) -> None:
+def _nothing_on_granted(allocations: Sequence[Allocation]) -> None:
     return None
 
 
@@ -84,15 +87,15 @@ class DevicePluginServicer:
         inventory: Inventory,
         *,
         pre_start_required: bool = False,
-        after_allocate: AfterAllocate = _nothing_after_allocate,
-        before_start: BeforeStart = _nothing_before_start,
+        hold_caps: HoldCaps = _no_daemon,
+        on_granted: OnGranted = _nothing_on_granted,
         allocate_timer: Callable[[float], None] | None = None,
     ) -> None:
         self._allocator = allocator
         self._inventory = inventory
         self._pre_start_required = pre_start_required
-        self._after_allocate = after_allocate
-        self._before_start = before_start
+        self._hold_caps = hold_caps
+        self._on_granted = on_granted
         self._allocate_timer = allocate_timer
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
@@ -152,7 +155,12 @@ class DevicePluginServicer:
         requests = [list(container.devices_ids) for container in message.container_requests]
         with self._answering("Allocate", "allocate", containers=len(requests)):
             allocations = self._allocator.allocate(requests)
-            await self._after_allocate(allocations)
+            try:
+                await self._hold_caps()
+            except BaseException:
+                await self._withdraw(allocations)
+                raise
+            self._on_granted(allocations)
         return pb.AllocateResponse(
             container_responses=[
                 pb.ContainerAllocateResponse(
@@ -166,6 +174,18 @@ class DevicePluginServicer:
                 for a in allocations
             ]
         )
+
+    async def _withdraw(self, allocations: Sequence[Allocation]) -> None:
+        """An Allocate answered with an error starts no container: its grants go, and the daemon is brought back to
+        the caps of the grants left (a switch that failed halfway may have lifted them). Shielded: a cancelled
+        Allocate is withdrawn too."""
+        self._allocator.withdraw(allocations)
+        self._log.warning("allocate withdrawn", grants=[a.record.grant.grant_id for a in allocations])
+        with anyio.move_on_after(RESTORE_TIMEOUT_S, shield=True):
+            try:
+                await self._hold_caps()
+            except (MpsAgentError, OSError) as exc:
+                self._log.error("mps daemon caps not changed", reason=str(exc))
 
     async def get_preferred_allocation(self, message: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
         with self._answering("GetPreferredAllocation", "preferred allocation"):
@@ -183,7 +203,10 @@ class DevicePluginServicer:
 
     async def pre_start_container(self, message: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
         with self._answering("PreStartContainer", "pre-start"):
-            await self._before_start(list(message.devices_ids))
+            self._allocator.check_request(list(message.devices_ids))
+            # The caps follow the ledger's live grants, never a request's IDs: a restarted container starts under
+            # the caps the ledger needs, whatever a failure in between left the daemon holding.
+            await self._hold_caps()
         return pb.PreStartContainerResponse()
 
     @contextmanager
