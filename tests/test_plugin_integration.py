@@ -186,6 +186,21 @@ def test_kubelet_restart_leads_to_a_new_registration(plugin: Plugin, kubelet: Fa
     assert dict(allocate(again, ids(GPU0, 0)).container_responses[0].envs)["NVIDIA_VISIBLE_DEVICES"] == GPU0
 
 
+def test_a_kubelet_socket_recreated_with_the_same_inode_number_is_a_restart(
+    plugin: Plugin, kubelet: FakeKubelet
+) -> None:
+    """A kubelet that restarts without deleting our socket, its new socket on the inode number of its old one
+    (ext4 hands a freed number out again at once): only the change time says it is new."""
+    old = kubelet.socket_path.stat()
+    kubelet.stop(remove_sockets=False)
+    kubelet.start()
+    new = kubelet.socket_path.stat()
+    if (new.st_dev, new.st_ino) != (old.st_dev, old.st_ino):
+        pytest.skip("this file system gave the new socket another inode number: nothing to tell apart")
+    again = kubelet.wait_registered(RESOURCE, timeout=5)
+    assert again.request.endpoint == plugin.request.endpoint
+
+
 def test_sigterm_with_an_open_stream_exits_cleanly_and_removes_the_socket(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:

@@ -33,8 +33,12 @@ def socket_name(resource_name: str, pid: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _FileIdentity:
+    """A socket file's identity. The inode number alone is not one: ext4 hands a freed number out again at once, so
+    a kubelet's new socket often has its old socket's number. The change time is set when a file is created."""
+
     device: int
     inode: int
+    changed_ns: int
 
 
 def _identity(path: Path) -> _FileIdentity | None:
@@ -42,7 +46,7 @@ def _identity(path: Path) -> _FileIdentity | None:
         stat = path.stat()
     except OSError:
         return None
-    return _FileIdentity(stat.st_dev, stat.st_ino)
+    return _FileIdentity(stat.st_dev, stat.st_ino, stat.st_ctime_ns)
 
 
 @dataclass(kw_only=True, slots=True)
