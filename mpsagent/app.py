@@ -177,7 +177,9 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
 
 
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    # SIGHUP stops as SIGTERM does: there is nothing to reload in place (a new configuration means a new plan, new
+    # daemons), and a hang-up must not end the agent without its clean-up.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("stopping", reason=signal.Signals(signum).name)
             notifier.notify("STOPPING=1", f"STATUS=stopping on {signal.Signals(signum).name}")

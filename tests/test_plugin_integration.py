@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import grpc
 import pytest
 
 from tests.conftest import AgentLauncher, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, Plugin
+from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
 from tests.kubelet.stubs import dp_pb2
 
 RESOURCE = "nvidia.com/gpu"
@@ -214,6 +217,68 @@ def test_sigterm_with_an_open_stream_exits_cleanly_and_removes_the_socket(
     assert not socket_path.exists()
     assert plugin.stream_ended.wait(5)
     assert agent.log_events()[-1]["event"] == "agent stopped"
+
+
+def test_sighup_stops_the_agent_cleanly_like_sigterm(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start_agent(agents, kubelet, short_dir, config())
+    plugin = kubelet.wait_registered(RESOURCE)
+    socket_path = kubelet.socket_path.parent / plugin.request.endpoint
+    status = short_dir / "mps" / "status.json"
+    wait_for(status.exists, 5, "the status file")
+    assert agent.stop(signal.SIGHUP) == 0
+    assert not socket_path.exists()
+    assert not status.exists()
+    assert [e["reason"] for e in agent.log_events() if e.get("event") == "stopping"] == ["SIGHUP"]
+    assert agent.log_events()[-1]["event"] == "agent stopped"
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait(5)
+    return process.pid
+
+
+def test_sockets_of_agents_that_are_gone_are_removed_at_start(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    directory = kubelet.socket_path.parent
+    killed = start_agent(agents, kubelet, short_dir, config())
+    left_behind = directory / kubelet.wait_registered(RESOURCE).request.endpoint
+    killed.stop(signal.SIGKILL)
+    assert left_behind.exists()
+
+    def unix_socket(name: str) -> Path:
+        path = directory / name
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))
+        return path
+
+    gone = dead_pid()
+    stale = unix_socket(f"mpsagent-nvidia.com_gpu-{gone}.sock")
+    kept = [
+        unix_socket(f"mpsagent-nvidia.com_gpu-{os.getpid()}.sock"),  # its process lives
+        unix_socket(f"mpsagent-example.com_nic-{gone}.sock"),  # another resource
+        unix_socket(f"mpsagent-nvidia.com_gpu-shared-{gone}.sock"),  # another resource too
+        unix_socket(f"other-plugin-{gone}.sock"),
+    ]
+    target = short_dir / "not-ours"
+    target.write_text("kept")
+    link = directory / f"mpsagent-nvidia.com_gpu-{dead_pid()}.sock"
+    link.symlink_to(target)
+    kept.append(link)
+    plain = directory / f"mpsagent-nvidia.com_gpu-{dead_pid()}.sock"
+    plain.write_text("not a socket")
+    kept.append(plain)
+
+    agent = start_agent(agents, kubelet, short_dir, config())
+    kubelet.wait_registered(RESOURCE, count=2)
+    assert not left_behind.exists() and not stale.exists()
+    assert all(path.is_symlink() or path.exists() for path in kept)
+    assert target.read_text() == "kept"
+    removed = [e["socket"] for e in agent.log_events() if e.get("event") == "stale plugin socket removed"]
+    assert sorted(removed) == sorted([str(left_behind), str(stale)])
 
 
 def test_a_second_agent_for_the_same_resource_exits_naming_the_first(

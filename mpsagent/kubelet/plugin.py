@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
+from mpsagent.host import pid_alive
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
 from mpsagent.logs import get_logger
@@ -28,7 +30,32 @@ CLOSE_GRACE_S = 1.0
 
 def socket_name(resource_name: str, pid: int) -> str:
     """Unique to this process, so that an old instance's exit never removes a new instance's socket."""
-    return f"mpsagent-{re.sub(r'[^A-Za-z0-9_.-]', '_', resource_name)}-{pid}.sock"
+    return f"{_socket_prefix(resource_name)}{pid}.sock"
+
+
+def _socket_prefix(resource_name: str) -> str:
+    return f"mpsagent-{re.sub(r'[^A-Za-z0-9_.-]', '_', resource_name)}-"
+
+
+def _remove_stale_sockets(directory: Path, resource_name: str) -> None:
+    """Remove the sockets that agents of this resource which are gone left behind (a `kill -9` cleans up nothing, and
+    the kubelet only empties its directory when it restarts): names of this resource's pattern only, sockets only
+    (never a link), and only when their PID is gone."""
+    own = re.compile(re.escape(_socket_prefix(resource_name)) + r"([0-9]+)\.sock")
+    try:
+        paths = list(directory.iterdir())
+    except OSError:
+        return  # serving there fails next, and says why
+    for path in paths:
+        match = own.fullmatch(path.name)
+        if match is None or int(match[1]) == os.getpid() or pid_alive(int(match[1])):
+            continue
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+                log.info("stale plugin socket removed", resource=resource_name, socket=str(path))
+        except OSError as exc:
+            log.warning("stale plugin socket not removed", resource=resource_name, socket=str(path), reason=str(exc))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +113,7 @@ class PluginEndpoint:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve and register until cancelled; reports started once the socket is first served."""
+        _remove_stale_sockets(self.socket_path.parent, self.resource_name)
         started = False
         while True:
             if started:
