@@ -1,8 +1,9 @@
 """The supervisor: one task group owns every long-lived task of the agent.
 
-Start order per resource: lock, directories, MPS daemon (up and holding its defaults), plugin endpoint. Any
-task's failure, or SIGTERM or SIGINT, cancels the group; each task cleans up in its own `finally` within a
-bounded time. The last log line names the stop reason.
+Start order: the node guard (one agent per resource and GPU of the node), then per resource: lock, directories,
+MPS daemon (up and holding its defaults), plugin endpoint. Any task's failure, or SIGTERM, SIGINT or SIGHUP,
+cancels the group; each task cleans up in its own `finally` within a bounded time. The last log line names the
+stop reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mpsagent.errors import DaemonError, MpsAgentError
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.inventory import Inventory
+from mpsagent.kubelet.guard import NodeGuard
 from mpsagent.kubelet.plugin import PluginEndpoint
 from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
 from mpsagent.kubelet.servicer import DevicePluginServicer, OnGranted
@@ -195,6 +197,8 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
     web = _web_endpoint(settings, plan, gpu_source)
     with ExitStack() as locks:
         locks.callback(notifier.close)
+        # Before the MPS root is touched: another agent of this node may serve the resource from another root.
+        locks.enter_context(NodeGuard(settings.kubelet_socket.parent, plan.resources))
         prepare_directories(plan)
         for resource_plan in plan.resources:
             locks.enter_context(ResourceLock(resource_plan))

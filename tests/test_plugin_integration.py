@@ -292,6 +292,41 @@ def test_a_second_agent_for_the_same_resource_exits_naming_the_first(
     assert first.process.poll() is None
 
 
+def start_elsewhere(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, name: str, config_text: str):
+    """An agent of its own MPS root and config, on the same kubelet: a second installation on the node."""
+    return agents.start(
+        "--config-file",
+        str(write_config(short_dir / f"{name}.yaml", config_text)),
+        "--node-snapshot",
+        str(small_node(short_dir / "node.json", numa=[0, 1])),
+        "--kubelet-socket",
+        str(kubelet.socket_path),
+        "--mps-root",
+        str(short_dir / name),
+    )
+
+
+def test_a_second_agent_with_another_mps_root_exits_naming_the_first_even_after_a_kubelet_restart(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    first = start_elsewhere(agents, kubelet, short_dir, "mps-a", config())
+    kubelet.wait_registered(RESOURCE)
+    second = start_elsewhere(agents, kubelet, short_dir, "mps-b", config())
+    assert second.process.wait(20) == 1
+    assert f"another mpsagent (PID {first.process.pid}) already serves nvidia.com/gpu on this node" in second.log()
+    assert "Traceback" not in second.log()
+    assert not (short_dir / "mps-b").exists()  # refused before it touched its MPS root
+
+    kubelet.restart()  # the kubelet deletes every file of its directory (not directories)
+    kubelet.wait_registered(RESOURCE)
+    renamed = config().replace("  mps:\n", "  mps:\n    renameByDefault: true\n")
+    third = start_elsewhere(agents, kubelet, short_dir, "mps-c", renamed)  # another name, the same GPUs
+    assert third.process.wait(20) == 1
+    assert f"another mpsagent (PID {first.process.pid}) already shares GPU {GPU0} on this node" in third.log()
+    assert first.process.poll() is None
+    assert [p.request.resource_name for p in kubelet.plugins] == [RESOURCE]
+
+
 def test_bad_config_starts_nothing(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
     agent = start_agent(agents, kubelet, short_dir, config(replicas=49))
     assert agent.process.wait(20) == 2

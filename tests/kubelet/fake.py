@@ -61,7 +61,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer):
         return self
 
     def stop(self, *, remove_sockets: bool = True) -> None:
-        """Stop; like the real kubelet on restart, delete every socket in the directory."""
+        """Stop; like the real kubelet on restart, delete every file in the directory but its checkpoint (kubelets
+        before 1.26 delete every file, later ones every socket; none deletes a directory)."""
         if self._server is not None:
             self._server.stop(grace=0).wait(WAIT_S)
             self._server = None
@@ -72,8 +73,9 @@ class FakeKubelet(dp_grpc.RegistrationServicer):
                 plugin.stream.cancel()
             plugin.channel.close()
         if remove_sockets:
-            for path in self.socket_path.parent.glob("*.sock"):
-                path.unlink(missing_ok=True)
+            for path in self.socket_path.parent.iterdir():
+                if path.name != "kubelet_internal_checkpoint" and not path.is_dir():
+                    path.unlink(missing_ok=True)
 
     def restart(self) -> FakeKubelet:
         self.stop()
