@@ -134,6 +134,7 @@ def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(
     first.stop()
     holder = start(agents, kubelet, short_dir, "--metrics-address", f"127.0.0.1:{port}")
     holder.wait_log("http endpoint serving")
+    (short_dir / "other-node").mkdir()  # another kubelet: on the same one, the node guard would refuse it first
     second = agents.start(
         "--config-file",
         str(cfg),
@@ -143,6 +144,8 @@ def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(
         f"127.0.0.1:{port}",
         "--mps-root",
         str(short_dir / "other"),
+        "--kubelet-socket",
+        str(short_dir / "other-node" / "kubelet.sock"),
     )
     assert second.process.wait(30) == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in second.log()
