@@ -104,10 +104,12 @@ class Ledger:
         """Undo an Allocate's `record`: the Allocate was answered with an error, so no container got the grant.
 
         The grant goes, and the grants it ended are live again, unless another grant took one of their replicas
-        meanwhile (a grant that did is the kubelet's word again). Withdraw several records latest first."""
+        meanwhile (a grant that did is the kubelet's word again). A grant that something else ended meanwhile (a
+        later grant, a release) stays as that left it. Withdraw several records latest first."""
         grant = result.grant
-        if self._live.get(grant.grant_id) is grant:
-            self._end(grant.grant_id)
+        if self._live.get(grant.grant_id) is not grant:
+            return
+        self._end(grant.grant_id)
         restored = [g for g in result.ended if all(r not in self._holder for r in g.replica_ids)]
         for earlier in restored:
             self._live[earlier.grant_id] = earlier

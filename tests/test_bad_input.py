@@ -106,6 +106,20 @@ def test_a_withdrawn_allocate_leaves_the_ledger_as_it_was(earlier: list[list[str
     assert state() == before
 
 
+def test_a_withdrawal_leaves_alone_what_later_grants_did_meanwhile() -> None:
+    """While a failing Allocate waited for its cap switch, another Allocate took its replicas: that one stands."""
+    a = allocator(False)
+    a.allocate([ALL[:1]])
+    failing = a.allocate([ALL[:2]])  # ends the first grant
+    later = a.allocate([ALL[1:3]])  # ends the failing one meanwhile
+    a.withdraw(failing)
+    assert [(g.grant_id, g.replica_ids) for g in a.ledger.live_grants()] == [(3, tuple(ALL[1:3]))]
+    stats = a.ledger.statistics()
+    made = sum(stats.grants.values()) + stats.adopted_grants
+    assert made == sum(stats.live_grants.values()) + stats.superseded_grants + stats.released_grants == 3
+    assert later[0].record.ended[0].grant_id == 2
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     available=id_lists,
