@@ -272,44 +272,37 @@ class DevicePluginServicer:
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
-            SERVICE + "GetDevicePluginOptions": Handler(
-                self._unary("GetDevicePluginOptions", pb.Empty, self.get_device_plugin_options),
-                Cardinality.UNARY_UNARY,
-                pb.Empty,
-                pb.DevicePluginOptions,
+            SERVICE + "GetDevicePluginOptions": self._unary(
+                "GetDevicePluginOptions", pb.Empty, pb.DevicePluginOptions, self.get_device_plugin_options
             ),
             SERVICE + "ListAndWatch": Handler(
                 self._list_and_watch_stream, Cardinality.UNARY_STREAM, pb.Empty, pb.ListAndWatchResponse
             ),
-            SERVICE + "GetPreferredAllocation": Handler(
-                self._unary("GetPreferredAllocation", pb.PreferredAllocationRequest, self.get_preferred_allocation),
-                Cardinality.UNARY_UNARY,
+            SERVICE + "GetPreferredAllocation": self._unary(
+                "GetPreferredAllocation",
                 pb.PreferredAllocationRequest,
                 pb.PreferredAllocationResponse,
+                self.get_preferred_allocation,
             ),
-            SERVICE + "Allocate": Handler(
-                self._unary("Allocate", pb.AllocateRequest, self.allocate),
-                Cardinality.UNARY_UNARY,
-                pb.AllocateRequest,
-                pb.AllocateResponse,
-            ),
-            SERVICE + "PreStartContainer": Handler(
-                self._unary("PreStartContainer", pb.PreStartContainerRequest, self.pre_start_container),
-                Cardinality.UNARY_UNARY,
-                pb.PreStartContainerRequest,
-                pb.PreStartContainerResponse,
+            SERVICE + "Allocate": self._unary("Allocate", pb.AllocateRequest, pb.AllocateResponse, self.allocate),
+            SERVICE + "PreStartContainer": self._unary(
+                "PreStartContainer", pb.PreStartContainerRequest, pb.PreStartContainerResponse, self.pre_start_container
             ),
         }
 
     def _unary(
-        self, rpc: str, request_type: type[_Request], method: Callable[[_Request], Awaitable[Message]]
-    ) -> Callable[[Stream[Any, Any]], Awaitable[None]]:
+        self,
+        rpc: str,
+        request_type: type[_Request],
+        reply_type: type[Message],
+        method: Callable[[_Request], Awaitable[Message]],
+    ) -> Handler:
         async def handle(stream: Stream[Any, Any]) -> None:
             request = await self._receive(stream, rpc, request_type)
             if request is not None:  # None: the kubelet went away before asking
                 await stream.send_message(await method(request))
 
-        return handle
+        return Handler(handle, Cardinality.UNARY_UNARY, request_type, reply_type)
 
     async def _list_and_watch_stream(self, stream: Stream[Any, Any]) -> None:
         request = await self._receive(stream, "ListAndWatch", pb.Empty)
