@@ -84,6 +84,7 @@ class Flags(_Strict, frozen=True):
     log_level: str | None = None
     mps_control_bin: str | None = None
     mps_on_exit: str | None = None
+    mps_daemon: str | None = None
     pod_resources_socket: str | None = None
     reconcile_grace_seconds: float | None = None
     health_recovery_seconds: float | None = None
@@ -152,6 +153,14 @@ class LogFormat(enum.StrEnum):
 class MpsOnExit(enum.StrEnum):
     KEEP = "keep"
     QUIT = "quit"
+
+
+class MpsDaemonOwner(enum.StrEnum):
+    """Who starts the MPS control daemons: the agent itself (a host process under systemd, where they outlive it),
+    or `mpsagent --daemon-host` in a container of its own (Kubernetes: the daemons outlive the agent's container)."""
+
+    AGENT = "agent"
+    HOST = "host"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -228,6 +237,8 @@ class Settings:
     nfd_features_file: Path | None = DEFAULT_NFD_FEATURES_FILE
     metrics_address: tuple[str, int] | None = None
     proc_root: Path = DEFAULT_PROC_ROOT
+    mps_daemon: MpsDaemonOwner = MpsDaemonOwner.AGENT
+    daemon_host: bool = False
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -434,6 +445,7 @@ _ENV = {
     "mps_root": "MPS_ROOT",
     "mps_control_bin": "MPS_CONTROL_BIN",
     "mps_on_exit": "MPS_ON_EXIT",
+    "mps_daemon": "MPS_DAEMON",
     "node_snapshot": "NODE_SNAPSHOT",
     "log_format": "LOG_FORMAT",
     "log_level": "LOG_LEVEL",
@@ -567,6 +579,17 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         mps_on_exit = MpsOnExit(_pick("mps_on_exit", cli, environ, flags.mps_on_exit) or "keep")
     except ValueError as exc:
         raise UsageError(f"{exc}; see --help for the accepted values") from None
+    mps_daemon = _one_of(
+        MpsDaemonOwner,
+        _pick("mps_daemon", cli, environ, flags.mps_daemon),
+        MpsDaemonOwner.AGENT,
+        "--mps-daemon (env MPS_DAEMON, config flags.mpsDaemon)",
+    )
+    if mps_daemon is MpsDaemonOwner.HOST and mps_on_exit is MpsOnExit.QUIT:
+        raise UsageError(
+            "--mps-on-exit quit needs --mps-daemon agent: with --mps-daemon host the daemon host owns the MPS "
+            "daemons and stops them itself"
+        )
     snapshot = _pick("node_snapshot", cli, environ, None)
     grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
     recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
@@ -578,6 +601,8 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         mps_root=Path(_pick("mps_root", cli, environ, flags.mps_root) or DEFAULT_MPS_ROOT),
         mps_control_bin=_pick("mps_control_bin", cli, environ, flags.mps_control_bin) or DEFAULT_MPS_CONTROL_BIN,
         mps_on_exit=mps_on_exit,
+        mps_daemon=mps_daemon,
+        daemon_host=bool(cli.get("daemon_host")),
         node_snapshot=Path(snapshot) if snapshot else None,
         once=bool(cli.get("once")),
         output=cli.get("output") or "text",

@@ -257,6 +257,6 @@ def test_commands_that_could_inject_another_line_are_refused(command: str) -> No
 def test_the_daemons_log_reaches_the_agents_log_at_a_fitting_level(line: str, level: str) -> None:
     import logging  # noqa: PLC0415
 
-    from mpsagent.mps.daemon import daemon_log_level  # noqa: PLC0415
+    from mpsagent.mps.daemon_log import daemon_log_level  # noqa: PLC0415
 
     assert logging.getLevelName(daemon_log_level(line)) == level
