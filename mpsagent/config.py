@@ -11,7 +11,7 @@ import enum
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -470,20 +470,39 @@ def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_fi
     return from_file
 
 
+def _setting(name: str) -> str:
+    """How a message names a setting: by its flag, its environment variable and its config file key."""
+    return f"--{name.replace('_', '-')} (env {_ENV[name]}, config flags.{_camel(name)})"
+
+
+def _choice(
+    name: str,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    from_file: str | None,
+    *,
+    choices: Sequence[str],
+    default: str,
+) -> str:
+    chosen = _pick(name, cli, environ, from_file)
+    if chosen is None:
+        return default
+    if chosen.lower() not in choices:
+        shown = chosen if len(chosen) <= 40 else chosen[:40] + "..."
+        raise UsageError(f"{_setting(name)} must be one of {', '.join(choices)}; not `{shown}`")
+    return chosen.lower()
+
+
 def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: float | None) -> float | None:
     chosen = _pick(name, cli, environ, None if from_file is None else str(from_file))
     if chosen is None:
         return None
-    flag = "--" + name.replace("_", "-")
     try:
         value = float(chosen)
     except ValueError:
         value = -1.0
     if not 0 <= value <= MAX_SECONDS:
-        raise UsageError(
-            f"{flag} (env {_ENV[name]}, config flags.{_camel(name)}) must be a number of seconds from 0 to "
-            f"{MAX_SECONDS:g}, not `{chosen}`"
-        )
+        raise UsageError(f"{_setting(name)} must be a number of seconds from 0 to {MAX_SECONDS:g}, not `{chosen}`")
     return value
 
 
@@ -571,19 +590,17 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     config = load_config(path)
     sharing = check_config(config)
     flags = config.flags or Flags()
-    log_level = (_pick("log_level", cli, environ, flags.log_level) or "info").lower()
-    if log_level not in LOG_LEVELS:
-        raise UsageError(f"log level `{log_level}` is not one of: {', '.join(LOG_LEVELS)}")
-    try:
-        log_format = LogFormat(_pick("log_format", cli, environ, flags.log_format) or "auto")
-        mps_on_exit = MpsOnExit(_pick("mps_on_exit", cli, environ, flags.mps_on_exit) or "keep")
-    except ValueError as exc:
-        raise UsageError(f"{exc}; see --help for the accepted values") from None
-    mps_daemon = _one_of(
-        MpsDaemonOwner,
-        _pick("mps_daemon", cli, environ, flags.mps_daemon),
-        MpsDaemonOwner.AGENT,
-        "--mps-daemon (env MPS_DAEMON, config flags.mpsDaemon)",
+    log_level = _choice("log_level", cli, environ, flags.log_level, choices=LOG_LEVELS, default="info")
+    log_format = LogFormat(
+        _choice("log_format", cli, environ, flags.log_format, choices=tuple(LogFormat), default=LogFormat.AUTO)
+    )
+    mps_on_exit = MpsOnExit(
+        _choice("mps_on_exit", cli, environ, flags.mps_on_exit, choices=tuple(MpsOnExit), default=MpsOnExit.KEEP)
+    )
+    mps_daemon = MpsDaemonOwner(
+        _choice(
+            "mps_daemon", cli, environ, flags.mps_daemon, choices=tuple(MpsDaemonOwner), default=MpsDaemonOwner.AGENT
+        )
     )
     if mps_daemon is MpsDaemonOwner.HOST and mps_on_exit is MpsOnExit.QUIT:
         raise UsageError(
