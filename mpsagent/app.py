@@ -18,7 +18,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.config import MpsOnExit, Settings
+from mpsagent.config import MpsDaemonOwner, MpsOnExit, Settings
 from mpsagent.devices import GpuUuid, gpu_of
 from mpsagent.errors import DaemonError, MpsAgentError
 from mpsagent.gpu.monitor import GpuHealthMonitor
@@ -30,7 +30,7 @@ from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarge
 from mpsagent.kubelet.servicer import DevicePluginServicer, OnGranted
 from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
-from mpsagent.mps.paths import ResourceLock, prepare_directories
+from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.nfd import remove_features, write_features
 from mpsagent.plan import NodePlan, ResourcePlan
 from mpsagent.publisher import StatePublisher, feed_watchdog
@@ -202,6 +202,15 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         prepare_directories(plan)
         for resource_plan in plan.resources:
             locks.enter_context(ResourceLock(resource_plan))
+            if settings.mps_daemon is MpsDaemonOwner.AGENT:
+                locks.enter_context(
+                    ResourceLock(
+                        resource_plan,
+                        file_name=DAEMON_OWNER_LOCK_FILE,
+                        role="already runs the MPS daemon of",
+                        hint="if it is a daemon host (mpsagent --daemon-host), start the agent with --mps-daemon host",
+                    )
+                )
         resources = [
             _Resource(plan=r, allocator=ResourceAllocator(r, plan.shm_directory), inventory=Inventory(r))
             for r in plan.resources
@@ -231,6 +240,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         control_bin=settings.mps_control_bin,
                         on_exit=settings.mps_on_exit,
                         initial_mode=resource.allocator.daemon_mode() if grants_known else None,
+                        owner=settings.mps_daemon,
                     )
                     await tg.start(resource.daemon.run)
                     servicer = DevicePluginServicer(

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the MPS daemons running on exit (keep, default) or quit them [env MPS_ON_EXIT]",
     )
     add(
+        "--mps-daemon",
+        choices=("agent", "host"),
+        help="who starts the MPS control daemons: the agent (agent, default; systemd) or `mpsagent --daemon-host` "
+        "in a container of its own, whose daemons outlive the agent's container (host; Kubernetes) [env MPS_DAEMON]",
+    )
+    add(
         "--node-snapshot",
         metavar="FILE",
         help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` output instead of NVML [env NODE_SNAPSHOT]",
@@ -105,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="print what the running agent is doing (grants and their pods, health, daemons) and exit",
     )
+    add(
+        "--daemon-host",
+        action="store_true",
+        default=False,
+        help="run only the MPS control daemons of the configured resources, restarting any that exits, for an "
+        "agent started with --mps-daemon host",
+    )
     add("--output", choices=("text", "json"), help="--once and --status output format (default text)")
     add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")
     add("--log-level", choices=LOG_LEVELS, type=str.lower, help="[env LOG_LEVEL; default info]")
@@ -145,6 +158,11 @@ def run(argv: Sequence[str] | None = None) -> int:
                 plan, control_bin=settings.mps_control_bin, manages_compute_mode=source.manages_compute_mode
             )
             print(render_json(report) if settings.output == "json" else render_text(report))
+            return EXIT_OK
+        if settings.daemon_host:
+            from mpsagent.daemon_host import run_daemon_host  # noqa: PLC0415
+
+            anyio.run(run_daemon_host, settings, plan)
             return EXIT_OK
         from mpsagent.app import run_agent  # noqa: PLC0415
 

@@ -11,7 +11,7 @@ import enum
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -84,6 +84,7 @@ class Flags(_Strict, frozen=True):
     log_level: str | None = None
     mps_control_bin: str | None = None
     mps_on_exit: str | None = None
+    mps_daemon: str | None = None
     pod_resources_socket: str | None = None
     reconcile_grace_seconds: float | None = None
     health_recovery_seconds: float | None = None
@@ -152,6 +153,14 @@ class LogFormat(enum.StrEnum):
 class MpsOnExit(enum.StrEnum):
     KEEP = "keep"
     QUIT = "quit"
+
+
+class MpsDaemonOwner(enum.StrEnum):
+    """Who starts the MPS control daemons: the agent itself (a host process under systemd, where they outlive it),
+    or `mpsagent --daemon-host` in a container of its own (Kubernetes: the daemons outlive the agent's container)."""
+
+    AGENT = "agent"
+    HOST = "host"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -228,6 +237,8 @@ class Settings:
     nfd_features_file: Path | None = DEFAULT_NFD_FEATURES_FILE
     metrics_address: tuple[str, int] | None = None
     proc_root: Path = DEFAULT_PROC_ROOT
+    mps_daemon: MpsDaemonOwner = MpsDaemonOwner.AGENT
+    daemon_host: bool = False
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -434,6 +445,7 @@ _ENV = {
     "mps_root": "MPS_ROOT",
     "mps_control_bin": "MPS_CONTROL_BIN",
     "mps_on_exit": "MPS_ON_EXIT",
+    "mps_daemon": "MPS_DAEMON",
     "node_snapshot": "NODE_SNAPSHOT",
     "log_format": "LOG_FORMAT",
     "log_level": "LOG_LEVEL",
@@ -458,20 +470,39 @@ def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_fi
     return from_file
 
 
+def _setting(name: str) -> str:
+    """How a message names a setting: by its flag, its environment variable and its config file key."""
+    return f"--{name.replace('_', '-')} (env {_ENV[name]}, config flags.{_camel(name)})"
+
+
+def _choice(
+    name: str,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    from_file: str | None,
+    *,
+    choices: Sequence[str],
+    default: str,
+) -> str:
+    chosen = _pick(name, cli, environ, from_file)
+    if chosen is None:
+        return default
+    if chosen.lower() not in choices:
+        shown = chosen if len(chosen) <= 40 else chosen[:40] + "..."
+        raise UsageError(f"{_setting(name)} must be one of {', '.join(choices)}; not `{shown}`")
+    return chosen.lower()
+
+
 def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: float | None) -> float | None:
     chosen = _pick(name, cli, environ, None if from_file is None else str(from_file))
     if chosen is None:
         return None
-    flag = "--" + name.replace("_", "-")
     try:
         value = float(chosen)
     except ValueError:
         value = -1.0
     if not 0 <= value <= MAX_SECONDS:
-        raise UsageError(
-            f"{flag} (env {_ENV[name]}, config flags.{_camel(name)}) must be a number of seconds from 0 to "
-            f"{MAX_SECONDS:g}, not `{chosen}`"
-        )
+        raise UsageError(f"{_setting(name)} must be a number of seconds from 0 to {MAX_SECONDS:g}, not `{chosen}`")
     return value
 
 
@@ -559,14 +590,23 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     config = load_config(path)
     sharing = check_config(config)
     flags = config.flags or Flags()
-    log_level = (_pick("log_level", cli, environ, flags.log_level) or "info").lower()
-    if log_level not in LOG_LEVELS:
-        raise UsageError(f"log level `{log_level}` is not one of: {', '.join(LOG_LEVELS)}")
-    try:
-        log_format = LogFormat(_pick("log_format", cli, environ, flags.log_format) or "auto")
-        mps_on_exit = MpsOnExit(_pick("mps_on_exit", cli, environ, flags.mps_on_exit) or "keep")
-    except ValueError as exc:
-        raise UsageError(f"{exc}; see --help for the accepted values") from None
+    log_level = _choice("log_level", cli, environ, flags.log_level, choices=LOG_LEVELS, default="info")
+    log_format = LogFormat(
+        _choice("log_format", cli, environ, flags.log_format, choices=tuple(LogFormat), default=LogFormat.AUTO)
+    )
+    mps_on_exit = MpsOnExit(
+        _choice("mps_on_exit", cli, environ, flags.mps_on_exit, choices=tuple(MpsOnExit), default=MpsOnExit.KEEP)
+    )
+    mps_daemon = MpsDaemonOwner(
+        _choice(
+            "mps_daemon", cli, environ, flags.mps_daemon, choices=tuple(MpsDaemonOwner), default=MpsDaemonOwner.AGENT
+        )
+    )
+    if mps_daemon is MpsDaemonOwner.HOST and mps_on_exit is MpsOnExit.QUIT:
+        raise UsageError(
+            "--mps-on-exit quit needs --mps-daemon agent: with --mps-daemon host the daemon host owns the MPS "
+            "daemons and stops them itself"
+        )
     snapshot = _pick("node_snapshot", cli, environ, None)
     grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
     recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
@@ -578,6 +618,8 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         mps_root=Path(_pick("mps_root", cli, environ, flags.mps_root) or DEFAULT_MPS_ROOT),
         mps_control_bin=_pick("mps_control_bin", cli, environ, flags.mps_control_bin) or DEFAULT_MPS_CONTROL_BIN,
         mps_on_exit=mps_on_exit,
+        mps_daemon=mps_daemon,
+        daemon_host=bool(cli.get("daemon_host")),
         node_snapshot=Path(snapshot) if snapshot else None,
         once=bool(cli.get("once")),
         output=cli.get("output") or "text",

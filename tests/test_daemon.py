@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import anyio
@@ -128,9 +127,8 @@ def test_killed_daemon_goes_unhealthy_then_healthy_with_its_caps_again(
     allocate(plugin, ids(GPU0, 0))
     first = daemon_pid(short_dir)
     os.kill(first, signal.SIGKILL)
-    killed = time.monotonic()
-    wait_for(lambda: health(plugin) == {"Unhealthy"}, 2, "replicas Unhealthy")
-    assert time.monotonic() - killed < 2
+    # Any update, not the latest: the new daemon can be up before the test looks (bench/ measures the delay).
+    wait_for(lambda: any({d[1] for d in update} == {"Unhealthy"} for update in plugin.updates), 5, "replicas Unhealthy")
     wait_for(lambda: health(plugin) == {"Healthy"}, 10, "replicas Healthy again")
     assert daemon_pid(short_dir) != first
     assert control(pipe_of(short_dir), "get_default_active_thread_percentage") == "25.0"
@@ -251,6 +249,6 @@ def test_commands_that_could_inject_another_line_are_refused(command: str) -> No
 def test_the_daemons_log_reaches_the_agents_log_at_a_fitting_level(line: str, level: str) -> None:
     import logging  # noqa: PLC0415
 
-    from mpsagent.mps.daemon import daemon_log_level  # noqa: PLC0415
+    from mpsagent.mps.daemon_log import daemon_log_level  # noqa: PLC0415
 
     assert logging.getLevelName(daemon_log_level(line)) == level

@@ -410,9 +410,34 @@ def one(objects: list[dict], kind: str) -> dict:
     return found[0]
 
 
-def agent_container(daemonset: dict) -> dict:
+AGENT = "mpsagent"
+MPS_DAEMON = "mpsagent-mps-daemon"
+GPU_NODE_TERMS = [
+    {
+        "matchExpressions": [
+            {"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In", "values": ["true"]}
+        ]
+    },
+    {"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]},
+]
+
+
+def daemonset(objects: list[dict], name: str) -> dict:
+    (found,) = [o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"] == name]
+    return found
+
+
+def only_container(daemonset: dict) -> dict:
     (container,) = daemonset["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def agent_container(objects: list[dict]) -> dict:
+    return only_container(daemonset(objects, AGENT))
+
+
+def environment(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"]}
 
 
 def kubernetes_versions() -> list[str]:
@@ -420,8 +445,9 @@ def kubernetes_versions() -> list[str]:
     return [str(v) for v in versions if v >= OLDEST_KUBERNETES]
 
 
-def test_kustomize_renders_a_namespace_configmap_and_daemonset(rendered: list[dict]) -> None:
-    assert sorted(o["kind"] for o in rendered) == ["ConfigMap", "DaemonSet", "Namespace"]
+def test_kustomize_renders_a_namespace_configmap_and_two_daemonsets(rendered: list[dict]) -> None:
+    assert sorted(o["kind"] for o in rendered) == ["ConfigMap", "DaemonSet", "DaemonSet", "Namespace"]
+    assert {o["metadata"]["name"] for o in rendered if o["kind"] == "DaemonSet"} == {AGENT, MPS_DAEMON}
     namespace = one(rendered, "Namespace")["metadata"]["name"]
     assert {o["metadata"].get("namespace") for o in rendered if o["kind"] != "Namespace"} == {namespace}
 
@@ -435,89 +461,127 @@ def test_kustomize_objects_match_the_kubernetes_schemas(rendered: list[dict]) ->
 
 
 def test_schema_validation_catches_a_misspelt_field(rendered: list[dict]) -> None:
-    broken = json.loads(json.dumps(one(rendered, "DaemonSet")))
-    agent_container(broken)["livenessProbe"]["httpGet"]["paht"] = "/healthz"
+    broken = json.loads(json.dumps(daemonset(rendered, AGENT)))
+    only_container(broken)["livenessProbe"]["httpGet"]["paht"] = "/healthz"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, kubernetes_versions()[-1], strict=True)
 
 
-def test_daemonset_runs_on_gpu_nodes_as_node_critical_and_never_restarts_mps_by_itself(rendered: list[dict]) -> None:
-    daemonset = one(rendered, "DaemonSet")
-    spec = daemonset["spec"]
+@pytest.mark.parametrize("name", [AGENT, MPS_DAEMON])
+def test_both_daemonsets_run_on_gpu_nodes_as_nvidias_do_and_as_node_critical(rendered: list[dict], name: str) -> None:
+    spec = daemonset(rendered, name)["spec"]
     pod = spec["template"]["spec"]
-    assert spec["updateStrategy"] == {"type": "OnDelete"}
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
+        "nodeSelectorTerms": GPU_NODE_TERMS
+    }
+    assert "nodeSelector" not in pod
     assert pod["priorityClassName"] == "system-node-critical"
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["hostPID"] is True
     assert not pod.get("hostNetwork")
     assert pod["automountServiceAccountToken"] is False
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
-    container = agent_container(daemonset)
+    assert only_container(daemonset(rendered, name))["image"].startswith("mpsagent:")
+
+
+def test_the_agent_adopts_the_daemon_hosts_daemons_and_may_be_restarted_and_rolled(rendered: list[dict]) -> None:
+    spec = daemonset(rendered, AGENT)["spec"]
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"
+    container = agent_container(rendered)
     assert "command" not in container and "args" not in container  # the image's entrypoint: the agent
-    assert container["image"].startswith("mpsagent:")
+    env = environment(container)
+    assert env["MPS_DAEMON"] == "host"
+    assert "MPS_ON_EXIT" not in env
+    # No MPS daemon in this cgroup: a memory limit only ever ends the agent.
+    assert container["resources"]["limits"].keys() == {"memory"}
+    assert "initContainers" not in spec["template"]["spec"]
+
+
+def test_the_mps_daemon_host_is_never_restarted_by_kubernetes_on_its_own(rendered: list[dict]) -> None:
+    spec = daemonset(rendered, MPS_DAEMON)["spec"]
+    assert spec["updateStrategy"] == {"type": "OnDelete"}
+    container = only_container(daemonset(rendered, MPS_DAEMON))
+    assert container["args"] == ["--daemon-host"]
+    assert "command" not in container
+    assert not {"livenessProbe", "readinessProbe", "startupProbe"} & container.keys()
     assert container["resources"]["requests"].keys() == {"cpu", "memory"}
     assert "limits" not in container["resources"]
+    # Both read the same config, so the daemon host starts the daemons the agent drives.
+    agent_env, host_env = environment(agent_container(rendered)), environment(container)
+    assert host_env["CONFIG_FILE"] == agent_env["CONFIG_FILE"] and host_env["MPS_ROOT"] == agent_env["MPS_ROOT"]
+    # Clients get 20 s to finish when the pod is deleted (keeper.QUIT_TIMEOUT_S), inside the grace period.
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > 20
 
 
-def test_daemonset_probes_are_the_agents_health_endpoints(rendered: list[dict]) -> None:
-    container = agent_container(one(rendered, "DaemonSet"))
-    env = {e["name"]: e["value"] for e in container["env"]}
+def test_agent_probes_are_its_health_endpoints(rendered: list[dict]) -> None:
+    container = agent_container(rendered)
+    env = environment(container)
     assert env["METRICS_ADDRESS"] == f"0.0.0.0:{METRICS_PORT}"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": METRICS_PORT}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": METRICS_PORT}
     assert {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"} in container["ports"]
 
 
-def test_daemonset_shares_the_mps_directories_with_client_pods_through_host_paths(rendered: list[dict]) -> None:
-    daemonset = one(rendered, "DaemonSet")
+def host_mounts(daemonset: dict) -> dict[str, tuple[str, dict]]:
+    """Each of the container's mounts of a host path: the host path and the mount."""
     pod = daemonset["spec"]["template"]["spec"]
-    container = agent_container(daemonset)
-    env = {e["name"]: e["value"] for e in container["env"]}
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    return {
+        m["name"]: (host_paths[m["name"]], m)
+        for m in only_container(daemonset)["volumeMounts"]
+        if m["name"] in host_paths
+    }
 
-    def mounted_at(name: str) -> tuple[str, str]:
-        return host_paths[name], mounts[name]["mountPath"]
 
-    # The agent hands host paths under its MPS root to the kubelet: the same path inside and out.
+def test_daemonsets_share_the_mps_directories_with_client_pods_through_host_paths(rendered: list[dict]) -> None:
+    agent, host = host_mounts(daemonset(rendered, AGENT)), host_mounts(daemonset(rendered, MPS_DAEMON))
+    env = environment(agent_container(rendered))
+    # The agent hands host paths under its MPS root to the kubelet: the same path inside and out, in both pods.
     assert env["MPS_ROOT"] == MPS_ROOT
-    assert mounted_at("mps-root") == (MPS_ROOT, MPS_ROOT)
-    assert mounts["mps-root"]["mountPropagation"] == "HostToContainer"
+    for mounts in (agent, host):
+        path, mount = mounts["mps-root"]
+        assert (path, mount["mountPath"], mount["mountPropagation"]) == (MPS_ROOT, MPS_ROOT, "HostToContainer")
     # The daemon's /dev/shm is the host's <mps-root>/shm, which clients get as theirs: not an emptyDir.
-    assert mounted_at("mps-shm") == (f"{MPS_ROOT}/shm", "/dev/shm")
-    assert not [v for v in pod["volumes"] if "emptyDir" in v]
+    assert (host["mps-shm"][0], host["mps-shm"][1]["mountPath"]) == (f"{MPS_ROOT}/shm", "/dev/shm")
+    for name in (AGENT, MPS_DAEMON):
+        assert not [v for v in daemonset(rendered, name)["spec"]["template"]["spec"]["volumes"] if "emptyDir" in v]
     kubelet_dir = "/var/lib/kubelet/device-plugins"
-    assert mounted_at("device-plugins") == (kubelet_dir, kubelet_dir)
+    assert (agent["device-plugins"][0], agent["device-plugins"][1]["mountPath"]) == (kubelet_dir, kubelet_dir)
     assert env["KUBELET_SOCKET"] == f"{kubelet_dir}/kubelet.sock"
     pod_resources = "/var/lib/kubelet/pod-resources"
-    assert mounted_at("pod-resources") == (pod_resources, pod_resources)
+    assert (agent["pod-resources"][0], agent["pod-resources"][1]["mountPath"]) == (pod_resources, pod_resources)
     assert env["POD_RESOURCES_SOCKET"] == f"{pod_resources}/kubelet.sock"
+    assert "device-plugins" not in host and "pod-resources" not in host
+    mounts = {m["name"]: m for m in agent_container(rendered)["volumeMounts"]}
     assert env["CONFIG_FILE"].startswith(mounts["config"]["mountPath"] + "/")
-    # The init container mounts the shm tmpfs on the host.
-    (init,) = pod["initContainers"]
+    # The daemon host's init container mounts the shm tmpfs on the host.
+    (init,) = daemonset(rendered, MPS_DAEMON)["spec"]["template"]["spec"]["initContainers"]
     init_mounts = {m["name"]: m for m in init["volumeMounts"]}
     assert init_mounts["mps-root"]["mountPath"] == MPS_ROOT
     assert init_mounts["mps-root"]["mountPropagation"] == "Bidirectional"
     assert init["securityContext"]["privileged"] is True
     script = init["command"][-1]
     assert "mount -t tmpfs" in script and "mode=1777" in script and "mountpoint -q" in script
-    assert {e["name"]: e["value"] for e in init["env"]}["MPS_ROOT"] == MPS_ROOT
+    assert environment(init)["MPS_ROOT"] == MPS_ROOT
 
 
-def test_daemonset_agent_is_root_with_only_the_capabilities_it_needs(rendered: list[dict]) -> None:
-    security = agent_container(one(rendered, "DaemonSet"))["securityContext"]
+@pytest.mark.parametrize(("name", "capabilities"), [(AGENT, {"SYS_ADMIN"}), (MPS_DAEMON, {"SETUID", "SETGID", "KILL"})])
+def test_each_container_is_root_with_only_the_capabilities_it_needs(
+    rendered: list[dict], name: str, capabilities: set[str]
+) -> None:
+    security = only_container(daemonset(rendered, name))["securityContext"]
+    assert security["runAsUser"] == 0
     assert security["privileged"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
-    assert set(security["capabilities"]["add"]) == {"SYS_ADMIN", "SETUID", "SETGID", "KILL"}
+    assert set(security["capabilities"]["add"]) == capabilities
     # The API server refuses allowPrivilegeEscalation=false together with SYS_ADMIN.
     assert "allowPrivilegeEscalation" not in security
 
 
 def test_configmap_holds_a_config_the_agent_accepts(rendered: list[dict], tmp_path: Path) -> None:
     configmap = one(rendered, "ConfigMap")
-    daemonset = one(rendered, "DaemonSet")
-    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    for name in (AGENT, MPS_DAEMON):
+        volumes = {v["name"]: v for v in daemonset(rendered, name)["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
     config = write_config(tmp_path / "config.yaml", configmap["data"]["config.yaml"])
     done = python_agent("--once", "--node-snapshot", H100_NODE, "--config-file", config)
     assert done.returncode == 0, done.stderr
@@ -531,5 +595,6 @@ def test_units_use_only_the_agents_environment_variables(rendered: list[dict]) -
     known = set(re.findall(r"\[env\s+([A-Z_]+)", done.stdout))
     assert {"CONFIG_FILE", "MPS_ROOT", "KUBELET_SOCKET"} <= known
     used = set(unit_environment(unit_settings(UNIT)))
-    used |= {e["name"] for e in agent_container(one(rendered, "DaemonSet"))["env"]}
+    for name in (AGENT, MPS_DAEMON):
+        used |= set(environment(only_container(daemonset(rendered, name))))
     assert used - NOT_AGENT_FLAGS - known == set()

@@ -2,22 +2,20 @@
 ledger needs, watches it, restarts it with backoff, and forwards its log.
 
 The daemon runs in its own session with its output in `<resource>/log/control.log`, so an agent restart or crash
-never takes it (or its CUDA clients) down; the next agent adopts it.
+never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps-daemon host` the daemon host
+(`mps.keeper`) starts and restarts the daemon instead, and this supervisor only adopts and drives it: it never
+starts, kills or quits one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import re
-import subprocess
-from pathlib import Path
 
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.config import MpsOnExit
+from mpsagent.config import MpsDaemonOwner, MpsOnExit
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import DaemonCommandError, DaemonError, GpuDiscoveryError
 from mpsagent.gpu.port import ComputeMode, GpuSource
@@ -25,13 +23,13 @@ from mpsagent.host import pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
-from mpsagent.mps.paths import PRIVATE_FILE_MODE
+from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.launch import CONTROL_LOG, start_daemon
 from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
 from mpsagent.plan import (
     CapMode,
     ResourcePlan,
     daemon_default_steps,
-    daemon_launch,
     running_server_commands,
     unreconciled_mode,
 )
@@ -39,11 +37,10 @@ from mpsagent.plan import (
 log = get_logger(__name__)
 
 PROBE_INTERVAL_S = 3.0
-START_TIMEOUT_S = 10.0
 RESTART_BACKOFF_INITIAL_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
+HOST_WAIT_MAX_S = 5.0
 QUIT_TIMEOUT_S = 5
-LOG_POLL_S = 0.5
 HEALTH_SOURCE = "mps daemon"
 
 
@@ -57,6 +54,7 @@ class DaemonSupervisor:
         control_bin: str,
         on_exit: MpsOnExit,
         initial_mode: CapMode | None,
+        owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
     ) -> None:
         """`initial_mode` None: the live grants are not known yet (see plan.unreconciled_mode)."""
         self._resource = resource
@@ -64,6 +62,7 @@ class DaemonSupervisor:
         self._gpus = gpu_source
         self._control_bin = control_bin
         self._on_exit = on_exit
+        self._owns_daemon = owner is MpsDaemonOwner.AGENT
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
         self._wanted = initial_mode or unreconciled_mode(resource, adopted=None)
         self._mode_known = initial_mode is not None
@@ -123,17 +122,27 @@ class DaemonSupervisor:
         await self._take_compute_modes()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._forward_log)
-                await self._bring_up(first=True)
-                task_status.started()
+                if self._owns_daemon:
+                    tg.start_soon(self._forward_log)  # otherwise the daemon host forwards it
+                    await self._bring_up(first=True)
+                    task_status.started()
+                else:
+                    # Waiting for the daemon host is normal at start: serve, with the replicas unhealthy until then.
+                    self._inventory.set_resource_problem(HEALTH_SOURCE, True)
+                    task_status.started()
+                    await self._adopt_from_host()
                 while True:
                     await self._wait_for_failure()
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True)
                     self._held = None
                     self._log.error("mps daemon down; replicas unhealthy", pid=self._pid)
-                    await self._kill_child()
                     self.restarts += 1
-                    await self._bring_up(first=False)
+                    if self._owns_daemon:
+                        await self._kill_child()
+                        await self._bring_up(first=False)
+                    else:
+                        self._pid = None
+                        await self._adopt_from_host()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop()
@@ -161,11 +170,37 @@ class DaemonSupervisor:
             self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
             return
 
+    async def _adopt_from_host(self) -> None:
+        """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted mode."""
+        delay = RESTART_BACKOFF_INITIAL_S
+        waiting_since_logged = False
+        while True:
+            try:
+                if await self._adopt():
+                    await self._apply()
+                    self._inventory.set_resource_problem(HEALTH_SOURCE, False)
+                    self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
+                    return
+                reason = f"no MPS daemon with a live PID answers on {self._resource.pipe_directory}"
+            except DaemonError as exc:
+                reason = str(exc)
+            if not waiting_since_logged:
+                self._log.warning(
+                    "waiting for the mps daemon host",
+                    reason=reason,
+                    hint="the daemon host (mpsagent --daemon-host, the mpsagent-mps-daemon DaemonSet) starts it",
+                )
+                waiting_since_logged = True
+            await anyio.sleep(delay)
+            delay = min(delay * 2, HOST_WAIT_MAX_S)
+
     async def _adopt(self) -> bool:
         if not await self._channel.probe():
             return False
         state = read_state(self._resource.directory)
         if state is None or not pid_alive(state.pid):
+            if not self._owns_daemon:
+                return False  # the daemon host writes the state right after it starts a daemon
             raise DaemonError(
                 f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
                 f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
@@ -185,39 +220,10 @@ class DaemonSupervisor:
         return True
 
     async def _start(self) -> None:
-        launch = daemon_launch(self._resource, self._control_bin)
-        log_file = self._resource.log_directory / "control.log"
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-        try:
-            os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
-            self._process = await anyio.open_process(
-                list(launch.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=fd,
-                env=launch.environment(os.environ),
-                start_new_session=True,  # survives the agent: clients keep working through an agent restart
-            )
-        except OSError as exc:
-            raise DaemonError(
-                f"cannot start {self._control_bin} ({exc.strerror}); install nvidia-cuda-mps or set --mps-control-bin"
-            ) from exc
-        finally:
-            os.close(fd)
+        self._process = await start_daemon(self._resource, self._control_bin, self._channel)
         self._pid = self._process.pid
         self._save_state()
-        with anyio.move_on_after(START_TIMEOUT_S):
-            while self._process.returncode is None:
-                if await self._channel.probe(attempts=1):
-                    self._log.info("mps daemon started", pid=self._pid)
-                    return
-                await anyio.sleep(0.05)
-        code = self._process.returncode
-        raise DaemonError(
-            f"the MPS control daemon for {self._resource.name} "
-            + (f"exited with status {code}" if code is not None else f"did not answer within {START_TIMEOUT_S:g}s")
-            + f"; see {log_file}"
-        )
+        self._log.info("mps daemon started", pid=self._pid)
 
     async def _wait_for_failure(self) -> None:
         """Return when the daemon exits (noticed at once) or stops answering the periodic round trip."""
@@ -267,6 +273,10 @@ class DaemonSupervisor:
         self._pid = None
 
     async def _stop(self) -> None:
+        if not self._owns_daemon:
+            if self._pid is not None:
+                self._log.info("mps daemon left to the daemon host", pid=self._pid)
+            return
         if self._on_exit is MpsOnExit.KEEP:
             if self._pid is not None:
                 self._log.info("mps daemon left running", pid=self._pid)
@@ -323,48 +333,4 @@ class DaemonSupervisor:
         )
 
     async def _forward_log(self) -> None:
-        """Forward new control.log lines into the agent's log, with the resource as a key."""
-        path: Path = self._resource.log_directory / "control.log"
-        position = _file_size(path)
-        pending = b""
-        while True:
-            await anyio.sleep(LOG_POLL_S)
-            position, chunk = _read_from(path, position)
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                text = line.decode(errors="replace").strip()
-                if text:
-                    self._log.log(daemon_log_level(text), "mps daemon log", line=text)
-
-
-# The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them.
-_CONTROL_CHATTER = re.compile(
-    r"\] (Accepting connection\.\.\.|NEW UI|UI closed|Cmd:(get|set)_\S*.*|[\d.]+[MG]?|(\d+=\d+[MG],?)+)$"
-)
-
-
-def daemon_log_level(line: str) -> int:
-    if _CONTROL_CHATTER.search(line):
-        return logging.DEBUG
-    if re.search(r"error|fail", line, re.IGNORECASE):
-        return logging.WARNING
-    return logging.INFO
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _read_from(path: Path, position: int) -> tuple[int, bytes]:
-    """What was appended since `position` (from the start again when the file was truncated or rotated)."""
-    size = _file_size(path)
-    if size < position:
-        position = 0
-    if size == position:
-        return position, b""
-    with path.open("rb") as file:
-        file.seek(position)
-        return size, file.read(size - position)
+        await forward_daemon_log(self._resource.log_directory / CONTROL_LOG, self._log)

@@ -11,6 +11,9 @@ from mpsagent.errors import AgentLockedError, MpsAgentError
 from mpsagent.plan import NodePlan, ResourcePlan
 
 LOCK_FILE = "agent.lock"
+# Held by whoever starts the resource's daemons: the agent (--mps-daemon agent) or the daemon host. Two owners
+# would each restart "their" daemon over the other's.
+DAEMON_OWNER_LOCK_FILE = "daemon-owner.lock"
 # What MPS clients in containers need: to connect to the daemon's sockets in the pipe directory (listing it and
 # traversing to it, not writing it), and to create shared-memory files in shm without deleting each other's
 # (sticky, like /dev/shm). Logs and state are the agent's and the daemon's alone.
@@ -40,11 +43,16 @@ def prepare_directories(plan: NodePlan) -> None:
 
 
 class ResourceLock:
-    """An exclusive flock on `<resource dir>/agent.lock`, holding the owner's PID; released when closed."""
+    """An exclusive flock on `<resource dir>/agent.lock` (or another lock file of the resource), holding the
+    owner's PID; released when closed. `role` says in the refusal what the holder does."""
 
-    def __init__(self, resource: ResourcePlan) -> None:
+    def __init__(
+        self, resource: ResourcePlan, *, file_name: str = LOCK_FILE, role: str = "already serves", hint: str = ""
+    ) -> None:
         self._resource = resource
-        self._path = resource.directory / LOCK_FILE
+        self._path = resource.directory / file_name
+        self._role = role
+        self._hint = hint or "stop it before starting this one"
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -55,8 +63,7 @@ class ResourceLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise AgentLockedError(
-                f"another mpsagent (PID {holder}) already serves {self._resource.name} (lock {self._path}); "
-                "stop it before starting this one"
+                f"another mpsagent (PID {holder}) {self._role} {self._resource.name} (lock {self._path}); {self._hint}"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -1,0 +1,60 @@
+"""Forwarding the MPS control daemon's `control.log` into the agent's log, each line at a level that fits it:
+the agent's own round trips at debug, failures as warnings."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import anyio
+import structlog
+
+LOG_POLL_S = 0.5
+
+
+async def forward_daemon_log(path: Path, log: structlog.stdlib.BoundLogger) -> None:
+    """Forward lines appended to `path` from now on, until cancelled."""
+    position = _file_size(path)
+    pending = b""
+    while True:
+        await anyio.sleep(LOG_POLL_S)
+        position, chunk = _read_from(path, position)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            text = line.decode(errors="replace").strip()
+            if text:
+                log.log(daemon_log_level(text), "mps daemon log", line=text)
+
+
+# The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them.
+_CONTROL_CHATTER = re.compile(
+    r"\] (Accepting connection\.\.\.|NEW UI|UI closed|Cmd:(get|set)_\S*.*|[\d.]+[MG]?|(\d+=\d+[MG],?)+)$"
+)
+
+
+def daemon_log_level(line: str) -> int:
+    if _CONTROL_CHATTER.search(line):
+        return logging.DEBUG
+    if re.search(r"error|fail", line, re.IGNORECASE):
+        return logging.WARNING
+    return logging.INFO
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_from(path: Path, position: int) -> tuple[int, bytes]:
+    """What was appended since `position` (from the start again when the file was truncated or rotated)."""
+    size = _file_size(path)
+    if size < position:
+        position = 0
+    if size == position:
+        return position, b""
+    with path.open("rb") as file:
+        file.seek(position)
+        return size, file.read(size - position)

@@ -1,0 +1,182 @@
+"""The daemon keeper of one resource, for `mpsagent --daemon-host`: keeps its `nvidia-cuda-mps-control` running
+outside the agent's container, so that the agent's crash, OOM kill, failed liveness probe or upgrade never takes
+the daemon, and with it every CUDA client on the node.
+
+The keeper starts the daemon (capped, as a new daemon is until the agent knows the live grants), records it in
+`daemon.json` for the agent to adopt, forwards its log, and restarts it only when it must: when it exited, or
+when it stopped answering; each restart is logged with its reason. The agent (`--mps-daemon host`) drives the
+caps; the keeper never changes them after the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import anyio
+from anyio.abc import Process, TaskStatus
+
+from mpsagent.errors import DaemonCommandError, DaemonError
+from mpsagent.host import pid_alive
+from mpsagent.logs import get_logger
+from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.launch import CONTROL_LOG, start_daemon, stop_process
+from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
+from mpsagent.plan import ResourcePlan, daemon_default_steps, unreconciled_mode
+
+log = get_logger(__name__)
+
+PROBE_INTERVAL_S = 3.0
+# The agent's front-end sessions share the daemon, which refuses a session while another is open: one failed
+# round is a collision more often than a hung daemon. Restarting ends every client, so it takes three in a row.
+HUNG_AFTER_FAILED_ROUNDS = 3
+RESTART_BACKOFF_INITIAL_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+# On SIGTERM (the pod is being deleted): clients get this long to finish before the daemon ends them.
+QUIT_TIMEOUT_S = 20
+
+
+class DaemonKeeper:
+    def __init__(self, *, resource: ResourcePlan, control_bin: str) -> None:
+        self._resource = resource
+        self._control_bin = control_bin
+        self._channel = ControlChannel(control_bin, resource.pipe_directory)
+        self._process: Process | None = None
+        self._pid: int | None = None
+        self.restarts = 0
+        self._log = log.bind(resource=resource.name)
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Keep the daemon running until cancelled; reports started once the first daemon answers. On
+        cancellation the daemon is asked to quit (its clients get QUIT_TIMEOUT_S to finish)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(forward_daemon_log, self._resource.log_directory / CONTROL_LOG, self._log)
+                if not await self._adopt():
+                    await self._start_with_backoff()
+                task_status.started()
+                while True:
+                    reason = await self._wait_for_failure()
+                    self.restarts += 1
+                    self._log.error("mps daemon restarting", reason=reason, pid=self._pid, restarts=self.restarts)
+                    await self._end_daemon()
+                    await self._start_with_backoff()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._quit()
+
+    async def _adopt(self) -> bool:
+        """A daemon that already answers with a live recorded PID (left by an earlier keeper or agent) is kept."""
+        if not await self._channel.probe():
+            return False
+        state = read_state(self._resource.directory)
+        if state is None or not pid_alive(state.pid):
+            raise DaemonError(
+                f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
+                f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
+                f"{self._resource.pipe_directory} nvidia-cuda-mps-control) and start the daemon host again"
+            )
+        self._pid = state.pid
+        self._log.info("mps daemon adopted", pid=state.pid)
+        return True
+
+    async def _start_with_backoff(self) -> None:
+        delay = RESTART_BACKOFF_INITIAL_S
+        while True:
+            try:
+                await self._start()
+            except DaemonError as exc:
+                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
+                await self._end_daemon()
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                continue
+            return
+
+    async def _start(self) -> None:
+        self._process = await start_daemon(self._resource, self._control_bin, self._channel)
+        self._pid = self._process.pid
+        # Capped until the agent knows the live grants: a client container restarted before the agent is back
+        # must not run uncapped (the agent lifts the caps when its ledger allows).
+        mode = unreconciled_mode(self._resource, adopted=None)
+        await self._channel.apply(daemon_default_steps(self._resource, mode))
+        # Recorded only now: the agent adopts a daemon once its PID is recorded, and must not race these caps.
+        earlier = read_state(self._resource.directory)
+        write_state(
+            self._resource.directory,
+            DaemonState(
+                pid=self._pid,
+                visible_devices=self._resource.visible_devices,
+                mode=mode.value,
+                original_compute_modes=earlier.original_compute_modes if earlier else {},
+            ),
+        )
+        self._log.info("mps daemon started", pid=self._pid, mode=mode.value)
+
+    async def _wait_for_failure(self) -> str:
+        """Why the daemon must be restarted: it exited (noticed at once), or it stopped answering."""
+        reason = ""
+        async with anyio.create_task_group() as tg:
+
+            async def exited() -> None:
+                nonlocal reason
+                reason = await self._wait_exit()
+                tg.cancel_scope.cancel()
+
+            async def hung() -> None:
+                nonlocal reason
+                failed_rounds = 0
+                while failed_rounds < HUNG_AFTER_FAILED_ROUNDS:
+                    await anyio.sleep(PROBE_INTERVAL_S)
+                    failed_rounds = 0 if await self._channel.probe() else failed_rounds + 1
+                reason = f"it did not answer on {self._resource.pipe_directory} for {failed_rounds} rounds"
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(exited)
+            tg.start_soon(hung)
+        return reason
+
+    async def _wait_exit(self) -> str:
+        if self._process is not None:
+            code = await self._process.wait()
+            return f"it exited with status {code}; see {self._resource.log_directory / CONTROL_LOG}"
+        assert self._pid is not None
+        try:
+            pidfd = os.pidfd_open(self._pid)
+        except ProcessLookupError:
+            return "the adopted daemon is gone"
+        try:
+            await anyio.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        return "the adopted daemon exited"
+
+    async def _end_daemon(self) -> None:
+        """A failed daemon is killed (and reaped when it is ours) before another is started."""
+        if self._process is not None:
+            await stop_process(self._process)
+            self._process = None
+        elif self._pid is not None and pid_alive(self._pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, 9)
+        self._pid = None
+
+    async def _quit(self) -> None:
+        if self._pid is None:
+            return
+        self._log.warning("mps daemon quitting: its clients end with it", pid=self._pid, clients_get_s=QUIT_TIMEOUT_S)
+        with contextlib.suppress(DaemonCommandError):
+            await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
+        with anyio.move_on_after(QUIT_TIMEOUT_S + 2):
+            if self._process is not None:
+                await self._process.wait()
+            else:
+                await self._wait_exit()
+        await self._end_daemon()
+        remove_state(self._resource.directory)
+        self._log.info("mps daemon quit")

@@ -1,0 +1,80 @@
+"""Where the docs state a name the code defines (a log event, an environment variable, a node label), the two
+cannot drift apart."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def logged_problems(package: Path) -> set[str]:
+    """Every warning and error event logged with a literal name."""
+    events = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"warning", "error", "critical", "exception"}
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                events.add(node.args[0].value)
+    return events
+
+
+def test_every_warning_and_error_event_is_documented() -> None:
+    documented = (DOCS / "operations.md").read_text() + (DOCS / "troubleshooting.md").read_text()
+    undocumented = sorted(e for e in logged_problems(ROOT / "mpsagent") if f'"{e}"' not in documented)
+    assert undocumented == [], "add these events to docs/operations.md"
+
+
+def test_the_event_check_catches_a_new_event(tmp_path: Path) -> None:
+    (tmp_path / "module.py").write_text('log.warning("a new surprise", key=1)\nlog.info("fine")\n')
+    assert logged_problems(tmp_path) == {"a new surprise"}
+
+
+def test_every_node_label_is_documented() -> None:
+    from mpsagent.plan import node_labels  # noqa: PLC0415
+
+    labels = set(node_labels((), (_resource(),)))
+    text = (DOCS / "operations.md").read_text() + (DOCS / "migrating.md").read_text()
+    assert sorted(label for label in labels if f"`{label}" not in text) == []
+
+
+def _resource():  # type: ignore[no-untyped-def]
+    from mpsagent.config import resolve_settings  # noqa: PLC0415
+    from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
+    from mpsagent.plan import build_plan  # noqa: PLC0415
+
+    settings = resolve_settings(
+        {"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml"), "node_snapshot": None}, environ={}
+    )
+    node = SnapshotGpuSource(ROOT / "examples" / "node-h100x8.yaml").discover()
+    return build_plan(settings.sharing, node, settings.mps_root).resources[0]
+
+
+def help_variables() -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True
+    )
+    return set(re.findall(r"\[env\s+([A-Z_]+)", done.stdout))
+
+
+def table_variables(text: str) -> set[str]:
+    """Environment variables in the second column of a Markdown flag table."""
+    return set(re.findall(r"^\| `--(?:[^|\\]|\\.)*\| `([A-Z_]+)` \|", text, re.MULTILINE))
+
+
+def test_flag_tables_name_exactly_the_agents_environment_variables() -> None:
+    variables = help_variables()
+    assert table_variables((ROOT / "README.md").read_text()) == variables
+    assert table_variables((DOCS / "configuration.md").read_text()) == variables
