@@ -13,6 +13,7 @@ from anyio.abc import TaskStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
+from mpsagent.errors import HostError
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
 from mpsagent.logs import get_logger
@@ -100,14 +101,20 @@ class PluginEndpoint:
                 await self._close(server)
 
     async def _serve(self) -> Server:
-        self.socket_path.unlink(missing_ok=True)
         server = Server([self._servicer])
-        # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
-        old_umask = os.umask(0o177)
         try:
-            await server.start(path=str(self.socket_path))
-        finally:
-            os.umask(old_umask)
+            self.socket_path.unlink(missing_ok=True)
+            # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
+            old_umask = os.umask(0o177)
+            try:
+                await server.start(path=str(self.socket_path))
+            finally:
+                os.umask(old_umask)
+        except OSError as exc:
+            raise HostError(
+                f"cannot serve the device plugin socket {self.socket_path} ({exc.strerror}); the agent must be able "
+                "to write the kubelet's device-plugins directory (--kubelet-socket names it)"
+            ) from exc
         self._log.info("plugin serving", socket=str(self.socket_path))
         return server
 

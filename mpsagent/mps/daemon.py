@@ -21,7 +21,7 @@ from mpsagent.config import MpsOnExit
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import DaemonCommandError, DaemonError, GpuDiscoveryError
 from mpsagent.gpu.port import ComputeMode, GpuSource
-from mpsagent.host import pid_alive
+from mpsagent.host import FileRefusedError, open_private_file, pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
@@ -187,7 +187,14 @@ class DaemonSupervisor:
     async def _start(self) -> None:
         launch = daemon_launch(self._resource, self._control_bin)
         log_file = self._resource.log_directory / "control.log"
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        try:
+            fd = open_private_file(
+                log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE_MODE, what="the daemon log"
+            )
+        except FileRefusedError as exc:
+            raise DaemonError(f"{exc}; remove it") from exc
+        except OSError as exc:
+            raise DaemonError(f"cannot open the daemon log {log_file} ({exc.strerror})") from exc
         try:
             os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
             self._process = await anyio.open_process(
