@@ -200,7 +200,11 @@ def test_status_shows_each_grant_with_its_container(
         document = json.loads(result.stdout)
         return document["resources"][0]["grants"]
 
-    shown = wait_for(lambda: grants() if all(g["container"] for g in grants()) else None, 5, "both owners shown")
+    def both_owned() -> list[dict[str, object]] | None:
+        shown = grants()  # the file may still be the one written before the Allocate (it is rewritten every 0.5 s)
+        return shown if len(shown) == 2 and all(g["container"] for g in shown) else None
+
+    shown = wait_for(both_owned, 5, "both owners shown")
     assert [(g["container"], g["kind"], g["adopted"], g["deviceIds"]) for g in shown] == [
         ("ml/old/main", "capped", True, ids(GPU0, 1)),
         ("ml/new/worker", "capped", False, ids(GPU1, 0)),
