@@ -557,6 +557,16 @@ def _pick_switchable(
     return None
 
 
+def _mps_root(chosen: str | None) -> Path:
+    """Absolute: Allocate hands paths under it to the kubelet, which resolves them on the host, not here."""
+    if chosen and not Path(chosen).is_absolute():
+        raise UsageError(
+            "--mps-root (env MPS_ROOT, config flags.mpsRoot) must be an absolute path: the kubelet mounts it into "
+            f"containers from the host; not `{chosen}`"
+        )
+    return Path(chosen) if chosen else DEFAULT_MPS_ROOT
+
+
 def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
     chosen = _pick("config_file", cli, environ, None)
     if not chosen:
@@ -615,7 +625,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         config_file=path,
         sharing=sharing,
         kubelet_socket=Path(_pick("kubelet_socket", cli, environ, flags.kubelet_socket) or DEFAULT_KUBELET_SOCKET),
-        mps_root=Path(_pick("mps_root", cli, environ, flags.mps_root) or DEFAULT_MPS_ROOT),
+        mps_root=_mps_root(_pick("mps_root", cli, environ, flags.mps_root)),
         mps_control_bin=_pick("mps_control_bin", cli, environ, flags.mps_control_bin) or DEFAULT_MPS_CONTROL_BIN,
         mps_on_exit=mps_on_exit,
         mps_daemon=mps_daemon,

@@ -6,6 +6,8 @@ MpsAgentError                 base, never raised itself
 ├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 ├── AgentLockedError          another agent already serves a resource (exit 1)
+├── HostError                 the node refuses what the agent needs: a directory it cannot create or trust, a file
+│                             it cannot open, a socket it cannot serve (exit 1)
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
     └── DaemonCommandError    one control command failed or timed out
 """
@@ -48,6 +50,10 @@ class RequestError(MpsAgentError):
 
 class AgentLockedError(MpsAgentError):
     """Another mpsagent process already serves the resource."""
+
+
+class HostError(MpsAgentError):
+    """The node's file system refuses what the agent needs, or offers something the agent must not use."""
 
 
 class DaemonError(MpsAgentError):

@@ -1,5 +1,6 @@
-"""What several parts of the agent ask of the host in the same way: whether a process lives, replacing a file so
-that no reader ever sees it half-written, and a lock file that names its holder."""
+"""What several parts of the agent ask of the host in the same way: whether a process lives, reading a file that
+must be a small regular file, replacing a file so that no reader ever sees it half-written, and a lock file that
+names its holder."""
 
 from __future__ import annotations
 
@@ -9,6 +10,99 @@ import fcntl
 import os
 import stat
 from pathlib import Path
+
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class FileRefusedError(OSError):
+    """A file the agent reads or writes is not a regular file (a FIFO blocks, a device never ends, a link may
+    lead anywhere) or is larger than it accepts. An OSError, so that whatever handles an unreadable or unwritable
+    file handles this one too; its message names the file and what it is."""
+
+
+class FileTooLargeError(FileRefusedError):
+    """A regular file larger than its reader accepts."""
+
+
+def file_kind(mode: int) -> str:
+    """What a file is, as a message says it: `a FIFO`, `a symbolic link`, ..."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _check_regular(path: Path, status: os.stat_result, *, max_bytes: int, what: str) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        raise FileRefusedError(f"{what} {path} is {file_kind(status.st_mode)}, not a regular file")
+    if status.st_size > max_bytes:
+        raise FileTooLargeError(f"{what} {path} is larger than {max_bytes} bytes")
+
+
+def read_regular_file(path: Path, *, max_bytes: int, what: str, follow_symlinks: bool = True) -> bytes:
+    """The content of `path`, which must be a regular file of at most `max_bytes` (`what` names it in errors:
+    "the agent status"). Raises FileRefusedError, or OSError (FileNotFoundError, ...) as the system says.
+
+    Checked before it is opened (opening a FIFO blocks, opening a device may act on it), and again on the open
+    file (the path may have changed in between); the read stops at the bound whatever the file does meanwhile.
+    """
+    _check_regular(path, os.stat(path, follow_symlinks=follow_symlinks), max_bytes=max_bytes, what=what)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise FileRefusedError(f"{what} {path} is a symbolic link, not a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        _check_regular(path, os.fstat(fd), max_bytes=max_bytes, what=what)
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLargeError(f"{what} {path} is larger than {max_bytes} bytes")
+    return data
+
+
+def _private_file_problem(status: os.stat_result) -> str | None:
+    if not stat.S_ISREG(status.st_mode):
+        return f"is {file_kind(status.st_mode)}, not a regular file"
+    if status.st_uid != os.geteuid():
+        return f"is owned by uid {status.st_uid}, not by the agent"
+    if status.st_nlink > 1:
+        return f"has {status.st_nlink} hard links: it may be another file"
+    return None
+
+
+def open_private_file(path: Path, flags: int, mode: int, *, what: str) -> int:
+    """A descriptor of the agent's own file at `path` (created with `mode` when `flags` has O_CREAT): never
+    through a link, never a FIFO or device, never a file of another user or one hard-linked elsewhere.
+
+    Raises FileRefusedError naming `what` and the path, or OSError as the system says.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        existing = os.lstat(path)
+        if not stat.S_ISREG(existing.st_mode):  # checked first: opening a FIFO would block
+            raise FileRefusedError(f"{what} {path} is {file_kind(existing.st_mode)}, not a regular file")
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FileRefusedError(f"{what} {path} is a symbolic link, not a regular file") from None
+        raise
+    problem = _private_file_problem(os.fstat(fd))
+    if problem is not None:
+        os.close(fd)
+        raise FileRefusedError(f"{what} {path} {problem}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def os_reason(exc: OSError) -> str:
+    """What went wrong, for a log line that names the path itself: "No space left on device"."""
+    return exc.strerror or str(exc)
 
 
 def pid_alive(pid: int) -> bool:
@@ -22,15 +116,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def write_atomically(path: Path, data: bytes, mode: int, *, durable: bool = False) -> None:
+def _create_exclusively(path: Path, mode: int) -> int:
+    """A new file at `path`, never one that was there (a temporary left by a crash, or a link planted to make
+    the agent write elsewhere): what is in the way is removed (the entry, not what a link points to) once."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, mode)
+    except FileExistsError:
+        path.unlink()
+        return os.open(path, flags, mode)
+
+
+def write_atomically(path: Path, data: bytes, mode: int, *, what: str, durable: bool = False) -> None:
     """Replace `path` with `data`, with exactly `mode` whatever the umask; `durable` also survives a power cut.
 
-    The temporary file sits beside the target under a name starting with a dot, so that a reader listing the
-    directory (node-feature-discovery does) never takes it for the real one. Raises OSError; leaves no
-    temporary file behind when it does.
+    Only a regular file is replaced: anything else at `path` (a FIFO, a directory, a link) raises
+    FileRefusedError, named with `what`. The temporary file sits beside the target under a name starting with a
+    dot, so that a reader listing the directory (node-feature-discovery does) never takes it for the real one.
+    Raises OSError; leaves no temporary file behind when it does.
     """
+    with contextlib.suppress(FileNotFoundError):
+        existing = os.lstat(path)
+        if not stat.S_ISREG(existing.st_mode):
+            raise FileRefusedError(f"{what} {path} is {file_kind(existing.st_mode)}, not a regular file")
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    fd = _create_exclusively(temporary, mode)
     try:
         with os.fdopen(fd, "wb") as file:
             os.fchmod(file.fileno(), mode)

@@ -13,19 +13,33 @@ import anyio
 
 from mpsagent import __version__
 from mpsagent.devices import GpuUuid
+from mpsagent.host import os_reason
 from mpsagent.kubelet.podresources import PodResourcesReconciler
-from mpsagent.status import ResourceView, readiness, remove_status, status_document, summary, write_status
+from mpsagent.logs import get_logger
+from mpsagent.mps.state import retry_unwritten_states
+from mpsagent.status import (
+    STATUS_FILE,
+    ResourceView,
+    readiness,
+    remove_status,
+    status_document,
+    summary,
+    write_status,
+)
 from mpsagent.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
     from mpsagent.web import WebEndpoint
 
+log = get_logger(__name__)
+
 STATUS_INTERVAL_S = 0.5
 
 
 class StatePublisher:
-    """Every STATUS_INTERVAL_S: the status file (when it changed), the web endpoint's snapshot and heartbeat,
-    systemd's STATUS=, and READY=1 the first time every resource is registered with its daemon up."""
+    """Every STATUS_INTERVAL_S: the status file (when it changed, or until a failed write succeeds), the daemon
+    state files that could not be written, the web endpoint's snapshot and heartbeat, systemd's STATUS=, and
+    READY=1 the first time every resource is registered with its daemon up."""
 
     def __init__(
         self,
@@ -45,6 +59,7 @@ class StatePublisher:
         self._unhealthy_gpus = unhealthy_gpus
         self._notifier = notifier
         self._web = web
+        self._status_failing = False
 
     def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> dict[str, Any]:
         return status_document(
@@ -75,9 +90,36 @@ class StatePublisher:
             ),
         )
 
+    def _write_status(self, document: dict[str, Any]) -> bool:
+        """True when written. A failure (a full or read-only file system, something else in the file's place) is
+        logged when it begins and when it ends, never raised: the file is for operators, serving goes on."""
+        try:
+            write_status(self._mps_root, document)
+        except OSError as exc:
+            if not self._status_failing:
+                self._status_failing = True
+                log.error(  # noqa: TRY400 (no traceback for a known failure)
+                    "status file not written",
+                    path=str(self._mps_root / STATUS_FILE),
+                    reason=os_reason(exc),
+                    hint=f"retried every {STATUS_INTERVAL_S:g}s; --status shows the last state written",
+                )
+            return False
+        if self._status_failing:
+            self._status_failing = False
+            log.info("status file written again", path=str(self._mps_root / STATUS_FILE))
+        return True
+
+    def _remove_status(self) -> None:
+        try:
+            remove_status(self._mps_root)
+        except OSError as exc:
+            log.warning("status file not removed", path=str(self._mps_root / STATUS_FILE), reason=os_reason(exc))
+
     async def run(self) -> None:
         seen: Hashable = None
         document: dict[str, Any] | None = None
+        unwritten = False
         announced_ready = False
         try:
             while True:
@@ -85,16 +127,19 @@ class StatePublisher:
                 fingerprint = self._fingerprint(views, unhealthy_gpus)
                 if document is None or fingerprint != seen:
                     seen, document = fingerprint, self._document(views, unhealthy_gpus)
-                    write_status(self._mps_root, document)
+                    unwritten = True
                     if not announced_ready and readiness(document)[0]:
                         self._notifier.notify("READY=1")
                         announced_ready = True
                     self._notifier.status(summary(document))
+                if unwritten:
+                    unwritten = not self._write_status(document)
+                retry_unwritten_states()
                 if self._web is not None:
                     self._web.publish(document)  # every cycle: it is also the liveness heartbeat
                 await anyio.sleep(STATUS_INTERVAL_S)
         finally:
-            remove_status(self._mps_root)
+            self._remove_status()
 
 
 async def feed_watchdog(notifier: SystemdNotifier, interval_s: float) -> None:

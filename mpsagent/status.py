@@ -16,11 +16,13 @@ from typing import Any
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
-from mpsagent.host import pid_alive, write_atomically
+from mpsagent.host import FileRefusedError, pid_alive, read_regular_file, write_atomically
 from mpsagent.inventory import Inventory
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
+# Far above any real status (every replica of a node in grants is a few MB), far below what hurts to read.
+MAX_STATUS_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,11 +118,15 @@ def status_document(
 
 
 def write_status(mps_root: Path, document: dict[str, Any]) -> None:
+    """Raises OSError (FileRefusedError when something other than a regular file is in the way)."""
     written = {**document, "writtenAt": _utc(time.time())}
-    write_atomically(mps_root / STATUS_FILE, json.dumps(written, indent=1).encode(), STATUS_FILE_MODE)
+    write_atomically(
+        mps_root / STATUS_FILE, json.dumps(written, indent=1).encode(), STATUS_FILE_MODE, what="the status file"
+    )
 
 
 def remove_status(mps_root: Path) -> None:
+    """Raises OSError."""
     (mps_root / STATUS_FILE).unlink(missing_ok=True)
 
 
@@ -128,11 +134,15 @@ def read_status(mps_root: Path) -> dict[str, Any]:
     """The running agent's status; raises UsageError naming what to check when there is none."""
     path = mps_root / STATUS_FILE
     try:
-        document: dict[str, Any] = json.loads(path.read_text())
+        document: dict[str, Any] = json.loads(
+            read_regular_file(path, max_bytes=MAX_STATUS_BYTES, what="the agent status", follow_symlinks=False)
+        )
     except FileNotFoundError:
         raise UsageError(
             f"no agent status at {path}: is mpsagent running with this --mps-root (or MPS_ROOT)?"
         ) from None
+    except FileRefusedError as exc:
+        raise UsageError(f"{exc}; remove it") from exc  # the agent writes a new one within a second
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the agent status {path}: {exc}") from exc
     return document

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,12 @@ H100_XML = EXAMPLES / "node-h100x8.nvidia-smi.xml"
 CONFIG = EXAMPLES / "config-mps.yaml"
 
 
-def mpsagent(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def mpsagent(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mpsagent", *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         cwd=ROOT,
         env=env,
         check=False,
@@ -179,3 +181,39 @@ def test_bad_flag_value_exits_2() -> None:
     result = mpsagent("--once", "--output", "yaml")
     assert result.returncode == 2
     assert "--output" in result.stderr
+
+
+def test_a_relative_mps_root_is_refused() -> None:
+    result = mpsagent("--once", "--node-snapshot", str(H100_NODE), "--config-file", str(CONFIG), "--mps-root", "mps")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "mpsagent: error: --mps-root (env MPS_ROOT, config flags.mpsRoot) must be an absolute path: the kubelet "
+        "mounts it into containers from the host; not `mps`\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("plant", "kind"),
+    [
+        (os.mkfifo, "a FIFO"),
+        (lambda path: path.symlink_to("/dev/zero"), "a symbolic link"),
+        (lambda path: path.mkdir(), "a directory"),
+    ],
+)
+def test_status_reads_only_a_regular_file(tmp_path: Path, plant: Callable[[Path], None], kind: str) -> None:
+    plant(tmp_path / "status.json")
+    result = mpsagent("--status", "--mps-root", str(tmp_path), timeout=10)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"mpsagent: error: the agent status {tmp_path / 'status.json'} is {kind}, not a regular file; remove it\n"
+    )
+
+
+def test_status_refuses_a_file_larger_than_any_status(tmp_path: Path) -> None:
+    with (tmp_path / "status.json").open("wb") as file:
+        file.truncate(65 * 1024 * 1024)  # sparse: costs nothing
+    result = mpsagent("--status", "--mps-root", str(tmp_path), timeout=10)
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"mpsagent: error: the agent status {tmp_path / 'status.json'} is larger than 67108864 bytes; remove it\n"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -75,3 +76,34 @@ def test_an_empty_path_turns_the_file_off(agents: AgentLauncher, kubelet: FakeKu
 
 def test_features_text_is_sorted_key_value_lines() -> None:
     assert features_text({"b": "2", "a": "1"}) == "a=1\nb=2\n"
+
+
+def test_a_fifo_in_place_of_the_features_file_is_refused_and_the_agent_serves(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    target = features_dir(short_dir) / "mpsagent"
+    os.mkfifo(target)
+    agent = start(agents, kubelet, short_dir, "--nfd-features-file", str(target))
+    kubelet.wait_registered(RESOURCE)
+    warning = agent.wait_log("node labels not written")
+    assert warning["reason"] == f"the node-feature-discovery file {target} is a FIFO, not a regular file"
+    assert stat.S_ISFIFO(target.lstat().st_mode)
+
+
+def test_a_link_to_a_device_in_place_of_the_features_file_is_refused_and_the_agent_serves(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    target = features_dir(short_dir) / "mpsagent"
+    target.symlink_to("/dev/zero")
+    agent = start(agents, kubelet, short_dir, "--nfd-features-file", str(target))
+    kubelet.wait_registered(RESOURCE)
+    warning = agent.wait_log("node labels not written")
+    assert warning["reason"] == f"the node-feature-discovery file {target} is a symbolic link, not a regular file"
+    assert target.is_symlink()
+
+
+def test_a_features_file_larger_than_the_labels_is_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "mpsagent"
+    target.write_bytes(b"x" * 10_000_000)
+    assert write_features(target, {"a": "1"})
+    assert target.read_text() == "a=1\n"

@@ -15,6 +15,7 @@ from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
+from mpsagent.errors import HostError
 from mpsagent.host import pid_alive
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
@@ -133,7 +134,6 @@ class PluginEndpoint:
                 await self._close(server)
 
     async def _serve(self) -> Server:
-        self.socket_path.unlink(missing_ok=True)
         # What a client may send before the servicer reads it (grpclib's default is 4 MiB per stream and per
         # connection): no more than the largest request, which the servicer reads before it lets more through.
         window = self._servicer.receive_limit
@@ -141,12 +141,19 @@ class PluginEndpoint:
             [self._servicer],
             config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
         )
-        # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
-        old_umask = os.umask(0o177)
         try:
-            await server.start(path=str(self.socket_path))
-        finally:
-            os.umask(old_umask)
+            self.socket_path.unlink(missing_ok=True)
+            # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
+            old_umask = os.umask(0o177)
+            try:
+                await server.start(path=str(self.socket_path))
+            finally:
+                os.umask(old_umask)
+        except OSError as exc:
+            raise HostError(
+                f"cannot serve the device plugin socket {self.socket_path} ({exc.strerror}); the agent must be able "
+                "to write the kubelet's device-plugins directory (--kubelet-socket names it)"
+            ) from exc
         self._log.info("plugin serving", socket=str(self.socket_path))
         return server
 

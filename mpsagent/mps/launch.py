@@ -10,6 +10,7 @@ import anyio
 from anyio.abc import Process
 
 from mpsagent.errors import DaemonError
+from mpsagent.host import FileRefusedError, open_private_file
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
 from mpsagent.plan import ResourcePlan, daemon_launch
@@ -23,7 +24,14 @@ async def start_daemon(resource: ResourcePlan, control_bin: str, channel: Contro
     once it answers a round trip. Raises DaemonError (the process killed and reaped) when it cannot start."""
     launch = daemon_launch(resource, control_bin)
     log_file = resource.log_directory / CONTROL_LOG
-    fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        fd = open_private_file(
+            log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE_MODE, what="the daemon log"
+        )
+    except FileRefusedError as exc:
+        raise DaemonError(f"{exc}; remove it") from exc
+    except OSError as exc:
+        raise DaemonError(f"cannot open the daemon log {log_file} ({exc.strerror})") from exc
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
         process = await anyio.open_process(
