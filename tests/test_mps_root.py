@@ -163,7 +163,8 @@ def test_a_read_only_kubelet_directory_at_start_is_one_error_line(
         error = refused(agent)
     finally:
         subprocess.run(["umount", "-l", str(directory)], check=False, capture_output=True, timeout=10)
-    assert error.startswith(f"mpsagent: error: cannot serve the device plugin socket {directory}/mpsagent-")
+    # The node guard's lock directory is the agent's first write there.
+    assert error.startswith(f"mpsagent: error: cannot create the lock directory {directory}/mpsagent-locks ")
     assert "(Read-only file system)" in error
 
 
