@@ -63,6 +63,10 @@ class _Resource:
                 up=daemon.up if daemon else False,
                 mode=daemon.mode.value if daemon and daemon.mode else None,
                 restarts=daemon.restarts if daemon else 0,
+                multi_user=daemon.multi_user if daemon else None,
+                cap_tamper=daemon.cap_tamper_count if daemon else 0,
+                last_cap_tamper=daemon.last_cap_tamper if daemon else None,
+                front_end_failure=daemon.front_end_failure if daemon else None,
             ),
             registered=self.endpoint is not None and self.endpoint.registered,
             registrations=self.endpoint.statistics().registrations if self.endpoint else 0,
@@ -229,6 +233,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         control_bin=settings.mps_control_bin,
                         on_exit=settings.mps_on_exit,
                         initial_mode=resource.allocator.daemon_mode() if grants_known else None,
+                        probe_interval_s=settings.probe_interval_s,
                     )
                     await tg.start(resource.daemon.run)
                     servicer = DevicePluginServicer(

@@ -7,7 +7,8 @@ MpsAgentError                 base, never raised itself
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 ├── AgentLockedError          another agent already serves a resource (exit 1)
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
-    └── DaemonCommandError    one control command failed or timed out
+    ├── DaemonCommandError    one control command failed or timed out: the daemon's failure
+    └── ControlRunError       the agent could not run the control front-end at all: the agent's failure
 """
 
 from __future__ import annotations
@@ -56,3 +57,8 @@ class DaemonError(MpsAgentError):
 
 class DaemonCommandError(DaemonError):
     """A control command failed, timed out or read back a value other than the one set."""
+
+
+class ControlRunError(DaemonError):
+    """The agent could not run the control front-end (a missing binary, EMFILE, ENOMEM): this says nothing about
+    the daemon, which must never be killed for it."""

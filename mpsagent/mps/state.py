@@ -1,5 +1,6 @@
 """The daemon state file `<mps-root>/<resource>/daemon.json`: what the agent needs to recognise its daemon after
-a restart (PID, the GPUs it serves, the cap mode it holds, the compute modes to restore). Written atomically."""
+a restart (PID, the GPUs it serves, the cap mode it holds, whether it runs one server for every user, the compute
+modes to restore). Written atomically."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class DaemonState(msgspec.Struct, rename="camel", kw_only=True):
     pid: int
     visible_devices: str
     mode: str
+    multi_user: bool | None = None
+    """Whether it was started with `-M`; None: recorded by an agent that did not know."""
     original_compute_modes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
