@@ -42,6 +42,14 @@ def check_command(command: str) -> str:
     return command
 
 
+def _cannot_run(control_bin: str, exc: OSError) -> ControlRunError:
+    if isinstance(exc, FileNotFoundError | PermissionError):
+        advice = "install nvidia-cuda-mps or set --mps-control-bin"
+    else:  # EMFILE, ENFILE, ENOMEM, EAGAIN: the agent is short of something, the binary is fine
+        advice = "the agent is short of file descriptors or memory: raise its open-file limit (LimitNOFILE) or memory"
+    return ControlRunError(f"cannot run {control_bin} ({exc.strerror}); {advice}")
+
+
 class ControlChannel:
     """Talks to the control daemon listening on one pipe directory."""
 
@@ -68,9 +76,7 @@ class ControlChannel:
             except TimeoutError:
                 raise DaemonCommandError(f"{what} got no answer within {self._timeout:g}s") from None
             except OSError as exc:
-                raise ControlRunError(
-                    f"cannot run {self._bin} ({exc.strerror}); install nvidia-cuda-mps or set --mps-control-bin"
-                ) from exc
+                raise _cannot_run(self._bin, exc) from exc
         reply = output.decode(errors="replace").strip()
         if returncode != 0 or any(marker in reply for marker in _FAILURE_MARKERS):
             raise DaemonCommandError(f"{what} failed: {reply or f'exit status {returncode}'}")
