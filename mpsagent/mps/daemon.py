@@ -146,7 +146,7 @@ class DaemonSupervisor:
                 differences = await self._differences(mode)
                 if not differences:
                     return
-                self._report_tamper(differences)
+                self._report_tamper(mode, differences)
             self._held = None
             await self._channel.apply(daemon_default_steps(self._resource, mode))
             servers = await self._channel.server_pids()
@@ -169,7 +169,7 @@ class DaemonSupervisor:
         )
         return cap_differences(defaults, default_values, per_server, server_values)
 
-    def _report_tamper(self, differences: Sequence[CapDifference]) -> None:
+    def _report_tamper(self, mode: CapMode, differences: Sequence[CapDifference]) -> None:
         for difference in differences:
             self._log.error(
                 "mps daemon caps changed behind the agent; restoring them",
@@ -177,7 +177,7 @@ class DaemonSupervisor:
                 expected=difference.step.expected,
                 found=difference.found,
                 server=difference.step.server,
-                mode=self._held.value if self._held else None,
+                mode=mode.value,
             )
         self.cap_tamper_count += len(differences)
         self.last_cap_tamper = (time.time(), "; ".join(difference.describe() for difference in differences))
