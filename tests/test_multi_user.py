@@ -16,6 +16,7 @@ from tests.conftest import EXAMPLES, ROOT, AgentLauncher
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.processes import alive
 from tests.test_daemon import REAL_BIN, daemon_pid, start
+from tests.test_metrics import serve, value
 from tests.test_plugin_integration import RESOURCE, config
 
 WITHOUT_MULTI_USER = "mps daemon without a multi-user server: pods of different users take turns on its GPUs"
@@ -51,6 +52,17 @@ def status_daemon(short_dir: Path) -> dict:
     return wait_for(lambda: path.exists() and json.loads(path.read_text())["resources"][0]["daemon"], 5, "status")
 
 
+def status_text(short_dir: Path) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+
+
 def events(agent, name: str) -> list[dict[str, object]]:
     return [e for e in agent.log_events() if e.get("event") == name]
 
@@ -59,11 +71,13 @@ def test_auto_uses_the_multi_user_server_where_the_binary_offers_it(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
     wrapper, record = multi_user_binary(short_dir / "bin")
-    agent = start(agents, kubelet, short_dir, "--mps-control-bin", str(wrapper))
+    agent, base = serve(agents, kubelet, short_dir, "--mps-control-bin", str(wrapper))
     kubelet.wait_registered(RESOURCE)
     assert record.read_text().splitlines() == ["-f -M"]
     assert daemon_state(short_dir)["multiUser"] is True
     assert status_daemon(short_dir)["multiUser"] is True
+    assert "one server for every user (-M)" in status_text(short_dir)
+    wait_for(lambda: value(base, "mpsagent_daemon_multi_user", resource=RESOURCE) == 1, 5, "the gauge")
     assert agent.wait_log("mps daemon started")["multi_user"] is True
     assert events(agent, WITHOUT_MULTI_USER) == []
 
@@ -71,10 +85,12 @@ def test_auto_uses_the_multi_user_server_where_the_binary_offers_it(
 def test_auto_without_the_option_runs_one_server_per_user_and_says_so_once(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
-    agent = start(agents, kubelet, short_dir)
+    agent, base = serve(agents, kubelet, short_dir)
     kubelet.wait_registered(RESOURCE)
     assert daemon_state(short_dir)["multiUser"] is False
     assert status_daemon(short_dir)["multiUser"] is False
+    assert "one server per user" in status_text(short_dir)
+    wait_for(lambda: value(base, "mpsagent_daemon_multi_user", resource=RESOURCE) == 0, 5, "the gauge")
     (warning,) = events(agent, WITHOUT_MULTI_USER)
     assert warning["level"] == "warning"
     assert "--multiuser-server" in str(warning["hint"])
