@@ -63,10 +63,16 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
         ("get_default_active_thread_percentage", "25.0", "100.0", None, "error"),
         ("get_default_device_pinned_mem_limit 0", "4G", "16G", None, "error"),
     }
-    wait_for(lambda: status_of(short_dir)["resources"][0]["daemon"]["capTamper"] == 2, 5, "the count in the status")
-    daemon = status_of(short_dir)["resources"][0]["daemon"]
+    daemon = wait_for(
+        lambda: (
+            (found := status_of(short_dir)["resources"][0]["daemon"])["capTamper"] == 2
+            and found["capMode"] == "capped"  # None while the restore is under way
+            and found
+        ),
+        5,
+        "the count in the status",
+    )
     assert "`get_default_active_thread_percentage` reads 100.0, expected 25.0" in daemon["lastCapTamper"]["found"]
-    assert daemon["capMode"] == "capped"
     wait_for(lambda: value(base, "mpsagent_cap_tamper_total", resource=RESOURCE) == 2, 5, "the counter")
     shown = subprocess.run(
         [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps")],
