@@ -65,16 +65,20 @@ class _Resource:
                 up=daemon.up if daemon else False,
                 mode=daemon.mode.value if daemon and daemon.mode else None,
                 restarts=daemon.restarts if daemon else 0,
+                multi_user=daemon.multi_user if daemon else None,
+                cap_tamper=daemon.cap_tamper_count if daemon else 0,
+                last_cap_tamper=daemon.last_cap_tamper if daemon else None,
+                front_end_failure=daemon.front_end_failure if daemon else None,
             ),
             registered=self.endpoint is not None and self.endpoint.registered,
             registrations=self.endpoint.statistics().registrations if self.endpoint else 0,
         )
 
-    async def hold_caps(self) -> None:
-        """Make the daemon hold the mode the ledger needs; raises DaemonError when it cannot (an Allocate or a
-        pre-start then fails)."""
+    async def hold_caps(self, *, verify: bool = False) -> None:
+        """Make the daemon hold the mode the ledger needs (`verify`: read back even a mode it is believed to hold);
+        raises DaemonError when it cannot (an Allocate or a pre-start then fails)."""
         assert self.daemon is not None
-        await self.daemon.set_mode(self.allocator.daemon_mode())
+        await self.daemon.set_mode(self.allocator.daemon_mode(), verify=verify)
 
     async def hold_ledger_mode(self) -> None:
         """Make the daemon hold the mode the ledger needs; a daemon that is down takes it when it is back."""
@@ -241,6 +245,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         on_exit=settings.mps_on_exit,
                         initial_mode=resource.allocator.daemon_mode() if grants_known else None,
                         owner=settings.mps_daemon,
+                        probe_interval_s=settings.probe_interval_s,
                     )
                     await tg.start(resource.daemon.run)
                     servicer = DevicePluginServicer(

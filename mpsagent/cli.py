@@ -23,6 +23,7 @@ from mpsagent.errors import (
 )
 from mpsagent.gpu.port import GpuSource
 from mpsagent.logs import configure_logging, get_logger
+from mpsagent.mps.control import offers_multi_user
 from mpsagent.plan import NodePlan, build_plan
 from mpsagent.report import plan_report, render_json, render_text
 from mpsagent.status import read_status, render_status_text
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a failed GPU is healthy again after answering NVML without a critical Xid this long "
         "[env HEALTH_RECOVERY_SECONDS; default 60]",
+    )
+    add(
+        "--probe-interval-seconds",
+        metavar="S",
+        help="read the MPS daemon's caps back (and restore any that changed) this often, 1 to 60 "
+        "[env PROBE_INTERVAL_SECONDS; default 3]",
     )
     add(
         "--nfd-features-file",
@@ -155,7 +162,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         _, plan = _plan(settings, source)
         if settings.once:
             report = plan_report(
-                plan, control_bin=settings.mps_control_bin, manages_compute_mode=source.manages_compute_mode
+                plan,
+                control_bin=settings.mps_control_bin,
+                manages_compute_mode=source.manages_compute_mode,
+                multi_user_offered=offers_multi_user(settings.mps_control_bin),
             )
             print(render_json(report) if settings.output == "json" else render_text(report))
             return EXIT_OK

@@ -29,6 +29,9 @@ DEFAULT_RECONCILE_GRACE_S = 60.0
 DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
+DEFAULT_PROBE_INTERVAL_S = 3.0
+# Below 1 s the rounds cost more than they protect; above 60 s a lifted cap would last too long.
+PROBE_INTERVAL_BOUNDS_S = (1.0, 60.0)
 # Application errors: the GPU stays healthy (the NVIDIA device plugin's list).
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
@@ -55,6 +58,8 @@ class MpsSharing(_Strict, frozen=True):
     # Omitted means true: the NVIDIA plugin refuses multi-replica requests unless told otherwise.
     fail_requests_greater_than_one: bool = True
     enforce_caps: bool = True
+    # auto (the default), true or false: run the daemon with one MPS server for every user (`-M`).
+    multi_user: bool | str = "auto"
     resources: list[MpsResource] | None = None
 
 
@@ -88,6 +93,7 @@ class Flags(_Strict, frozen=True):
     pod_resources_socket: str | None = None
     reconcile_grace_seconds: float | None = None
     health_recovery_seconds: float | None = None
+    probe_interval_seconds: float | None = None
     nfd_features_file: str | None = None
     metrics_address: str | None = None
     proc_root: str | None = None
@@ -163,6 +169,15 @@ class MpsDaemonOwner(enum.StrEnum):
     HOST = "host"
 
 
+class MultiUser(enum.StrEnum):
+    """`sharing.mps.multiUser`: one MPS server for every user when the control binary offers it (auto), always
+    (true: a binary without it is refused), or never (false: pods of different users take turns)."""
+
+    AUTO = "auto"
+    ON = "true"
+    OFF = "false"
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -189,6 +204,7 @@ class SharingConfig:
     device_id_strategy: DeviceIdStrategy
     allocation_policy: AllocationPolicy
     ignored_keys: tuple[str, ...]
+    multi_user: MultiUser = MultiUser.AUTO
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,6 +249,7 @@ class Settings:
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET
     reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
     health_recovery_s: float = DEFAULT_HEALTH_RECOVERY_S
+    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
     xid_policy: XidPolicy = XidPolicy()
     nfd_features_file: Path | None = DEFAULT_NFD_FEATURES_FILE
     metrics_address: tuple[str, int] | None = None
@@ -428,6 +445,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
             "flags.plugin.sharedDevicesAllocationPolicy",
         ),
         ignored_keys=tuple(ignored),
+        multi_user=_one_of(MultiUser, str(mps.multi_user).lower(), MultiUser.AUTO, "sharing.mps.multiUser"),
     )
 
 
@@ -452,6 +470,7 @@ _ENV = {
     "pod_resources_socket": "POD_RESOURCES_SOCKET",
     "reconcile_grace_seconds": "RECONCILE_GRACE_SECONDS",
     "health_recovery_seconds": "HEALTH_RECOVERY_SECONDS",
+    "probe_interval_seconds": "PROBE_INTERVAL_SECONDS",
     "nfd_features_file": "NFD_FEATURES_FILE",
     "metrics_address": "METRICS_ADDRESS",
     "proc_root": "PROC_ROOT",
@@ -493,7 +512,13 @@ def _choice(
     return chosen.lower()
 
 
-def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: float | None) -> float | None:
+def _seconds(
+    name: str,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    from_file: float | None,
+    bounds: tuple[float, float] = (0.0, MAX_SECONDS),
+) -> float | None:
     chosen = _pick(name, cli, environ, None if from_file is None else str(from_file))
     if chosen is None:
         return None
@@ -501,8 +526,9 @@ def _seconds(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from
         value = float(chosen)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= MAX_SECONDS:
-        raise UsageError(f"{_setting(name)} must be a number of seconds from 0 to {MAX_SECONDS:g}, not `{chosen}`")
+    low, high = bounds
+    if not low <= value <= high:
+        raise UsageError(f"{_setting(name)} must be a number of seconds from {low:g} to {high:g}, not `{chosen}`")
     return value
 
 
@@ -620,6 +646,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
     snapshot = _pick("node_snapshot", cli, environ, None)
     grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
     recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
+    probe = _seconds("probe_interval_seconds", cli, environ, flags.probe_interval_seconds, PROBE_INTERVAL_BOUNDS_S)
     nfd_file = _pick_switchable("nfd_features_file", cli, environ, flags.nfd_features_file)
     return Settings(
         config_file=path,
@@ -640,6 +667,7 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
         ),
         reconcile_grace_s=DEFAULT_RECONCILE_GRACE_S if grace is None else grace,
         health_recovery_s=DEFAULT_HEALTH_RECOVERY_S if recovery is None else recovery,
+        probe_interval_s=DEFAULT_PROBE_INTERVAL_S if probe is None else probe,
         xid_policy=xid_policy(environ),
         nfd_features_file=DEFAULT_NFD_FEATURES_FILE if nfd_file is None else (Path(nfd_file) if nfd_file else None),
         metrics_address=_address(_pick_switchable("metrics_address", cli, environ, flags.metrics_address)),

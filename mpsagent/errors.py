@@ -9,7 +9,8 @@ MpsAgentError                 base, never raised itself
 ├── HostError                 the node refuses what the agent needs: a directory it cannot create or trust, a file
 │                             it cannot open, a socket it cannot serve (exit 1)
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
-    └── DaemonCommandError    one control command failed or timed out
+    ├── DaemonCommandError    one control command failed or timed out: the daemon's failure
+    └── ControlRunError       the agent could not run the control front-end at all: the agent's failure
 """
 
 from __future__ import annotations
@@ -62,3 +63,8 @@ class DaemonError(MpsAgentError):
 
 class DaemonCommandError(DaemonError):
     """A control command failed, timed out or read back a value other than the one set."""
+
+
+class ControlRunError(DaemonError):
+    """The agent could not run the control front-end (a missing binary, EMFILE, ENOMEM): this says nothing about
+    the daemon, which must never be killed for it."""

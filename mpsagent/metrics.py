@@ -76,6 +76,16 @@ class _StateCollector(Collector):
         cap_mode = GaugeMetricFamily(
             "mpsagent_daemon_cap_mode", "1 for the cap mode the daemon holds", labels=["resource", "mode"]
         )
+        multi_user = GaugeMetricFamily(
+            "mpsagent_daemon_multi_user",
+            "1 when the daemon runs one MPS server for every user (-M), 0 when one per user",
+            labels=["resource"],
+        )
+        cap_tamper = CounterMetricFamily(
+            "mpsagent_cap_tamper",
+            "Daemon values found changed behind the agent (and restored)",
+            labels=["resource"],
+        )
         registrations = CounterMetricFamily(
             "mpsagent_kubelet_registrations", "Successful registrations with the kubelet", labels=["resource"]
         )
@@ -99,13 +109,16 @@ class _StateCollector(Collector):
             restarts.add_metric([name], daemon["restarts"])
             for mode in ("full", "capped"):
                 cap_mode.add_metric([name, mode], 1 if daemon["capMode"] == mode else 0)
+            if daemon["multiUser"] is not None:
+                multi_user.add_metric([name], 1 if daemon["multiUser"] else 0)
+            cap_tamper.add_metric([name], daemon["capTamper"])
             registrations.add_metric([name], res["registrations"])
             registered.add_metric([name], 1 if res["registered"] else 0)
         pod_resources = GaugeMetricFamily(
             "mpsagent_pod_resources_up", "1 while the kubelet's pod-resources API answers"
         )
         pod_resources.add_metric([], 1 if document["podResources"]["available"] else 0)
-        yield from (replicas, grants, adopted, released, active, daemon_up, restarts, cap_mode)
+        yield from (replicas, grants, adopted, released, active, daemon_up, restarts, cap_mode, multi_user, cap_tamper)
         yield from (registrations, registered, pod_resources)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -17,6 +17,7 @@ from mpsagent.config import (
     AllocationPolicy,
     DeviceIdStrategy,
     DeviceListStrategy,
+    MultiUser,
     ResourceSpec,
     SharingConfig,
 )
@@ -56,6 +57,7 @@ class ResourcePlan:
     device_id_strategy: DeviceIdStrategy
     allocation_policy: AllocationPolicy
     ordinals: dict[GpuUuid, int] = field(compare=False)
+    multi_user: MultiUser = MultiUser.AUTO
 
     @property
     def pipe_directory(self) -> Path:
@@ -189,6 +191,7 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 device_id_strategy=sharing.device_id_strategy,
                 allocation_policy=sharing.allocation_policy,
                 ordinals={gpu.uuid: ordinal for ordinal, gpu in enumerate(gpus)},
+                multi_user=sharing.multi_user,
             )
         )
     shared = tuple(resources)
@@ -235,11 +238,13 @@ def pinned_memory_limits(resource: ResourcePlan, mode: CapMode) -> tuple[tuple[i
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ControlStep:
-    """One control command, the `get_` command that reads its value back, and the reply that means it held."""
+    """One control command, the `get_` command that reads its value back, and the reply that means it held;
+    `server` is the running MPS server it is about, None for the daemon's defaults."""
 
     command: str
     read_back: str
     expected: str
+    server: int | None = None
 
 
 def memory_read_back(mib: int) -> str:
@@ -271,15 +276,72 @@ def daemon_default_commands(resource: ResourcePlan, mode: CapMode) -> tuple[str,
     return tuple(step.command for step in daemon_default_steps(resource, mode))
 
 
-def running_server_commands(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[str, ...]:
+def running_server_steps(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[ControlStep, ...]:
     """Bring an already-running MPS server to a cap mode (defaults only apply to servers started later)."""
+    percentage = thread_percentage(resource, mode)
     return (
-        f"set_active_thread_percentage {server_pid} {thread_percentage(resource, mode)}",
+        ControlStep(
+            command=f"set_active_thread_percentage {server_pid} {percentage}",
+            read_back=f"get_active_thread_percentage {server_pid}",
+            expected=f"{percentage:.1f}",
+            server=server_pid,
+        ),
         *(
-            f"set_device_pinned_mem_limit {server_pid} {ordinal} {mib}M"
+            ControlStep(
+                command=f"set_device_pinned_mem_limit {server_pid} {ordinal} {mib}M",
+                read_back=f"get_device_pinned_mem_limit {server_pid} {ordinal}",
+                expected=memory_read_back(mib),
+                server=server_pid,
+            )
             for ordinal, mib in pinned_memory_limits(resource, mode)
         ),
     )
+
+
+def running_server_commands(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[str, ...]:
+    return tuple(step.command for step in running_server_steps(resource, mode, server_pid))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapDifference:
+    """A value the daemon holds other than the one its cap mode needs: someone with the control socket (every
+    client container has it) changed it behind the agent."""
+
+    step: ControlStep
+    found: str | None
+    """What the read-back printed; None: nothing, which means no limit at all."""
+
+    def describe(self) -> str:
+        found = "nothing (no limit)" if self.found is None else self.found
+        return f"`{self.step.read_back}` reads {found}, expected {self.step.expected}"
+
+
+def cap_differences(
+    defaults: Sequence[ControlStep],
+    default_values: Sequence[str | None],
+    servers: Sequence[Sequence[ControlStep]] = (),
+    server_values: Sequence[str | None] = (),
+) -> tuple[CapDifference, ...]:
+    """Where the daemon's values differ from the steps' expected ones. `server_values` follows `servers`, flat.
+
+    A default that reads nothing is a difference (the agent always sets every one). A server that answers none of
+    its values is not ready (starting, or gone since it was listed): it is read again on the next round.
+    """
+    found = [
+        CapDifference(step=step, found=value)
+        for step, value in zip(defaults, default_values, strict=True)
+        if value != step.expected
+    ]
+    values = iter(server_values)
+    for steps in servers:
+        read = [next(values) for _ in steps]
+        if any(value is not None for value in read):
+            found += [
+                CapDifference(step=step, found=value)
+                for step, value in zip(steps, read, strict=True)
+                if value != step.expected
+            ]
+    return tuple(found)
 
 
 def daemon_mode_for(resource: ResourcePlan, capped_grants_live: bool) -> CapMode:
@@ -342,11 +404,26 @@ class DaemonLaunch:
         return {k: v for k, v in inherited.items() if k not in self.unset} | self.env
 
 
-def daemon_launch(resource: ResourcePlan, control_bin: str) -> DaemonLaunch:
+def multi_user_server(resource: ResourcePlan, offered: bool | None, control_bin: str) -> bool:
+    """Whether the daemon runs one MPS server for every user (`-M`): without it, a client of another user than
+    the running server's waits until every client of that server has left. `offered`: whether the binary's `-h`
+    lists the option (None: it could not be asked; starting it will say why)."""
+    if resource.multi_user is MultiUser.OFF:
+        return False
+    if resource.multi_user is MultiUser.ON and offered is False:
+        raise ConfigError(
+            "sharing.mps.multiUser",
+            f"is true, but `{control_bin} -h` does not list --multiuser-server (driver 580's control binary has "
+            "it, 535's does not); use auto (multi-user where offered) or false, or a control binary that offers it",
+        )
+    return resource.multi_user is MultiUser.ON or bool(offered)
+
+
+def daemon_launch(resource: ResourcePlan, control_bin: str, *, multi_user: bool) -> DaemonLaunch:
     """How the resource's control daemon is started: in the foreground (so the agent sees it exit at once), for
-    the resource's GPUs only."""
+    the resource's GPUs only, with one server for every user when `multi_user`."""
     return DaemonLaunch(
-        argv=(control_bin, "-f"),
+        argv=(control_bin, "-f", *(("-M",) if multi_user else ())),
         env={
             "CUDA_VISIBLE_DEVICES": resource.visible_devices,
             "CUDA_MPS_PIPE_DIRECTORY": str(resource.pipe_directory),

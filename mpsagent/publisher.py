@@ -16,7 +16,6 @@ from mpsagent.devices import GpuUuid
 from mpsagent.host import os_reason
 from mpsagent.kubelet.podresources import PodResourcesReconciler
 from mpsagent.logs import get_logger
-from mpsagent.mps.state import retry_unwritten_states
 from mpsagent.status import (
     STATUS_FILE,
     ResourceView,
@@ -134,7 +133,6 @@ class StatePublisher:
                     self._notifier.status(summary(document))
                 if unwritten:
                     unwritten = not self._write_status(document)
-                retry_unwritten_states()
                 if self._web is not None:
                     self._web.publish(document)  # every cycle: it is also the liveness heartbeat
                 await anyio.sleep(STATUS_INTERVAL_S)

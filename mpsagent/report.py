@@ -7,7 +7,14 @@ from typing import Any
 
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.errors import RequestError
-from mpsagent.plan import CapMode, NodePlan, ResourcePlan, daemon_default_commands, daemon_launch
+from mpsagent.plan import (
+    CapMode,
+    NodePlan,
+    ResourcePlan,
+    daemon_default_commands,
+    daemon_launch,
+    multi_user_server,
+)
 
 EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
 
@@ -31,11 +38,23 @@ def _examples(resource: ResourcePlan, allocator: ResourceAllocator) -> list[dict
     return examples
 
 
-def plan_report(plan: NodePlan, *, control_bin: str, manages_compute_mode: bool) -> dict[str, Any]:
+def _multi_user_note(multi_user: bool, offered: bool | None, control_bin: str) -> str:
+    if multi_user:
+        return "one MPS server for every user (-M)"
+    if offered is None:
+        return f"one MPS server per user: `{control_bin} -h` could not be run to ask (the agent asks again at start)"
+    return "one MPS server per user: pods of different users take turns on the GPUs"
+
+
+def plan_report(
+    plan: NodePlan, *, control_bin: str, manages_compute_mode: bool, multi_user_offered: bool | None
+) -> dict[str, Any]:
+    """`multi_user_offered`: whether the control binary's `-h` lists --multiuser-server (None: not known)."""
     resources = []
     for resource in plan.resources:
         allocator = ResourceAllocator(resource, plan.shm_directory)
-        launch = daemon_launch(resource, control_bin)
+        multi_user = multi_user_server(resource, multi_user_offered, control_bin)
+        launch = daemon_launch(resource, control_bin, multi_user=multi_user)
         resources.append(
             {
                 "name": resource.name,
@@ -51,6 +70,12 @@ def plan_report(plan: NodePlan, *, control_bin: str, manages_compute_mode: bool)
                     else "not managed: GPUs come from a node snapshot, not NVML",
                 },
                 "daemonStart": {"argv": list(launch.argv), "env": launch.env},
+                "multiUser": {
+                    "setting": resource.multi_user.value,
+                    "offered": multi_user_offered,
+                    "server": multi_user,
+                    "note": _multi_user_note(multi_user, multi_user_offered, control_bin),
+                },
                 "daemonCommands": list(daemon_default_commands(resource, CapMode.FULL)),
                 "capModes": {
                     "enforcedAtDaemon": resource.enforce_caps,
@@ -106,6 +131,7 @@ def render_text(report: dict[str, Any]) -> str:
             + " ".join(f"{k}={v}" for k, v in res["daemonStart"]["env"].items())
             + " "
             + " ".join(res["daemonStart"]["argv"]),
+            f"  users: {res['multiUser']['note']} (sharing.mps.multiUser: {res['multiUser']['setting']})",
             "  daemon commands at start (full hardware):",
             *(f"    {c}" for c in res["daemonCommands"]),
         ]

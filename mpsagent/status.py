@@ -31,6 +31,16 @@ class DaemonView:
     up: bool
     mode: str | None
     restarts: int
+    multi_user: bool | None = None
+    cap_tamper: int = 0
+    last_cap_tamper: tuple[float, str] | None = None
+    """When (wall clock) the caps were last found changed behind the agent, and what was found."""
+    front_end_failure: tuple[float, str] | None = None
+    """Since when (wall clock) and why the agent cannot run the control front-end."""
+
+
+def _event(event: tuple[float, str] | None, reason_key: str) -> dict[str, str] | None:
+    return None if event is None else {"at": _utc(event[0]), reason_key: event[1]}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +95,10 @@ def status_document(
                     "up": view.daemon.up,
                     "capMode": view.daemon.mode,
                     "restarts": view.daemon.restarts,
+                    "multiUser": view.daemon.multi_user,
+                    "capTamper": view.daemon.cap_tamper,
+                    "lastCapTamper": _event(view.daemon.last_cap_tamper, "found"),
+                    "frontEndFailure": _event(view.daemon.front_end_failure, "reason"),
                 },
                 "ledger": {
                     "allocated": {kind.value: count for kind, count in stats.grants.items()},
@@ -181,6 +195,29 @@ def summary(document: dict[str, Any]) -> str:
     )
 
 
+def _users(multi_user: bool | None) -> str:
+    if multi_user is None:
+        return "user mode unknown (adopted from an older agent)"
+    return "one server for every user (-M)" if multi_user else "one server per user"
+
+
+def _daemon_events(daemon: dict[str, Any]) -> list[str]:
+    lines = []
+    tampered = daemon.get("lastCapTamper")
+    if tampered:
+        lines.append(
+            f"  caps changed behind the agent {daemon['capTamper']} times, last at {tampered['at']} "
+            f"(restored): {tampered['found']}"
+        )
+    failing = daemon.get("frontEndFailure")
+    if failing:
+        lines.append(
+            f"  control front-end CANNOT RUN since {failing['at']}: {failing['reason']} "
+            "(the daemon is kept; cap switches fail until it runs)"
+        )
+    return lines
+
+
 def render_status_text(document: dict[str, Any]) -> str:
     pod_resources = document["podResources"]
     alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
@@ -197,7 +234,8 @@ def render_status_text(document: dict[str, Any]) -> str:
             f"{res['name']}: {res['healthy']}/{res['replicas']} replicas healthy, "
             f"{'registered' if res['registered'] else 'NOT registered'} with the kubelet",
             f"  mps daemon: {'up' if daemon['up'] else 'DOWN'}, pid {daemon['pid']}, caps {daemon['capMode']}, "
-            f"{daemon['restarts']} restarts",
+            f"{daemon['restarts']} restarts, {_users(daemon.get('multiUser'))}",
+            *_daemon_events(daemon),
             f"  grants: {len(res['grants'])}",
         ]
         for grant in res["grants"]:

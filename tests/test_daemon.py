@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import anyio
@@ -126,9 +127,12 @@ def test_killed_daemon_goes_unhealthy_then_healthy_with_its_caps_again(
     plugin = kubelet.wait_registered(RESOURCE)
     allocate(plugin, ids(GPU0, 0))
     first = daemon_pid(short_dir)
+    seen = len(plugin.updates)
     os.kill(first, signal.SIGKILL)
-    # Any update, not the latest: the new daemon can be up before the test looks (bench/ measures the delay).
-    wait_for(lambda: any({d[1] for d in update} == {"Unhealthy"} for update in plugin.updates), 5, "replicas Unhealthy")
+    killed = time.monotonic()
+    # The restart can be quicker than a poll: look for the Unhealthy update in the history, not the latest one.
+    wait_for(lambda: {"Unhealthy"} in [{d[1] for d in u} for u in plugin.updates[seen:]], 5, "replicas Unhealthy")
+    assert time.monotonic() - killed < 5  # bench/ measures the delay itself (10 ms)
     wait_for(lambda: health(plugin) == {"Healthy"}, 10, "replicas Healthy again")
     assert daemon_pid(short_dir) != first
     assert control(pipe_of(short_dir), "get_default_active_thread_percentage") == "25.0"
@@ -191,7 +195,7 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
     [
         ("wrong-value", "did not hold"),
         ("garbage", "did not hold"),
-        ("silent", "reading back 3 values gave 0 lines"),  # a reply per `get_` command, or the batch is refused
+        ("silent", "`get_default_active_thread_percentage` reads nothing, expected '100.0'"),
     ],
 )
 def test_a_daemon_that_does_not_hold_its_defaults_fails_start_up_loudly(

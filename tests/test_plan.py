@@ -269,7 +269,7 @@ def test_two_resources_split_eight_gpus() -> None:
     )
     assert high.visible_devices == ",".join(uuid(i) for i in (4, 5, 6, 7))
     assert low.visible_devices == ",".join(uuid(i) for i in (0, 1, 2, 3))
-    assert daemon_launch(high, "nvidia-cuda-mps-control").env == {
+    assert daemon_launch(high, "nvidia-cuda-mps-control", multi_user=False).env == {
         "CUDA_VISIBLE_DEVICES": high.visible_devices,
         "CUDA_MPS_PIPE_DIRECTORY": "/run/nvidia/mps/nvidia.com/high/pipe",
         "CUDA_MPS_LOG_DIRECTORY": "/run/nvidia/mps/nvidia.com/high/log",

@@ -12,7 +12,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from google.protobuf.message import DecodeError, Message
@@ -29,14 +29,21 @@ from mpsagent.logs import get_logger
 log = get_logger(__name__)
 
 _Request = TypeVar("_Request", bound=Message)
-HoldCaps = Callable[[], Awaitable[None]]
-"""Makes the resource's daemon hold the cap mode the ledger's live grants need; raises when it cannot."""
+
+
+class HoldCaps(Protocol):
+    """Makes the resource's daemon hold the cap mode the ledger's live grants need; raises when it cannot.
+    `verify`: read the daemon's real values back even when it is believed to hold that mode."""
+
+    async def __call__(self, *, verify: bool = False) -> None: ...
+
+
 OnGranted = Callable[[Sequence[Allocation]], None]
 """Told of the grants of an Allocate that is answered OK."""
 RESTORE_TIMEOUT_S = 30.0
 
 
-async def _no_daemon() -> None:
+async def _no_daemon(*, verify: bool = False) -> None:
     return None
 
 
@@ -205,8 +212,9 @@ class DevicePluginServicer:
         with self._answering("PreStartContainer", "pre-start"):
             self._allocator.check_request(list(message.devices_ids))
             # The caps follow the ledger's live grants, never a request's IDs: a restarted container starts under
-            # the caps the ledger needs, whatever a failure in between left the daemon holding.
-            await self._hold_caps()
+            # the caps the ledger needs, checked against the daemon's real values (any client container can change
+            # them), whatever a failure in between left the daemon holding.
+            await self._hold_caps(verify=True)
         return pb.PreStartContainerResponse()
 
     @contextmanager

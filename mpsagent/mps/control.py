@@ -1,9 +1,14 @@
 """The control-command channel: `nvidia-cuda-mps-control` front-end sessions, serialized, each with a timeout.
 Commands are checked before they are written, so nothing can inject another command line.
 
-A session may carry several commands: the front-end prints the replies in order when its stdin ends. Every `get_`
-command prints exactly one line, so a batch of `get_` commands reads back one line each; a batch of `set_`
-commands is only checked for failures. A cap switch on 8 GPUs is then 2 sessions, not 18."""
+A session may carry several commands: the front-end prints the replies in order when its stdin ends. A `get_`
+command prints one line, or nothing for a limit that is not set (0: no ceiling) or a server that is not ready;
+a batch of `get_` commands whose line count does not match is asked again command by command, to know which
+printed nothing. A batch of `set_` commands is only checked for failures. A cap switch on 8 GPUs is then 2
+sessions, not 18, and a liveness round that finds everything as it should be is one.
+
+Failing to run the front-end at all (ControlRunError) is the agent's failure; a front-end that runs but gets no
+answer or a refusal (DaemonCommandError) is the daemon's."""
 
 from __future__ import annotations
 
@@ -16,19 +21,33 @@ from pathlib import Path
 
 import anyio
 
-from mpsagent.errors import DaemonCommandError
+from mpsagent.errors import ControlRunError, DaemonCommandError
 from mpsagent.plan import ControlStep
 
 COMMAND_TIMEOUT_S = 5.0
 _SAFE_COMMAND = re.compile(r"^[a-z_]+( [A-Za-z0-9.=,-]+)*$")
 # What the front-end prints when it cannot reach a daemon, or the daemon refuses the command.
 _FAILURE_MARKERS = ("Cannot find MPS control daemon", "Cannot send command", "Unknown command", "Invalid", "failed")
+# What `get_server_list` prints: PIDs, one a line (or several on one line); no cap value looks like this.
+_SERVER_LIST_LINE = re.compile(r"\d+( \d+)*")
+# What a `get_` about a server that has just exited prints: the server is gone, its values with it.
+_SERVER_GONE = re.compile(r"Server \d+ not found")
+MULTI_USER_OPTION = "--multiuser-server"
+HELP_TIMEOUT_S = 5.0
 
 
 def check_command(command: str) -> str:
     if not _SAFE_COMMAND.match(command) or len(command) > 512:
         raise DaemonCommandError(f"refusing to send malformed MPS control command {command[:80]!r}")
     return command
+
+
+def _cannot_run(control_bin: str, exc: OSError) -> ControlRunError:
+    if isinstance(exc, FileNotFoundError | PermissionError):
+        advice = "install nvidia-cuda-mps or set --mps-control-bin"
+    else:  # EMFILE, ENFILE, ENOMEM, EAGAIN: the agent is short of something, the binary is fine
+        advice = "the agent is short of file descriptors or memory: raise its open-file limit (LimitNOFILE) or memory"
+    return ControlRunError(f"cannot run {control_bin} ({exc.strerror}); {advice}")
 
 
 class ControlChannel:
@@ -57,9 +76,7 @@ class ControlChannel:
             except TimeoutError:
                 raise DaemonCommandError(f"{what} got no answer within {self._timeout:g}s") from None
             except OSError as exc:
-                raise DaemonCommandError(
-                    f"cannot run {self._bin} ({exc.strerror}); install nvidia-cuda-mps or set --mps-control-bin"
-                ) from exc
+                raise _cannot_run(self._bin, exc) from exc
         reply = output.decode(errors="replace").strip()
         if returncode != 0 or any(marker in reply for marker in _FAILURE_MARKERS):
             raise DaemonCommandError(f"{what} failed: {reply or f'exit status {returncode}'}")
@@ -79,27 +96,42 @@ class ControlChannel:
             output = b"".join([chunk async for chunk in process.stdout])
             return await process.wait(), output
 
+    async def read(self, read_backs: Sequence[str]) -> list[str | None]:
+        """Each `get_` command's reply, None where it printed nothing (or its server is gone)."""
+        return await self._values(read_backs, (await self.send_all(read_backs)).splitlines())
+
+    async def read_with_servers(self, read_backs: Sequence[str]) -> tuple[list[str | None], list[int]]:
+        """The replies to `read_backs` and the running servers' PIDs, in one session."""
+        lines = (await self.send_all(["get_server_list", *read_backs])).splitlines()
+        listed = 0
+        while listed < len(lines) and _SERVER_LIST_LINE.fullmatch(lines[listed].strip()):
+            listed += 1
+        servers = [int(token) for line in lines[:listed] for token in line.split()]
+        return await self._values(read_backs, lines[listed:]), servers
+
+    async def _values(self, read_backs: Sequence[str], lines: list[str]) -> list[str | None]:
+        if len(lines) != len(read_backs):
+            # Something printed nothing: only asking one by one tells which (and is only needed when it happens).
+            lines = [await self.send(command) for command in read_backs]
+        return [None if not line.strip() or _SERVER_GONE.fullmatch(line.strip()) else line.strip() for line in lines]
+
     async def apply(self, steps: Sequence[ControlStep]) -> None:
         """Send the `set_` commands, then read each back: the daemon must hold exactly what was asked for."""
         await self.send_all([step.command for step in steps])
-        replies = (await self.send_all([step.read_back for step in steps])).splitlines()
-        if len(replies) != len(steps):
-            raise DaemonCommandError(
-                f"reading back {len(steps)} values gave {len(replies)} lines: {' | '.join(replies)[:200]!r}"
-            )
-        for step, held in zip(steps, replies, strict=True):
-            if held.strip() != step.expected:
+        for step, held in zip(steps, await self.read([step.read_back for step in steps]), strict=True):
+            if held != step.expected:
                 raise DaemonCommandError(
-                    f"`{step.command}` did not hold: `{step.read_back}` reads {held.strip()!r}, "
-                    f"expected {step.expected!r}"
+                    f"`{step.command}` did not hold: `{step.read_back}` reads "
+                    f"{'nothing' if held is None else repr(held)}, expected {step.expected!r}"
                 )
 
     async def probe(self, attempts: int = 2) -> bool:
-        """True when the daemon answers a round trip; a failed probe is retried before the daemon is called dead."""
+        """True when the daemon answers a round trip; a failed probe is retried before the daemon is called dead.
+        Raises ControlRunError when the agent cannot run the front-end: that is no answer about the daemon."""
         for _ in range(attempts):
             try:
                 await self.send("get_default_active_thread_percentage")
-            except DaemonCommandError:
+            except DaemonCommandError:  # not ControlRunError: that is no answer about the daemon
                 continue
             return True
         return False
@@ -107,3 +139,19 @@ class ControlChannel:
     async def server_pids(self) -> list[int]:
         reply = await self.send("get_server_list")
         return [int(token) for token in reply.split() if token.isdigit()]
+
+
+def offers_multi_user(control_bin: str) -> bool | None:
+    """Whether the control binary's `-h` lists `--multiuser-server` (one MPS server for every user); None when it
+    cannot be run, or does not answer."""
+    try:
+        result = subprocess.run(
+            [control_bin, "-h"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=HELP_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return MULTI_USER_OPTION in (result.stdout + result.stderr).decode(errors="replace")

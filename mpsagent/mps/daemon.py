@@ -5,41 +5,56 @@ The daemon runs in its own session with its output in `<resource>/log/control.lo
 never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps-daemon host` the daemon host
 (`mps.keeper`) starts and restarts the daemon instead, and this supervisor only adopts and drives it: it never
 starts, kills or quits one.
+
+Every liveness round reads the daemon's values back and restores any that someone with the control socket (every
+client container has it) changed. A round the agent cannot even run (it cannot start the front-end: EMFILE,
+ENOMEM, a missing binary) says nothing about the daemon: it is reported and retried with backoff, and the daemon
+is kept, never killed for the agent's own failure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections.abc import Sequence
 
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.config import MpsDaemonOwner, MpsOnExit
+from mpsagent.config import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
 from mpsagent.devices import GpuUuid
-from mpsagent.errors import DaemonCommandError, DaemonError, GpuDiscoveryError
+from mpsagent.errors import ControlRunError, DaemonCommandError, DaemonError, GpuDiscoveryError
 from mpsagent.gpu.port import ComputeMode, GpuSource
 from mpsagent.host import pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, start_daemon
-from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
+from mpsagent.mps.state import DaemonState, StateFile
 from mpsagent.plan import (
+    CapDifference,
     CapMode,
     ResourcePlan,
+    cap_differences,
     daemon_default_steps,
     running_server_commands,
+    running_server_steps,
     unreconciled_mode,
 )
 
 log = get_logger(__name__)
 
-PROBE_INTERVAL_S = 3.0
 RESTART_BACKOFF_INITIAL_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 HOST_WAIT_MAX_S = 5.0
+FRONT_END_BACKOFF_MAX_S = 30.0
+FRONT_END_HINT = (
+    "the agent could not start a process: raise its open-file limit (LimitNOFILE in the systemd unit, the "
+    "container runtime's nofile ulimit), check its memory limit and --mps-control-bin; the daemon and its clients "
+    "are not affected, but cap switches fail until it can"
+)
 QUIT_TIMEOUT_S = 5
 HEALTH_SOURCE = "mps daemon"
 
@@ -54,6 +69,7 @@ class DaemonSupervisor:
         control_bin: str,
         on_exit: MpsOnExit,
         initial_mode: CapMode | None,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
     ) -> None:
         """`initial_mode` None: the live grants are not known yet (see plan.unreconciled_mode)."""
@@ -62,16 +78,28 @@ class DaemonSupervisor:
         self._gpus = gpu_source
         self._control_bin = control_bin
         self._on_exit = on_exit
+        self._probe_interval = probe_interval_s
         self._owns_daemon = owner is MpsDaemonOwner.AGENT
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
+        self._state_file = StateFile(resource.directory)
         self._wanted = initial_mode or unreconciled_mode(resource, adopted=None)
         self._mode_known = initial_mode is not None
         self._held: CapMode | None = None
+        self._up = False
         self._process: Process | None = None
         self._pid: int | None = None
+        self._multi_user = False
+        """Whether a daemon this agent starts gets `-M` (decided once, from the config and the binary)."""
+        self._running_multi_user: bool | None = None
+        """Whether the running daemon has `-M`; None: an adopted daemon whose agent did not record it."""
         self._original_modes: dict[str, int] = {}
         self._mode_lock = anyio.Lock()
         self.restarts = 0
+        self.cap_tamper_count = 0
+        self.last_cap_tamper: tuple[float, str] | None = None
+        """When (wall clock) the caps were last found changed behind the agent, and what was found."""
+        self.front_end_failure: tuple[float, str] | None = None
+        """Since when (wall clock) and why the agent cannot run the control front-end; None while it can."""
         self._log = log.bind(resource=resource.name)
 
     @property
@@ -80,30 +108,44 @@ class DaemonSupervisor:
 
     @property
     def up(self) -> bool:
-        return self._held is not None
+        return self._up
 
     @property
     def mode(self) -> CapMode | None:
+        """The cap mode the daemon is known to hold; None while it is being set, or after a switch failed."""
         return self._held
+
+    @property
+    def multi_user(self) -> bool | None:
+        return self._running_multi_user
 
     # --- cap mode -------------------------------------------------------------------------------------------
 
-    async def set_mode(self, mode: CapMode) -> None:
-        """Make the daemon hold `mode` (defaults and running servers); raises DaemonError when it cannot."""
+    async def set_mode(self, mode: CapMode, *, verify: bool = False) -> None:
+        """Make the daemon hold `mode` (defaults and running servers); raises DaemonError when it cannot.
+
+        `verify`: read the daemon's real values even when it is believed to hold `mode`, and restore (and report)
+        any that changed behind the agent; a PreStartContainer must not trust a cached mode.
+        """
         self._wanted = mode
         self._mode_known = True
-        if self._held is mode:
+        if self._held is mode and not verify:
             return
         if self._pid is None:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
-        await self._apply()
+        await self._hold(verify=verify)
 
-    async def _apply(self) -> None:
+    async def _hold(self, *, verify: bool = False) -> None:
         """Bring the daemon to the latest wanted mode; concurrent callers queue, the last wish wins."""
         async with self._mode_lock:
             mode = self._wanted
             if self._held is mode:
-                return
+                if not verify:
+                    return
+                differences = await self._differences(mode)
+                if not differences:
+                    return
+                self._report_tamper(mode, differences)
             self._held = None
             await self._channel.apply(daemon_default_steps(self._resource, mode))
             servers = await self._channel.server_pids()
@@ -115,19 +157,46 @@ class DaemonSupervisor:
             self._save_state()
             self._log.info("mps daemon caps set", mode=mode.value, pid=self._pid)
 
+    async def _differences(self, mode: CapMode) -> tuple[CapDifference, ...]:
+        """The daemon's defaults and running servers' values that differ from `mode`'s: one front-end session,
+        and one more when servers run."""
+        defaults = daemon_default_steps(self._resource, mode)
+        default_values, servers = await self._channel.read_with_servers([step.read_back for step in defaults])
+        per_server = [running_server_steps(self._resource, mode, server) for server in servers]
+        server_values = (
+            await self._channel.read([step.read_back for steps in per_server for step in steps]) if servers else []
+        )
+        return cap_differences(defaults, default_values, per_server, server_values)
+
+    def _report_tamper(self, mode: CapMode, differences: Sequence[CapDifference]) -> None:
+        for difference in differences:
+            self._log.error(
+                "mps daemon caps changed behind the agent; restoring them",
+                value=difference.step.read_back,
+                expected=difference.step.expected,
+                found=difference.found,
+                server=difference.step.server,
+                mode=mode.value,
+            )
+        self.cap_tamper_count += len(differences)
+        self.last_cap_tamper = (time.time(), "; ".join(difference.describe() for difference in differences))
+
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the daemon until cancelled; reports started once the daemon holds its defaults."""
         await self._take_compute_modes()
+        if self._owns_daemon:
+            self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
             async with anyio.create_task_group() as tg:
                 if self._owns_daemon:
-                    tg.start_soon(self._forward_log)  # otherwise the daemon host forwards it
+                    tg.start_soon(forward_daemon_log, self._resource.log_directory / CONTROL_LOG, self._log)
                     await self._bring_up(first=True)
                     task_status.started()
                 else:
                     # Waiting for the daemon host is normal at start: serve, with the replicas unhealthy until then.
+                    # (The daemon host forwards the daemon's log.)
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True)
                     task_status.started()
                     await self._adopt_from_host()
@@ -135,6 +204,7 @@ class DaemonSupervisor:
                     await self._wait_for_failure()
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True)
                     self._held = None
+                    self._up = False
                     self._log.error("mps daemon down; replicas unhealthy", pid=self._pid)
                     self.restarts += 1
                     if self._owns_daemon:
@@ -153,19 +223,23 @@ class DaemonSupervisor:
             try:
                 if first and await self._adopt():
                     pass
+                elif self._process is not None and self._process.returncode is None:
+                    await self._wait_answering()  # ours, kept through the agent's own failure to ask it
                 else:
                     await self._start()
-                await self._apply()
+                await self._hold()
             except DaemonError as exc:
                 if first and self._process is not None:
                     await self._kill_child()
                 if first:
                     raise  # a daemon that cannot start, or hold its defaults, at start-up is a loud failure
                 self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
-                await self._kill_child()
+                if not isinstance(exc, ControlRunError):
+                    await self._kill_child()
                 await anyio.sleep(delay)
                 delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
                 continue
+            self._up = True
             self._inventory.set_resource_problem(HEALTH_SOURCE, False)
             self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
             return
@@ -173,34 +247,35 @@ class DaemonSupervisor:
     async def _adopt_from_host(self) -> None:
         """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted mode."""
         delay = RESTART_BACKOFF_INITIAL_S
-        waiting_since_logged = False
+        waiting_logged = False
         while True:
             try:
                 if await self._adopt():
-                    await self._apply()
+                    await self._hold()
+                    self._up = True
                     self._inventory.set_resource_problem(HEALTH_SOURCE, False)
                     self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
                     return
                 reason = f"no MPS daemon with a live PID answers on {self._resource.pipe_directory}"
             except DaemonError as exc:
                 reason = str(exc)
-            if not waiting_since_logged:
+            if not waiting_logged:
                 self._log.warning(
                     "waiting for the mps daemon host",
                     reason=reason,
                     hint="the daemon host (mpsagent --daemon-host, the mpsagent-mps-daemon DaemonSet) starts it",
                 )
-                waiting_since_logged = True
+                waiting_logged = True
             await anyio.sleep(delay)
             delay = min(delay * 2, HOST_WAIT_MAX_S)
 
     async def _adopt(self) -> bool:
         if not await self._channel.probe():
             return False
-        state = read_state(self._resource.directory)
+        state = self._state_file.read()
         if state is None or not pid_alive(state.pid):
             if not self._owns_daemon:
-                return False  # the daemon host writes the state right after it starts a daemon
+                return False  # the daemon host records a daemon once it holds its first caps
             raise DaemonError(
                 f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
                 f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
@@ -212,21 +287,36 @@ class DaemonSupervisor:
                 daemon_gpus=state.visible_devices,
             )
         self._pid = state.pid
+        self._running_multi_user = state.multi_user
         self._original_modes = state.original_compute_modes or self._original_modes
-        self._log.info("mps daemon adopted", pid=state.pid, mode=state.mode)
+        self._log.info("mps daemon adopted", pid=state.pid, mode=state.mode, multi_user=state.multi_user)
+        if self._owns_daemon and state.multi_user is not None and state.multi_user is not self._multi_user:
+            self._log.warning(
+                "adopted mps daemon keeps its user mode, which differs from the configuration",
+                daemon_multi_user=state.multi_user,
+                configured_multi_user=self._multi_user,
+                hint="a daemon the agent starts follows the configuration; to switch now, stop the agent with "
+                "--mps-on-exit quit (this quits the daemon and ends its clients) and start it again",
+            )
         if not self._mode_known and state.mode in {mode.value for mode in CapMode}:
             self._wanted = unreconciled_mode(self._resource, adopted=CapMode(state.mode))
             self._log.info("cap mode kept until the live grants are known", mode=self._wanted.value)
         return True
 
     async def _start(self) -> None:
-        self._process = await start_daemon(self._resource, self._control_bin, self._channel)
+        self._process = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
         self._pid = self._process.pid
+        self._running_multi_user = self._multi_user
         self._save_state()
-        self._log.info("mps daemon started", pid=self._pid)
+        await self._wait_answering()
+
+    async def _wait_answering(self) -> None:
+        assert self._process is not None
+        await wait_answering(self._process, self._resource, self._channel)
+        self._log.info("mps daemon started", pid=self._pid, multi_user=self._multi_user)
 
     async def _wait_for_failure(self) -> None:
-        """Return when the daemon exits (noticed at once) or stops answering the periodic round trip."""
+        """Return when the daemon exits (noticed at once) or stops answering the periodic round."""
         async with anyio.create_task_group() as tg:
 
             async def exited() -> None:
@@ -234,16 +324,61 @@ class DaemonSupervisor:
                 self._log.error("mps daemon exited", pid=self._pid)
                 tg.cancel_scope.cancel()
 
-            async def hung() -> None:
-                while True:
-                    await anyio.sleep(PROBE_INTERVAL_S)
-                    if not await self._channel.probe():
-                        self._log.error("mps daemon does not answer", pid=self._pid)
-                        tg.cancel_scope.cancel()
-                        return
+            async def unanswered() -> None:
+                await self._watch_rounds()
+                tg.cancel_scope.cancel()
 
             tg.start_soon(exited)
-            tg.start_soon(hung)
+            tg.start_soon(unanswered)
+
+    async def _watch_rounds(self) -> None:
+        """A round every probe interval; returns when the daemon does not answer. When the agent cannot run the
+        front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S) and the daemon is kept."""
+        wait = self._probe_interval
+        while True:
+            await anyio.sleep(wait)
+            try:
+                answered = await self._round()
+            except ControlRunError as exc:
+                wait = min(wait * 2, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
+                self._front_end_failed(exc, retry_in_s=wait)
+                continue
+            if not answered:
+                return
+            self._front_end_recovered()
+            self._state_file.retry()
+            wait = self._probe_interval
+
+    async def _round(self) -> bool:
+        """Check that the daemon holds the wanted mode, restoring what changed; False when it does not answer."""
+        try:
+            await self._hold(verify=True)
+        except DaemonCommandError as exc:
+            if not await self._channel.probe(attempts=1):
+                self._log.error("mps daemon does not answer", pid=self._pid, reason=str(exc))
+                return False
+            # It answers, but does not hold what it is given: the next round tries again.
+            self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
+        return True
+
+    def _front_end_failed(self, exc: ControlRunError, *, retry_in_s: float) -> None:
+        if self.front_end_failure is None:
+            self.front_end_failure = (time.time(), str(exc))
+            self._log.error(
+                "mps control front-end cannot run; the daemon is kept",
+                reason=str(exc),
+                pid=self._pid,
+                retry_in_s=retry_in_s,
+                hint=FRONT_END_HINT,
+            )
+        else:
+            self._log.debug("mps control front-end still cannot run", reason=str(exc), retry_in_s=retry_in_s)
+
+    def _front_end_recovered(self) -> None:
+        if self.front_end_failure is not None:
+            since, _ = self.front_end_failure
+            self.front_end_failure = None
+            self._log.info("mps control front-end runs again", failed_for_s=round(time.time() - since, 1))
 
     async def _wait_exit(self) -> None:
         if self._process is not None:
@@ -281,7 +416,7 @@ class DaemonSupervisor:
             if self._pid is not None:
                 self._log.info("mps daemon left running", pid=self._pid)
             return
-        with contextlib.suppress(DaemonCommandError):
+        with contextlib.suppress(DaemonError):
             await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
         with anyio.move_on_after(QUIT_TIMEOUT_S + 1):
             if self._process is not None:
@@ -289,7 +424,7 @@ class DaemonSupervisor:
             elif self._pid is not None:
                 await self._wait_exit()
         await self._kill_child()
-        remove_state(self._resource.directory)
+        self._state_file.remove()
         await self._restore_compute_modes()
         self._log.info("mps daemon quit")
 
@@ -299,7 +434,7 @@ class DaemonSupervisor:
         if not self._gpus.manages_compute_mode:
             self._log.info("compute mode not managed", reason="GPUs come from a node snapshot")
             return
-        state = read_state(self._resource.directory)
+        state = self._state_file.read()
         for gpu in self._resource.gpus:
             current = await anyio.to_thread.run_sync(self._gpus.compute_mode, gpu.uuid)
             recorded = state.original_compute_modes.get(gpu.uuid) if state else None
@@ -322,15 +457,12 @@ class DaemonSupervisor:
     def _save_state(self) -> None:
         if self._pid is None:
             return
-        write_state(
-            self._resource.directory,
+        self._state_file.write(
             DaemonState(
                 pid=self._pid,
                 visible_devices=self._resource.visible_devices,
                 mode=(self._held or self._wanted).value,
+                multi_user=self._running_multi_user,
                 original_compute_modes=self._original_modes,
             ),
         )
-
-    async def _forward_log(self) -> None:
-        await forward_daemon_log(self._resource.log_directory / CONTROL_LOG, self._log)

@@ -16,13 +16,13 @@ import os
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.errors import DaemonCommandError, DaemonError
+from mpsagent.errors import ControlRunError, DaemonError
 from mpsagent.host import pid_alive
 from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, start_daemon, stop_process
-from mpsagent.mps.state import DaemonState, read_state, remove_state, write_state
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, stop_process, wait_answering
+from mpsagent.mps.state import DaemonState, StateFile
 from mpsagent.plan import ResourcePlan, daemon_default_steps, unreconciled_mode
 
 log = get_logger(__name__)
@@ -42,6 +42,8 @@ class DaemonKeeper:
         self._resource = resource
         self._control_bin = control_bin
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
+        self._state_file = StateFile(resource.directory)
+        self._multi_user = False
         self._process: Process | None = None
         self._pid: int | None = None
         self.restarts = 0
@@ -54,6 +56,7 @@ class DaemonKeeper:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Keep the daemon running until cancelled; reports started once the first daemon answers. On
         cancellation the daemon is asked to quit (its clients get QUIT_TIMEOUT_S to finish)."""
+        self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(forward_daemon_log, self._resource.log_directory / CONTROL_LOG, self._log)
@@ -74,7 +77,7 @@ class DaemonKeeper:
         """A daemon that already answers with a live recorded PID (left by an earlier keeper or agent) is kept."""
         if not await self._channel.probe():
             return False
-        state = read_state(self._resource.directory)
+        state = self._state_file.read()
         if state is None or not pid_alive(state.pid):
             raise DaemonError(
                 f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
@@ -92,6 +95,13 @@ class DaemonKeeper:
                 await self._start()
             except DaemonError as exc:
                 self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
+                if isinstance(exc, ControlRunError) and self._process is not None:
+                    # The keeper could not ask it (EMFILE, ENOMEM): not the daemon's failure; start it again only
+                    # if it is gone by the next try.
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                    if self._process.returncode is None:
+                        continue
                 await self._end_daemon()
                 await anyio.sleep(delay)
                 delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
@@ -99,24 +109,26 @@ class DaemonKeeper:
             return
 
     async def _start(self) -> None:
-        self._process = await start_daemon(self._resource, self._control_bin, self._channel)
+        if self._process is None or self._process.returncode is not None:
+            self._process = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
         self._pid = self._process.pid
+        await wait_answering(self._process, self._resource, self._channel)
         # Capped until the agent knows the live grants: a client container restarted before the agent is back
         # must not run uncapped (the agent lifts the caps when its ledger allows).
         mode = unreconciled_mode(self._resource, adopted=None)
         await self._channel.apply(daemon_default_steps(self._resource, mode))
         # Recorded only now: the agent adopts a daemon once its PID is recorded, and must not race these caps.
-        earlier = read_state(self._resource.directory)
-        write_state(
-            self._resource.directory,
+        earlier = self._state_file.read()
+        self._state_file.write(
             DaemonState(
                 pid=self._pid,
                 visible_devices=self._resource.visible_devices,
                 mode=mode.value,
+                multi_user=self._multi_user,
                 original_compute_modes=earlier.original_compute_modes if earlier else {},
-            ),
+            )
         )
-        self._log.info("mps daemon started", pid=self._pid, mode=mode.value)
+        self._log.info("mps daemon started", pid=self._pid, mode=mode.value, multi_user=self._multi_user)
 
     async def _wait_for_failure(self) -> str:
         """Why the daemon must be restarted: it exited (noticed at once), or it stopped answering."""
@@ -133,7 +145,14 @@ class DaemonKeeper:
                 failed_rounds = 0
                 while failed_rounds < HUNG_AFTER_FAILED_ROUNDS:
                     await anyio.sleep(PROBE_INTERVAL_S)
-                    failed_rounds = 0 if await self._channel.probe() else failed_rounds + 1
+                    try:
+                        answered = await self._channel.probe()
+                    except ControlRunError as exc:
+                        # The keeper's own failure to run the front-end says nothing about the daemon: kept.
+                        self._log.warning("mps control front-end cannot run; the daemon is kept", reason=str(exc))
+                        continue
+                    failed_rounds = 0 if answered else failed_rounds + 1
+                    self._state_file.retry()
                 reason = f"it did not answer on {self._resource.pipe_directory} for {failed_rounds} rounds"
                 tg.cancel_scope.cancel()
 
@@ -170,7 +189,7 @@ class DaemonKeeper:
         if self._pid is None:
             return
         self._log.warning("mps daemon quitting: its clients end with it", pid=self._pid, clients_get_s=QUIT_TIMEOUT_S)
-        with contextlib.suppress(DaemonCommandError):
+        with contextlib.suppress(DaemonError):
             await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
         with anyio.move_on_after(QUIT_TIMEOUT_S + 2):
             if self._process is not None:
@@ -178,5 +197,5 @@ class DaemonKeeper:
             else:
                 await self._wait_exit()
         await self._end_daemon()
-        remove_state(self._resource.directory)
+        self._state_file.remove()
         self._log.info("mps daemon quit")

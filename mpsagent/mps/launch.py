@@ -1,5 +1,6 @@
-"""Starting one resource's `nvidia-cuda-mps-control` in the foreground until it answers; the agent's daemon
-supervisor and the daemon host both start daemons this way, so both start the same daemon."""
+"""Starting one resource's `nvidia-cuda-mps-control` in the foreground, and waiting until it answers; the agent's
+daemon supervisor and the daemon host (`mps.keeper`) both start daemons this way, so both start the same daemon.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +9,49 @@ import subprocess
 
 import anyio
 from anyio.abc import Process
+from structlog.stdlib import BoundLogger
 
+from mpsagent.config import MultiUser
 from mpsagent.errors import DaemonError
 from mpsagent.host import FileRefusedError, open_private_file
-from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.control import ControlChannel, offers_multi_user
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
-from mpsagent.plan import ResourcePlan, daemon_launch
+from mpsagent.plan import ResourcePlan, daemon_launch, multi_user_server
 
 START_TIMEOUT_S = 10.0
 CONTROL_LOG = "control.log"
 
 
-async def start_daemon(resource: ResourcePlan, control_bin: str, channel: ControlChannel) -> Process:
-    """Start the daemon in a session of its own, its output appended to `<resource>/log/control.log`; returns
-    once it answers a round trip. Raises DaemonError (the process killed and reaped) when it cannot start."""
-    launch = daemon_launch(resource, control_bin)
+async def decide_multi_user(resource: ResourcePlan, control_bin: str, log: BoundLogger) -> bool:
+    """Whether a daemon started for `resource` gets `-M`: the config, and what the binary offers. Raises
+    ConfigError when the config demands what the binary lacks; warns once when `auto` finds it lacking."""
+    offered = await anyio.to_thread.run_sync(offers_multi_user, control_bin)
+    multi_user = multi_user_server(resource, offered, control_bin)
+    if not multi_user and resource.multi_user is MultiUser.AUTO:
+        log.warning(
+            "mps daemon without a multi-user server: pods of different users take turns on its GPUs",
+            control_bin=control_bin,
+            hint="a client of another user than the running server's waits until every client of that server "
+            "has left; run the pods as one user, or use a control binary whose -h lists --multiuser-server",
+        )
+    return multi_user
+
+
+async def launch_daemon(resource: ResourcePlan, control_bin: str, *, multi_user: bool) -> Process:
+    """Start the daemon in a session of its own, its output appended to `<resource>/log/control.log`. Raises
+    DaemonError when it cannot be started."""
+    launch = daemon_launch(resource, control_bin, multi_user=multi_user)
     log_file = resource.log_directory / CONTROL_LOG
     try:
-        fd = open_private_file(
-            log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE_MODE, what="the daemon log"
-        )
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        fd = open_private_file(log_file, flags, PRIVATE_FILE_MODE, what="the daemon log")
     except FileRefusedError as exc:
         raise DaemonError(f"{exc}; remove it") from exc
     except OSError as exc:
         raise DaemonError(f"cannot open the daemon log {log_file} ({exc.strerror})") from exc
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
-        process = await anyio.open_process(
+        return await anyio.open_process(
             list(launch.argv),
             stdin=subprocess.DEVNULL,
             stdout=fd,
@@ -48,17 +65,21 @@ async def start_daemon(resource: ResourcePlan, control_bin: str, channel: Contro
         ) from exc
     finally:
         os.close(fd)
+
+
+async def wait_answering(process: Process, resource: ResourcePlan, channel: ControlChannel) -> None:
+    """Return once the daemon answers a round trip. Raises DaemonError when it exits or does not answer in time,
+    and ControlRunError (leaving the daemon alone) when the front-end cannot even be run."""
     with anyio.move_on_after(START_TIMEOUT_S):
         while process.returncode is None:
             if await channel.probe(attempts=1):
-                return process
+                return
             await anyio.sleep(0.05)
     code = process.returncode
-    await stop_process(process)
     raise DaemonError(
         f"the MPS control daemon for {resource.name} "
         + (f"exited with status {code}" if code is not None else f"did not answer within {START_TIMEOUT_S:g}s")
-        + f"; see {log_file}"
+        + f"; see {resource.log_directory / CONTROL_LOG}"
     )
 
 

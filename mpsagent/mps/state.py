@@ -1,8 +1,10 @@
 """The daemon state file `<mps-root>/<resource>/daemon.json`: what the agent needs to recognise its daemon after
-a restart (PID, the GPUs it serves, the cap mode it holds, the compute modes to restore).
+a restart (PID, the GPUs it serves, the cap mode it holds, whether it runs one server for every user, the compute
+modes to restore).
 
 Written atomically. A write that fails (a full or read-only file system) never fails what the daemon was doing:
-it is logged once, and the latest state is written again on the next change or when the publisher retries.
+it is logged once, kept, and written again by the next write or by `retry()`, which the file's owner (the daemon
+supervisor, or the daemon host's keeper) calls every liveness round.
 """
 
 from __future__ import annotations
@@ -24,54 +26,57 @@ class DaemonState(msgspec.Struct, rename="camel", kw_only=True):
     pid: int
     visible_devices: str
     mode: str
+    multi_user: bool | None = None
+    """Whether it was started with `-M`; None: recorded by an agent that did not know."""
     original_compute_modes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-# The latest state of each resource directory whose write failed, kept until a write succeeds (the daemon
-# supervisors write, the publisher retries; all on the agent's one event loop).
-_unwritten: dict[Path, DaemonState] = {}
+class StateFile:
+    """One resource's `daemon.json`, owned by whoever drives that resource's daemon."""
 
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / STATE_FILE
+        self._unwritten: DaemonState | None = None
 
-def read_state(directory: Path) -> DaemonState | None:
-    try:
-        return msgspec.json.decode((directory / STATE_FILE).read_bytes(), type=DaemonState)
-    except (OSError, msgspec.DecodeError):
-        return None
+    def read(self) -> DaemonState | None:
+        """The recorded state; None when there is none, or it cannot be read (a new daemon is then started)."""
+        try:
+            return msgspec.json.decode(self.path.read_bytes(), type=DaemonState)
+        except (OSError, msgspec.DecodeError):
+            return None
 
-
-def write_state(directory: Path, state: DaemonState) -> bool:
-    """True when written; a failure is logged when it begins and when it ends, never raised."""
-    path = directory / STATE_FILE
-    try:
-        write_atomically(
-            path, msgspec.json.encode(state), PRIVATE_FILE_MODE, what="the daemon state file", durable=True
-        )
-    except OSError as exc:
-        if directory not in _unwritten:
-            log.error(  # noqa: TRY400 (no traceback for a known failure)
-                "daemon state not written",
-                path=str(path),
-                reason=os_reason(exc),
-                hint="the daemon keeps running with its caps; the agent retries until the write succeeds",
+    def write(self, state: DaemonState) -> bool:
+        """True when written; a failure is logged when it begins and when it ends, never raised."""
+        try:
+            write_atomically(
+                self.path, msgspec.json.encode(state), PRIVATE_FILE_MODE, what="the daemon state file", durable=True
             )
-        _unwritten[directory] = state
-        return False
-    if _unwritten.pop(directory, None) is not None:
-        log.info("daemon state written again", path=str(path))
-    return True
+        except OSError as exc:
+            if self._unwritten is None:
+                log.error(  # noqa: TRY400 (no traceback for a known failure)
+                    "daemon state not written",
+                    path=str(self.path),
+                    reason=os_reason(exc),
+                    hint="the daemon keeps running with its caps; the write is retried every liveness round",
+                )
+            self._unwritten = state
+            return False
+        if self._unwritten is not None:
+            self._unwritten = None
+            log.info("daemon state written again", path=str(self.path))
+        return True
 
+    def retry(self) -> None:
+        """Write the latest state again if its write failed."""
+        if self._unwritten is not None:
+            self.write(self._unwritten)
 
-def retry_unwritten_states() -> None:
-    for directory, state in list(_unwritten.items()):
-        write_state(directory, state)
-
-
-def remove_state(directory: Path) -> None:
-    """Logs a failure, never raises (called while the agent stops)."""
-    _unwritten.pop(directory, None)
-    try:
-        (directory / STATE_FILE).unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("daemon state not removed", path=str(directory / STATE_FILE), reason=os_reason(exc))
+    def remove(self) -> None:
+        """Logs a failure, never raises (called while stopping)."""
+        self._unwritten = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("daemon state not removed", path=str(self.path), reason=os_reason(exc))
