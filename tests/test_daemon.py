@@ -173,13 +173,14 @@ def test_mps_on_exit_quit_stops_the_daemon(agents: AgentLauncher, kubelet: FakeK
 def test_compute_mode_set_through_nvml_and_restored_on_quit(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fake_nvml_library: Path
 ) -> None:
+    a, b = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
     nvml = short_dir / "nvml.json"
     nvml.write_text(
         json.dumps(
             {
                 "gpus": [
-                    {"uuid": "GPU-aaaa", "memoryTotal": 17179869184, "major": 7, "minor": 5},
-                    {"uuid": "GPU-bbbb", "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    {"uuid": a, "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    {"uuid": b, "memoryTotal": 17179869184, "major": 7, "minor": 5},
                 ]
             }
         )
@@ -188,10 +189,10 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
     env = fake_nvml_env(fake_nvml_library, nvml, state)
     agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit", env=env, nvml=True)
     plugin = kubelet.wait_registered(RESOURCE)
-    assert [d[0] for d in plugin.latest()][:1] == ["GPU-aaaa::0"]
-    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 3, "GPU-bbbb": 3}
+    assert [d[0] for d in plugin.latest()][:1] == [f"{a}::0"]
+    assert json.loads(state.read_text())["computeModes"] == {a: 3, b: 3}
     assert agent.stop() == 0
-    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 0, "GPU-bbbb": 0}
+    assert json.loads(state.read_text())["computeModes"] == {a: 0, b: 0}
 
 
 @pytest.mark.parametrize(
