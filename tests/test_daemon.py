@@ -236,7 +236,8 @@ def test_a_hung_front_end_times_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["get_server_list\nquit", "set_default_active_thread_percentage 1;quit", "", "x" * 600]
+    "command",
+    ["get_server_list\n", "get_server_list\nquit", "set_default_active_thread_percentage 1;quit", "", "x" * 600],
 )
 def test_commands_that_could_inject_another_line_are_refused(command: str) -> None:
     with pytest.raises(DaemonCommandError, match="malformed"):
