@@ -3,7 +3,8 @@ snapshot are read through here.
 
 PyYAML's safe loader builds nothing dangerous, but it follows aliases: a file of a few hundred bytes whose aliases
 refer to aliases (a "billion laughs") is a billion values to whoever walks it. The loader here counts what a
-document holds with every alias expanded, while it is composed, and refuses it past `MAX_VALUES`; it also refuses
+document holds with every alias expanded, while it is composed, and refuses it past `MAX_VALUES` (counting plain
+values as they are read, so that a long flat list is refused halfway rather than built whole); it also refuses
 nesting past `MAX_DEPTH` (before Python's recursion limit) and numbers of more than `MAX_NUMBER_CHARS` characters
 (before Python's limit on integer conversion).
 """
@@ -35,6 +36,7 @@ class _BoundedLoader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._composed = 0  # nodes composed so far: bounds the work before any alias is expanded
         self._expanded: dict[int, int] = {}  # id(node) -> values it holds, aliases expanded; set once composed
 
     def compose_node(self, parent: Node | None, index: int) -> Node | None:
@@ -49,6 +51,10 @@ class _BoundedLoader(yaml.SafeLoader):
                 )
         elif self._depth >= MAX_DEPTH:
             raise DocumentError(f"nests deeper than {MAX_DEPTH} levels at {_where(event.start_mark)}")
+        else:
+            self._composed += 1
+            if self._composed > MAX_VALUES:
+                raise DocumentError(f"holds more than {MAX_VALUES} values (at {_where(event.start_mark)})")
         self._depth += 1
         try:
             node = super().compose_node(parent, index)

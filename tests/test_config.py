@@ -814,6 +814,13 @@ def test_a_huge_integer_is_a_config_error() -> None:
     only_config_errors("version: v1\nflags:\n  gfd:\n    x: " + "1" * 5000 + "\n")
 
 
+def test_a_document_of_too_many_values_is_refused_before_all_are_read() -> None:
+    error = refused(MINIMAL + "flags:\n  gfd:\n    x: [" + "0," * 200_000 + "0]\n")
+    assert error.message.startswith("config.yaml holds more than 100000 values (at line 9, column ")
+    column = int(error.message.rpartition(" ")[2].rstrip(")"))
+    assert column < 250_000  # stopped near the 100,001st value of 200,001
+
+
 def test_a_deeply_nested_document_is_a_config_error() -> None:
     only_config_errors("[" * 1000 + "]" * 1000)
 
