@@ -11,24 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
-from mpsagent.errors import RequestError
+from mpsagent.errors import RequestError, shown
 from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
 from mpsagent.plan import CapMode, ContainerGrant, ResourcePlan, container_grant, daemon_mode_for
 from mpsagent.reconcile import Holding, ReconcileResult, reconcile
 
 MAX_NAMED_IDS = 3
-MAX_SHOWN_ID_CHARS = 80
-
-
-def _show(replica_id: str) -> str:
-    shown = replica_id if len(replica_id) <= MAX_SHOWN_ID_CHARS else replica_id[:MAX_SHOWN_ID_CHARS] + "..."
-    return f"'{shown}'" if shown.isascii() and shown.isprintable() else ascii(shown)
 
 
 def describe_ids(ids: Sequence[str]) -> str:
     """Name the first few IDs and count the rest, so that a message stays well under a gRPC status's limit."""
-    named = ", ".join(_show(i) for i in ids[:MAX_NAMED_IDS])
+    named = ", ".join(f"'{shown(i)}'" for i in ids[:MAX_NAMED_IDS])
     rest = len(ids) - MAX_NAMED_IDS
     return f"{named} and {rest} more" if rest > 0 else named
 
@@ -51,9 +45,10 @@ class ResourceAllocator:
         self.ledger = ledger or Ledger()
         self._shm = shm_directory
         self._known = frozenset(resource.device_ids)
-        self._gpu_replicas: dict[GpuUuid, tuple[ReplicaId, ...]] = {
-            gpu.uuid: tuple(r for r in resource.device_ids if gpu_of(r) == gpu.uuid) for gpu in resource.gpus
-        }
+        replicas: dict[GpuUuid, list[ReplicaId]] = {gpu.uuid: [] for gpu in resource.gpus}  # host-index order
+        for replica in resource.device_ids:  # one pass: set-up grows with the node's replicas, not their square
+            replicas[gpu_of(replica)].append(replica)
+        self._gpu_replicas = {uuid: tuple(ids) for uuid, ids in replicas.items()}
 
     def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:
         unique = tuple(dict.fromkeys(ids))

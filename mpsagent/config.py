@@ -17,15 +17,19 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
-import yaml
 
-from mpsagent.errors import ConfigError, UsageError
+from mpsagent.documents import load_yaml
+from mpsagent.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
+from mpsagent.host import read_input_file
 
 DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
 DEFAULT_MPS_CONTROL_BIN = "nvidia-cuda-mps-control"
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 DEFAULT_RECONCILE_GRACE_S = 60.0
+# The kubelet lists a container a moment after its Allocate; below this, a grant could be released before then.
+MIN_RECONCILE_GRACE_S = 10.0
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; NVIDIA's largest examples are a few KiB
 DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
@@ -263,37 +267,34 @@ _E = TypeVar("_E", bound=enum.StrEnum)
 
 # --- reading the file -------------------------------------------------------------------------------------
 
-_MSGSPEC_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MSGSPEC_PATH = re.compile(r"(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?", re.DOTALL)
+_SHOWN_MESSAGE_CHARS = 200
 
 
 def _key_path(msgspec_path: str) -> str:
-    return msgspec_path.lstrip(".")
+    return shown(msgspec_path.lstrip("."), _SHOWN_MESSAGE_CHARS)
 
 
 def _explain(exc: msgspec.ValidationError) -> ConfigError:
-    match = _MSGSPEC_PATH.match(str(exc))
+    match = _MSGSPEC_PATH.fullmatch(str(exc))
     what, path = (match.group("what"), match.group("path") or "") if match else (str(exc), "")
-    unknown = re.match(r"Object contains unknown field `(?P<key>[^`]*)`", what)
+    unknown = re.fullmatch(r"Object contains unknown field `(?P<key>.*)`", what, re.DOTALL)
     if unknown:
-        key = unknown.group("key")
+        key = shown(unknown.group("key"))
         full = f"{_key_path(path)}.{key}" if path else key
         return ConfigError(full, "unknown key (check its spelling; see docs/configuration.md)")
-    missing = re.match(r"Object missing required field `(?P<key>[^`]*)`", what)
+    missing = re.fullmatch(r"Object missing required field `(?P<key>[^`]*)`", what)
     if missing:
         return ConfigError(_key_path(path), f"required key `{missing.group('key')}` is missing")
-    return ConfigError(_key_path(path), what[:1].lower() + what[1:])
+    return ConfigError(_key_path(path), shown(what[:1].lower() + what[1:], _SHOWN_MESSAGE_CHARS))
 
 
 def parse_config(text: str, source: str) -> ConfigFile:
     """Parse YAML or JSON text into the file's structure; shape errors name the key path."""
     try:
-        document = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError("", f"{source} is not valid YAML or JSON{where}") from exc
-    except (ValueError, RecursionError) as exc:  # integers past Python's digit limit, absurd nesting
-        raise ConfigError("", f"{source} is not a usable YAML or JSON document ({type(exc).__name__})") from exc
+        document = load_yaml(text)
+    except DocumentError as exc:
+        raise ConfigError("", f"{source} {exc}") from exc
     if document is None:
         raise ConfigError("", f"{source} is empty: it must configure sharing.mps.resources")
     if not isinstance(document, dict):
@@ -305,24 +306,27 @@ def parse_config(text: str, source: str) -> ConfigFile:
     except msgspec.ValidationError as exc:
         raise _explain(exc) from exc
     except (TypeError, ValueError) as exc:
-        raise ConfigError("", f"{source} holds values that are neither YAML nor JSON data: {exc}") from exc
+        raise ConfigError("", f"{source} holds values that are neither YAML nor JSON data: {shown(exc)}") from exc
 
 
 def load_config(path: Path) -> ConfigFile:
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise UsageError(f"--config-file {path}: no such file") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config-file {path}: cannot read it ({exc})") from exc
+        text = read_input_file(path, max_bytes=MAX_CONFIG_BYTES, what="--config-file").decode("utf-8")
+    except FileReadError as exc:
+        raise UsageError(str(exc)) from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config-file {path}: is not UTF-8 text (at byte {exc.start})") from exc
     return parse_config(text, str(path))
 
 
 # --- checking it ------------------------------------------------------------------------------------------
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
-_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+# The kubelet also checks `requests.<name>` (the name a quota uses), so the domain has that much less room.
+_QUOTA_PREFIX = "requests."
+_MAX_DOMAIN_CHARS = 253 - len(_QUOTA_PREFIX)
 
 
 def qualify_resource_name(name: str) -> str:
@@ -331,19 +335,20 @@ def qualify_resource_name(name: str) -> str:
 
 
 def resource_name_problem(name: str) -> str | None:
-    """Why the kubelet would refuse this extended resource name, or None when it is acceptable."""
+    """Why the kubelet would refuse this extended resource name, or None when it is acceptable (the rules of
+    Kubernetes' `IsExtendedResourceName`)."""
     domain, _, short = name.partition("/")
     if not short or "/" in short:
-        return f"`{name}` must be of the form domain/name"
-    if len(domain) > 253 or not _DNS_SUBDOMAIN.match(domain):
-        return f"domain `{domain}` must be a lowercase DNS subdomain"
-    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
-        return f"`{name}` is in the kubernetes.io domain, which the kubelet keeps for native resources"
-    if name.startswith("requests."):
-        return f"`{name}` must not start with `requests.`"
-    if len(short) > 63 or not _QUALIFIED_NAME.match(short):
+        return f"`{shown(name)}` must be of the form domain/name"
+    if len(domain) > _MAX_DOMAIN_CHARS or not _DNS_SUBDOMAIN.fullmatch(domain):
+        return f"domain `{shown(domain)}` must be a lowercase DNS subdomain of at most {_MAX_DOMAIN_CHARS} characters"
+    if "kubernetes.io/" in name:
+        return f"`{shown(name)}` is in the kubernetes.io domain, which the kubelet keeps for native resources"
+    if name.startswith(_QUOTA_PREFIX):
+        return f"`{shown(name)}` must not start with `{_QUOTA_PREFIX}`"
+    if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
         return (
-            f"name part `{short}` must be at most 63 characters of [A-Za-z0-9_.-], "
+            f"name part `{shown(short)}` must be at most 63 characters of [A-Za-z0-9_.-], "
             "starting and ending with a letter or digit"
         )
     return None
@@ -356,7 +361,7 @@ def _one_of(kind: type[_E], value: str | None, default: _E, path: str) -> _E:
         return kind(value)
     except ValueError:
         choices = ", ".join(member.value for member in kind)
-        raise ConfigError(path, f"`{value}` is not supported; use one of: {choices}") from None
+        raise ConfigError(path, f"`{shown(value)}` is not supported; use one of: {choices}") from None
 
 
 def _device_list_strategy(value: str | list[str] | None) -> DeviceListStrategy:
@@ -388,10 +393,11 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
         advertised = name
     if not 1 <= entry.replicas <= MAX_REPLICAS:
         raise ConfigError(
-            f"{path}.replicas", f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {entry.replicas}"
+            f"{path}.replicas",
+            f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {shown(entry.replicas)}",
         )
     if isinstance(entry.devices, int) and entry.devices < 1:
-        raise ConfigError(f"{path}.devices", f"a device count must be at least 1, not {entry.devices}")
+        raise ConfigError(f"{path}.devices", f"a device count must be at least 1, not {shown(entry.devices)}")
     if isinstance(entry.devices, list) and not entry.devices:
         raise ConfigError(f"{path}.devices", "the device list is empty; omit the key to mean all GPUs")
     return ResourceSpec(
@@ -407,8 +413,8 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
 def check_config(config: ConfigFile) -> SharingConfig:
     """Apply the checks that need no GPUs; raises ConfigError naming the key path."""
     if config.version != "v1":
-        shown = "missing" if config.version is None else f"`{config.version}`"
-        raise ConfigError("version", f"{shown} is not supported; this agent reads `version: v1` files")
+        version = "missing" if config.version is None else f"`{shown(config.version)}`"
+        raise ConfigError("version", f"{version} is not supported; this agent reads `version: v1` files")
     if config.sharing is not None and config.sharing.time_slicing is not None:
         raise ConfigError("sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only")
     mps = config.sharing.mps if config.sharing else None
@@ -507,8 +513,7 @@ def _choice(
     if chosen is None:
         return default
     if chosen.lower() not in choices:
-        shown = chosen if len(chosen) <= 40 else chosen[:40] + "..."
-        raise UsageError(f"{_setting(name)} must be one of {', '.join(choices)}; not `{shown}`")
+        raise UsageError(f"{_setting(name)} must be one of {', '.join(choices)}; not `{shown(chosen)}`")
     return chosen.lower()
 
 
@@ -528,7 +533,9 @@ def _seconds(
         value = -1.0
     low, high = bounds
     if not low <= value <= high:
-        raise UsageError(f"{_setting(name)} must be a number of seconds from {low:g} to {high:g}, not `{chosen}`")
+        raise UsageError(
+            f"{_setting(name)} must be a number of seconds from {low:g} to {high:g}, not `{shown(chosen)}`"
+        )
     return value
 
 
@@ -541,7 +548,7 @@ def _address(chosen: str | None) -> tuple[str, int] | None:
     if not sep or not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536 or " " in host:
         raise UsageError(
             f"--metrics-address (env METRICS_ADDRESS, config flags.metricsAddress) must be HOST:PORT, for example "
-            f"0.0.0.0:9402, or empty to turn the endpoint off; not `{chosen}`"
+            f"0.0.0.0:9402, or empty to turn the endpoint off; not `{shown(chosen)}`"
         )
     return host or "0.0.0.0", int(port)  # `:PORT` means every address
 
@@ -561,7 +568,7 @@ def _xid_list(variable: str, text: str) -> tuple[frozenset[int], bool]:
             continue
         if not item.isascii() or not item.isdigit():
             raise UsageError(
-                f"{variable}: `{item}` is not an Xid; use a comma-separated list of Xid numbers, `xids` or `all`"
+                f"{variable}: `{shown(item)}` is not an Xid; use a comma-separated list of Xid numbers, `xids` or `all`"
             )
         xids.add(int(item))
     return frozenset(xids), False
@@ -644,7 +651,13 @@ def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None =
             "daemons and stops them itself"
         )
     snapshot = _pick("node_snapshot", cli, environ, None)
-    grace = _seconds("reconcile_grace_seconds", cli, environ, flags.reconcile_grace_seconds)
+    grace = _seconds(
+        "reconcile_grace_seconds",
+        cli,
+        environ,
+        flags.reconcile_grace_seconds,
+        bounds=(MIN_RECONCILE_GRACE_S, MAX_SECONDS),
+    )
     recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
     probe = _seconds("probe_interval_seconds", cli, environ, flags.probe_interval_seconds, PROBE_INTERVAL_BOUNDS_S)
     nfd_file = _pick_switchable("nfd_features_file", cli, environ, flags.nfd_features_file)

@@ -1,10 +1,14 @@
-"""Value types shared by every layer: a GPU, a replica ID `<uuid>::<i>`, health."""
+"""Value types shared by every layer: a GPU (and what makes its values plausible), a replica ID `<uuid>::<i>`,
+health."""
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import NewType
+
+from mpsagent.errors import shown
 
 GpuUuid = NewType("GpuUuid", str)
 ReplicaId = NewType("ReplicaId", str)
@@ -12,6 +16,17 @@ ResourceName = NewType("ResourceName", str)
 
 REPLICA_SEPARATOR = "::"
 MIB = 1024 * 1024
+MAX_GPUS_PER_NODE = 64
+"""Nodes carry 8 GPUs (DGX, HGX) or up to about 20 (PCIe servers) today; 64 leaves room and bounds what a node's
+set-up and every request over its replica IDs can cost."""
+MAX_GPU_MEMORY_BYTES = 16 << 40
+MAX_GPU_NAME_CHARS = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
+MAX_NUMA_NODE = 1023  # Linux's largest MAX_NUMNODES
+GPU_UUID_FORM = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hexadecimal"
+_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_PCI_BUS_ID = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+_DRIVER_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
+UNKNOWN_DRIVER_VERSION = "unknown"
 
 
 class Health(enum.StrEnum):
@@ -41,6 +56,40 @@ class Gpu:
     @property
     def compute_capability_text(self) -> str:
         return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+
+def is_gpu_uuid(text: str) -> bool:
+    """True for the form NVML gives a GPU's UUID; nothing else may reach a container's NVIDIA_VISIBLE_DEVICES."""
+    return _GPU_UUID.fullmatch(text) is not None
+
+
+def gpu_problem(gpu: Gpu) -> tuple[str, str] | None:
+    """The first value of `gpu` that no real GPU has, as (its key as snapshots and `--once` spell it, why); None when
+    every value is plausible. The one check of a GPU's values, for every source that describes GPUs."""
+    if not is_gpu_uuid(gpu.uuid):
+        return "uuid", f"`{shown(gpu.uuid)}` is not an NVIDIA GPU UUID ({GPU_UUID_FORM})"
+    if not 0 <= gpu.index < MAX_GPUS_PER_NODE:
+        return "index", f"must be from 0 to {MAX_GPUS_PER_NODE - 1}, not {shown(gpu.index)}"
+    if not gpu.name or len(gpu.name) > MAX_GPU_NAME_CHARS:
+        return "name", f"must be at most {MAX_GPU_NAME_CHARS} characters, and not empty; it has {len(gpu.name)}"
+    if not (gpu.name.isascii() and gpu.name.isprintable()):
+        return "name", f"must be printable ASCII, not `{shown(gpu.name)}`"
+    if not MIB <= gpu.memory_bytes <= MAX_GPU_MEMORY_BYTES:
+        return "memoryBytes", f"must be between 1 MiB and 16 TiB, not {shown(gpu.memory_bytes)}"
+    if not (1 <= gpu.compute_capability[0] <= 99 and 0 <= gpu.compute_capability[1] <= 99):
+        return "computeCapability", f'must look like "9.0", not {gpu.compute_capability_text}'
+    if gpu.pci_bus_id and not _PCI_BUS_ID.fullmatch(gpu.pci_bus_id):
+        return "pciBusId", f"must be DOMAIN:BUS:DEVICE.FUNCTION (00000000:18:00.0), not `{shown(gpu.pci_bus_id)}`"
+    if gpu.numa_node is not None and not 0 <= gpu.numa_node <= MAX_NUMA_NODE:
+        return "numaNode", f"must be from 0 to {MAX_NUMA_NODE} (-1 or null: none), not {shown(gpu.numa_node)}"
+    return None
+
+
+def driver_version_problem(version: str) -> str | None:
+    """Why a driver version is not of NVIDIA's form (550.90.07), or None."""
+    if version == UNKNOWN_DRIVER_VERSION or _DRIVER_VERSION.fullmatch(version):
+        return None
+    return f"must look like 550.90.07, not `{shown(version)}`"
 
 
 def format_replica_id(uuid: GpuUuid, replica: int) -> ReplicaId:

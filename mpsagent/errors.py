@@ -3,6 +3,8 @@
 MpsAgentError                 base, never raised itself
 ├── UsageError                bad flag or environment variable (exit 2)
 ├── ConfigError               bad configuration file or plan (exit 2); carries the key path
+├── FileReadError             a file to read is missing, not a regular file, too large or unreadable
+├── DocumentError             a YAML/JSON text is malformed or too big to expand (aliases, nesting, numbers)
 ├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 ├── AgentLockedError          another agent already serves a resource (exit 1)
@@ -14,6 +16,18 @@ MpsAgentError                 base, never raised itself
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+MAX_SHOWN_CHARS = 80
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """An untrusted value as a message quotes it: at most `limit` characters, on one line, anything but printable
+    ASCII escaped, so that a huge or hostile value can neither flood a log nor forge a line or text of its own."""
+    text = str(value)
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return short if short.isascii() and short.isprintable() else ascii(short)[1:-1]
 
 
 class MpsAgentError(Exception):
@@ -31,6 +45,23 @@ class ConfigError(MpsAgentError):
         self.path = path
         self.message = message
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class FileReadError(MpsAgentError):
+    """A file the agent must read is missing, not a regular file, too large, or unreadable.
+
+    The caller says what the file is for (`what`, e.g. the flag that named it) and translates the error into its
+    own kind (a config file's problem is a usage error, a status file's a runtime one)."""
+
+    def __init__(self, path: Path, what: str, problem: str) -> None:
+        self.path = path
+        self.what = what
+        self.problem = problem
+        super().__init__(f"{what} {path}: {problem}")
+
+
+class DocumentError(MpsAgentError):
+    """A YAML or JSON text is not usable data: malformed, or expanding, nesting or counting beyond the bounds."""
 
 
 class GpuDiscoveryError(MpsAgentError):

@@ -11,6 +11,8 @@ import os
 import stat
 from pathlib import Path
 
+from mpsagent.errors import FileReadError
+
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
     (stat.S_ISDIR, "a directory"),
@@ -24,11 +26,22 @@ _KINDS = (
 class FileRefusedError(OSError):
     """A file the agent reads or writes is not a regular file (a FIFO blocks, a device never ends, a link may
     lead anywhere) or is larger than it accepts. An OSError, so that whatever handles an unreadable or unwritable
-    file handles this one too; its message names the file and what it is."""
+    file handles this one too; its message names the file (`what`, `path`) and what is wrong with it (`problem`)."""
+
+    def __init__(self, path: Path, what: str, problem: str) -> None:
+        super().__init__(f"{what} {path} {problem}")
+        self.path = path
+        self.what = what
+        self.problem = problem
 
 
 class FileTooLargeError(FileRefusedError):
     """A regular file larger than its reader accepts."""
+
+
+def size_text(size: int) -> str:
+    """A byte count as a message says it: `64 MiB`, or `1000 bytes`."""
+    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size} bytes"
 
 
 def file_kind(mode: int) -> str:
@@ -38,9 +51,9 @@ def file_kind(mode: int) -> str:
 
 def _check_regular(path: Path, status: os.stat_result, *, max_bytes: int, what: str) -> None:
     if not stat.S_ISREG(status.st_mode):
-        raise FileRefusedError(f"{what} {path} is {file_kind(status.st_mode)}, not a regular file")
+        raise FileRefusedError(path, what, f"is {file_kind(status.st_mode)}, not a regular file")
     if status.st_size > max_bytes:
-        raise FileTooLargeError(f"{what} {path} is larger than {max_bytes} bytes")
+        raise FileTooLargeError(path, what, f"is larger than {size_text(max_bytes)}")
 
 
 def read_regular_file(path: Path, *, max_bytes: int, what: str, follow_symlinks: bool = True) -> bytes:
@@ -56,14 +69,28 @@ def read_regular_file(path: Path, *, max_bytes: int, what: str, follow_symlinks:
         fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow_symlinks:
-            raise FileRefusedError(f"{what} {path} is a symbolic link, not a regular file") from None
+            raise FileRefusedError(path, what, "is a symbolic link, not a regular file") from None
         raise
     with os.fdopen(fd, "rb") as file:
         _check_regular(path, os.fstat(fd), max_bytes=max_bytes, what=what)
         data = file.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise FileTooLargeError(f"{what} {path} is larger than {max_bytes} bytes")
+        raise FileTooLargeError(path, what, f"is larger than {size_text(max_bytes)}")
     return data
+
+
+def read_input_file(path: Path, *, max_bytes: int, what: str) -> bytes:
+    """A file the operator named (`what`: the flag, e.g. `--config-file`), read as `read_regular_file` does with
+    links followed (ConfigMaps are links); every failure is a FileReadError naming the flag, the path and why."""
+    try:
+        return read_regular_file(path, max_bytes=max_bytes, what=what)
+    except FileRefusedError as exc:
+        hint = "" if isinstance(exc, FileTooLargeError) else "; give a regular file (or a link to one)"
+        raise FileReadError(path, what, exc.problem + hint) from exc
+    except FileNotFoundError as exc:
+        raise FileReadError(path, what, "no such file") from exc
+    except OSError as exc:
+        raise FileReadError(path, what, f"cannot read it ({exc.strerror})") from exc
 
 
 def _private_file_problem(status: os.stat_result) -> str | None:
@@ -85,17 +112,17 @@ def open_private_file(path: Path, flags: int, mode: int, *, what: str) -> int:
     with contextlib.suppress(FileNotFoundError):
         existing = os.lstat(path)
         if not stat.S_ISREG(existing.st_mode):  # checked first: opening a FIFO would block
-            raise FileRefusedError(f"{what} {path} is {file_kind(existing.st_mode)}, not a regular file")
+            raise FileRefusedError(path, what, f"is {file_kind(existing.st_mode)}, not a regular file")
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise FileRefusedError(f"{what} {path} is a symbolic link, not a regular file") from None
+            raise FileRefusedError(path, what, "is a symbolic link, not a regular file") from None
         raise
     problem = _private_file_problem(os.fstat(fd))
     if problem is not None:
         os.close(fd)
-        raise FileRefusedError(f"{what} {path} {problem}")
+        raise FileRefusedError(path, what, problem)
     os.set_blocking(fd, True)
     return fd
 
@@ -138,7 +165,7 @@ def write_atomically(path: Path, data: bytes, mode: int, *, what: str, durable: 
     with contextlib.suppress(FileNotFoundError):
         existing = os.lstat(path)
         if not stat.S_ISREG(existing.st_mode):
-            raise FileRefusedError(f"{what} {path} is {file_kind(existing.st_mode)}, not a regular file")
+            raise FileRefusedError(path, what, f"is {file_kind(existing.st_mode)}, not a regular file")
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = _create_exclusively(temporary, mode)
     try:

@@ -21,6 +21,9 @@ class Grant:
     replica_ids: tuple[ReplicaId, ...]
     kind: CapMode
     granted_at: float
+    """Wall-clock time of the grant, for people."""
+    granted_monotonic: float
+    """Monotonic time of the grant: reconciliation's grace clock never starts before it."""
     superseded_ids: tuple[ReplicaId, ...] = ()
     owner: ContainerRef | None = None
     """The container holding the grant, once the kubelet's pod-resources API has listed it."""
@@ -49,8 +52,9 @@ class LedgerStatistics:
 
 
 class Ledger:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._wall = clock
+        self._monotonic = monotonic
         self._ids = itertools.count(1)
         self._live: dict[int, Grant] = {}
         self._holder: dict[ReplicaId, int] = {}
@@ -90,6 +94,7 @@ class Ledger:
             replica_ids=replica_ids,
             kind=kind,
             granted_at=self._wall(),
+            granted_monotonic=self._monotonic(),
             superseded_ids=regranted,
             owner=owner,
             adopted=owner is not None,

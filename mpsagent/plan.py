@@ -22,7 +22,7 @@ from mpsagent.config import (
     SharingConfig,
 )
 from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
-from mpsagent.errors import ConfigError
+from mpsagent.errors import ConfigError, shown
 
 CONTAINER_MPS_ROOT = PurePosixPath("/mps")
 CONTAINER_SHM = PurePosixPath("/dev/shm")
@@ -116,16 +116,12 @@ class ContainerGrant:
 # --- building the plan ------------------------------------------------------------------------------------
 
 
-def _resolve_reference(ref: int | str, gpus: tuple[Gpu, ...], path: str) -> Gpu:
-    by_uuid = {gpu.uuid: gpu for gpu in gpus}
-    by_index = {gpu.index: gpu for gpu in gpus}
-    if isinstance(ref, str) and ref in by_uuid:
-        return by_uuid[GpuUuid(ref)]
-    index = ref if isinstance(ref, int) else (int(ref) if ref.isascii() and ref.isdigit() else None)
-    if index is not None and index in by_index:
-        return by_index[index]
-    known = ", ".join(str(gpu.index) for gpu in gpus)
-    raise ConfigError(path, f"`{ref}` matches no GPU on this node (indices {known}, or a GPU UUID)")
+def _reference_key(ref: int | str) -> str:
+    """A device reference as `_select_gpus` looks it up: a GPU UUID, or an index in decimal without leading zeros
+    (compared as text: a string of thousands of digits is no index, and no reason to convert it)."""
+    if isinstance(ref, int):
+        return str(ref)
+    return (ref.lstrip("0") or "0") if ref.isascii() and ref.isdigit() else ref
 
 
 def _select_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
@@ -136,9 +132,15 @@ def _select_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
         if spec.devices > len(gpus):
             raise ConfigError(path, f"asks for {spec.devices} GPUs but this node has {len(gpus)}")
         return gpus[: spec.devices]
+    by_reference = {key: gpu for gpu in gpus for key in (gpu.uuid, str(gpu.index))}
     chosen: dict[GpuUuid, Gpu] = {}
     for position, ref in enumerate(spec.devices):
-        gpu = _resolve_reference(ref, gpus, f"{path}[{position}]")
+        gpu = by_reference.get(_reference_key(ref))
+        if gpu is None:
+            known = ", ".join(str(g.index) for g in gpus)
+            raise ConfigError(
+                f"{path}[{position}]", f"`{shown(ref)}` matches no GPU on this node (indices {known}, or a GPU UUID)"
+            )
         if gpu.uuid in chosen:
             raise ConfigError(f"{path}[{position}]", f"GPU {gpu.index} ({gpu.uuid}) is listed twice")
         chosen[gpu.uuid] = gpu

@@ -5,7 +5,8 @@ allocations without calling Allocate. Its pod-resources listing is therefore the
 - a listed container whose replicas the ledger holds as one grant names that grant's owner;
 - a listed container the ledger does not know (or knows split differently) is adopted as a grant of its own;
 - a grant no container lists is released, but only once it has been missing for the grace period, because a pod
-  admitted a moment ago may not be listed yet.
+  admitted a moment ago may not be listed yet. The grace clock starts no earlier than the grant itself (a listing
+  taken before an Allocate cannot show its grant), so every grant is given at least one full grace period.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def reconcile(
         if grant.grant_id in seen:
             continue
         if grant.missing_since is None:
-            grant.missing_since = now
+            grant.missing_since = max(now, grant.granted_monotonic)
             ledger.note_change()
         if now - grant.missing_since >= grace_s:
             expired.append(grant.grant_id)

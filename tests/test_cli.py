@@ -15,6 +15,7 @@ from tests.conftest import EXAMPLES, H100_NODE, ROOT
 from tests.fakes.nvml.build import fake_nvml_env
 
 H100_XML = EXAMPLES / "node-h100x8.nvidia-smi.xml"
+GPU_A, GPU_B = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
 CONFIG = EXAMPLES / "config-mps.yaml"
 
 
@@ -111,7 +112,7 @@ def test_once_through_nvml(tmp_path: Path, fake_nvml_library: Path) -> None:
                 "driverVersion": "550.54.15",
                 "gpus": [
                     {
-                        "uuid": "GPU-aaaa",
+                        "uuid": GPU_A,
                         "name": "NVIDIA A100-SXM4-40GB",
                         "memoryTotal": 42949672960,
                         "major": 8,
@@ -120,7 +121,7 @@ def test_once_through_nvml(tmp_path: Path, fake_nvml_library: Path) -> None:
                         "migMode": 0,
                     },
                     {
-                        "uuid": "GPU-bbbb",
+                        "uuid": GPU_B,
                         "name": "NVIDIA A100-SXM4-40GB",
                         "memoryTotal": 42949672960,
                         "major": 8,
@@ -137,8 +138,8 @@ def test_once_through_nvml(tmp_path: Path, fake_nvml_library: Path) -> None:
     assert plan["gpuSource"] == "NVML"
     assert plan["driverVersion"] == "550.54.15"
     assert [(g["uuid"], g["index"], g["computeCapability"], g["pciBusId"]) for g in plan["gpus"]] == [
-        ("GPU-aaaa", 0, "8.0", "00000000:07:00.0"),
-        ("GPU-bbbb", 1, "8.0", "00000000:0F:00.0"),
+        (GPU_A, 0, "8.0", "00000000:07:00.0"),
+        (GPU_B, 1, "8.0", "00000000:0F:00.0"),
     ]
     assert plan["resources"][0]["computeMode"]["set"] == "EXCLUSIVE_PROCESS"
     assert plan["resources"][0]["daemonCommands"][1] == "set_default_device_pinned_mem_limit 0 40960M"
@@ -146,10 +147,10 @@ def test_once_through_nvml(tmp_path: Path, fake_nvml_library: Path) -> None:
 
 def test_mig_enabled_gpu_is_refused(tmp_path: Path, fake_nvml_library: Path) -> None:
     nvml = tmp_path / "nvml.json"
-    nvml.write_text(json.dumps({"gpus": [{"uuid": "GPU-aaaa", "migMode": 1}]}))
+    nvml.write_text(json.dumps({"gpus": [{"uuid": GPU_A, "migMode": 1}]}))
     result = mpsagent("--once", "--config-file", str(CONFIG), env=fake_nvml_env(fake_nvml_library, nvml))
     assert result.returncode == 2
-    assert "sharing.mps.resources[0].devices: GPU 0 (GPU-aaaa) has MIG enabled" in result.stderr
+    assert f"sharing.mps.resources[0].devices: GPU 0 ({GPU_A}) has MIG enabled" in result.stderr
 
 
 def test_no_driver_is_a_runtime_failure_with_advice(tmp_path: Path, fake_nvml_library: Path) -> None:
@@ -215,5 +216,5 @@ def test_status_refuses_a_file_larger_than_any_status(tmp_path: Path) -> None:
     result = mpsagent("--status", "--mps-root", str(tmp_path), timeout=10)
     assert result.returncode == 2
     assert result.stderr == (
-        f"mpsagent: error: the agent status {tmp_path / 'status.json'} is larger than 67108864 bytes; remove it\n"
+        f"mpsagent: error: the agent status {tmp_path / 'status.json'} is larger than 64 MiB; remove it\n"
     )

@@ -410,6 +410,37 @@ REFUSALS = [
         "domain `` must be a lowercase DNS subdomain",
         id="name-empty-domain",
     ),
+    # a final newline, which `$` lets through (re.match), and the kubelet's further rules
+    pytest.param(
+        with_resources('{name: "nvidia.com/gpu\\n", replicas: 2}'),
+        "sharing.mps.resources[0].name",
+        "name part `gpu\\n` must be",
+        id="name-final-newline",
+    ),
+    pytest.param(
+        with_resources('{name: "nvidia.com\\n/gpu", replicas: 2}'),
+        "sharing.mps.resources[0].name",
+        "domain `nvidia.com\\n` must be a lowercase DNS subdomain",
+        id="domain-final-newline",
+    ),
+    pytest.param(
+        with_resources('{name: gpu, rename: "gpu-shared\\n", replicas: 2}'),
+        "sharing.mps.resources[0].rename",
+        "name part `gpu-shared\\n` must be",
+        id="rename-final-newline",
+    ),
+    pytest.param(
+        with_resources("{name: notkubernetes.io/gpu, replicas: 2}"),
+        "sharing.mps.resources[0].name",
+        "is in the kubernetes.io domain",
+        id="name-ends-in-kubernetes.io",
+    ),
+    pytest.param(
+        with_resources(f"{{name: {'a' * 245}/gpu, replicas: 2}}"),
+        "sharing.mps.resources[0].name",
+        "DNS subdomain of at most 244 characters",
+        id="domain-no-room-for-requests.",
+    ),
     # rename
     pytest.param(
         with_resources("{name: gpu, rename: kubernetes.io/mps, replicas: 2}"),
@@ -534,7 +565,10 @@ def test_refusals_name_the_key(text: str, path: str, phrase: str) -> None:
         pytest.param('{"version": "v1",,}', "is not valid YAML or JSON at line 1", id="bad-json"),
         pytest.param("a: 1\n---\nb: 2\n", "is not valid YAML or JSON", id="two-documents"),
         pytest.param("a: !!python/object:os.system x\n", "is not valid YAML or JSON", id="python-tag"),
-        pytest.param("a: &x [*x]\n", "neither YAML nor JSON data", id="self-reference"),
+        pytest.param("a: &x [*x]\n", "refers to itself through the alias *x at line 1", id="self-reference"),
+        pytest.param("a: &x {b: [*x]}\n", "refers to itself through the alias *x", id="self-reference-deeper"),
+        pytest.param("a: 2024-13-45\n", "holds a value that cannot be read (month must be in 1..12)", id="bad-date"),
+        pytest.param("a: \x1f\n", "is not valid YAML or JSON", id="control-character"),
         pytest.param("2024-01-01: 1\n", "neither YAML nor JSON data", id="date-key"),
     ],
 )
@@ -780,6 +814,13 @@ def test_a_huge_integer_is_a_config_error() -> None:
     only_config_errors("version: v1\nflags:\n  gfd:\n    x: " + "1" * 5000 + "\n")
 
 
+def test_a_document_of_too_many_values_is_refused_before_all_are_read() -> None:
+    error = refused(MINIMAL + "flags:\n  gfd:\n    x: [" + "0," * 200_000 + "0]\n")
+    assert error.message.startswith("config.yaml holds more than 100000 values (at line 9, column ")
+    column = int(error.message.rpartition(" ")[2].rstrip(")"))
+    assert column < 250_000  # stopped near the 100,001st value of 200,001
+
+
 def test_a_deeply_nested_document_is_a_config_error() -> None:
     only_config_errors("[" * 1000 + "]" * 1000)
 
@@ -816,9 +857,10 @@ def settings_with(tmp_path: Path, file_flags: str = "", cli: dict[str, object] |
 
 def test_seconds_from_flag_env_and_file(tmp_path: Path) -> None:
     assert settings_with(tmp_path).reconcile_grace_s == 60
-    assert settings_with(tmp_path, "  reconcileGraceSeconds: 5\n").reconcile_grace_s == 5
+    assert settings_with(tmp_path, "  reconcileGraceSeconds: 15\n").reconcile_grace_s == 15
     assert settings_with(tmp_path, "  healthRecoverySeconds: 2.5\n").health_recovery_s == 2.5
-    assert settings_with(tmp_path, RECONCILE_GRACE_SECONDS="7").reconcile_grace_s == 7
+    assert settings_with(tmp_path, RECONCILE_GRACE_SECONDS="17").reconcile_grace_s == 17
+    assert settings_with(tmp_path, cli={"reconcile_grace_seconds": "10"}).reconcile_grace_s == 10
     assert (
         settings_with(tmp_path, cli={"health_recovery_seconds": "0"}, HEALTH_RECOVERY_SECONDS="9").health_recovery_s
         == 0
@@ -832,6 +874,26 @@ def test_bad_seconds_name_the_flag_the_variable_and_the_key(tmp_path: Path, bad:
     message = str(info.value)
     assert "--reconcile-grace-seconds" in message and "RECONCILE_GRACE_SECONDS" in message
     assert "flags.reconcileGraceSeconds" in message and f"`{bad}`" in message
+
+
+@pytest.mark.parametrize(
+    ("file_flags", "cli", "environ", "shown"),
+    [
+        ("  reconcileGraceSeconds: 0\n", {}, {}, "0.0"),
+        ("", {}, {"RECONCILE_GRACE_SECONDS": "9.99"}, "9.99"),
+        ("", {"reconcile_grace_seconds": "0"}, {}, "0"),
+    ],
+)
+def test_a_grace_period_below_the_floor_names_where_it_came_from(
+    tmp_path: Path, file_flags: str, cli: dict[str, object], environ: dict[str, str], shown: str
+) -> None:
+    # The kubelet lists a container a moment after its Allocate; released before then, its caps would be lifted.
+    with pytest.raises(UsageError) as info:
+        settings_with(tmp_path, file_flags, cli, **environ)
+    assert str(info.value) == (
+        "--reconcile-grace-seconds (env RECONCILE_GRACE_SECONDS, config flags.reconcileGraceSeconds) must be a "
+        f"number of seconds from 10 to 86400, not `{shown}`"
+    )
 
 
 @pytest.mark.parametrize(

@@ -169,13 +169,14 @@ def test_mps_on_exit_quit_stops_the_daemon(agents: AgentLauncher, kubelet: FakeK
 def test_compute_mode_set_through_nvml_and_restored_on_quit(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fake_nvml_library: Path
 ) -> None:
+    a, b = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
     nvml = short_dir / "nvml.json"
     nvml.write_text(
         json.dumps(
             {
                 "gpus": [
-                    {"uuid": "GPU-aaaa", "memoryTotal": 17179869184, "major": 7, "minor": 5},
-                    {"uuid": "GPU-bbbb", "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    {"uuid": a, "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    {"uuid": b, "memoryTotal": 17179869184, "major": 7, "minor": 5},
                 ]
             }
         )
@@ -184,10 +185,10 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
     env = fake_nvml_env(fake_nvml_library, nvml, state)
     agent = start(agents, kubelet, short_dir, "--mps-on-exit", "quit", env=env, nvml=True)
     plugin = kubelet.wait_registered(RESOURCE)
-    assert [d[0] for d in plugin.latest()][:1] == ["GPU-aaaa::0"]
-    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 3, "GPU-bbbb": 3}
+    assert [d[0] for d in plugin.latest()][:1] == [f"{a}::0"]
+    assert json.loads(state.read_text())["computeModes"] == {a: 3, b: 3}
     assert agent.stop() == 0
-    assert json.loads(state.read_text())["computeModes"] == {"GPU-aaaa": 0, "GPU-bbbb": 0}
+    assert json.loads(state.read_text())["computeModes"] == {a: 0, b: 0}
 
 
 @pytest.mark.parametrize(
@@ -231,7 +232,8 @@ def test_a_hung_front_end_times_out(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["get_server_list\nquit", "set_default_active_thread_percentage 1;quit", "", "x" * 600]
+    "command",
+    ["get_server_list\n", "get_server_list\nquit", "set_default_active_thread_percentage 1;quit", "", "x" * 600],
 )
 def test_commands_that_could_inject_another_line_are_refused(command: str) -> None:
     with pytest.raises(DaemonCommandError, match="malformed"):

@@ -20,6 +20,7 @@ from tests.processes import processes_using
 
 SCRIPT = ROOT / "scripts" / "hardware_check.py"
 GIB = 1024**3
+HWC_GPU = "GPU-0000c0de-0000-0000-0000-000000000000"
 
 if shutil.which("nvidia-cuda-mps-control") is None:
     if os.environ.get("CI"):
@@ -242,7 +243,7 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
     """Everything the GPU run does, with NVML, nvidia-smi and libcuda faked and the real MPS control daemon."""
     lib = build_fake_libcuda(short_dir / "cuda")
     nvml_config = short_dir / "nvml.json"
-    gpu = {"uuid": "GPU-hwc-0", "name": "Fake H200", "memoryTotal": 140 * GIB, "major": 9, "minor": 0}
+    gpu = {"uuid": HWC_GPU, "name": "Fake H200", "memoryTotal": 140 * GIB, "major": 9, "minor": 0}
     nvml_config.write_text(json.dumps({"gpus": [gpu]}))
     state = short_dir / "nvml-state.json"
     bin_dir = short_dir / "bin"
@@ -268,5 +269,5 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
         report, "probe-b"
     )
     assert report["facts"]["probe-d"]["ok"] is True
-    assert json.loads(state.read_text())["computeModes"] == {"GPU-hwc-0": 0}
+    assert json.loads(state.read_text())["computeModes"] == {HWC_GPU: 0}
     assert processes_using(short_dir) == [] and processes_using(Path(report["facts"]["workDir"])) == []

@@ -21,12 +21,18 @@ def ref(pod: str, container: str = "main", namespace: str = "default") -> Contai
     return ContainerRef(namespace=namespace, pod=pod, container=container)
 
 
+def new_ledger(clock: list[float] | None = None) -> Ledger:
+    """A ledger whose grants are made at monotonic time `clock[0]` (0 unless given: before every `now` here)."""
+    at = clock if clock is not None else [0.0]
+    return Ledger(monotonic=lambda: at[0])
+
+
 def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):
     return reconcile(ledger, listed, now=now, grace_s=grace, kind_of=kind_of)
 
 
 def test_a_listed_grant_learns_its_owner_and_stays() -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     grant = ledger.record((IDS[0],), CapMode.CAPPED).grant
     result = run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=100)
     assert result.identified == (grant,)
@@ -37,7 +43,7 @@ def test_a_listed_grant_learns_its_owner_and_stays() -> None:
 
 
 def test_an_unlisted_grant_is_released_only_after_the_grace_period() -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     grant = ledger.record((IDS[0], IDS[1]), CapMode.CAPPED).grant
     assert run(ledger, [], now=100).missing == 1
     assert run(ledger, [], now=159.9).released == ()
@@ -48,8 +54,18 @@ def test_an_unlisted_grant_is_released_only_after_the_grace_period() -> None:
     assert ledger.holder(IDS[0]) is None
 
 
+def test_a_grant_gets_a_full_grace_period_even_from_a_listing_older_than_itself() -> None:
+    # The reconciler took the listing (and its `now`) at 100; the Allocate came in while it was at work, at 105.
+    clock = [105.0]
+    ledger = new_ledger(clock)
+    grant = ledger.record((IDS[0],), CapMode.CAPPED).grant
+    assert run(ledger, [], now=100, grace=10).missing == 1
+    assert run(ledger, [], now=112, grace=10).released == ()
+    assert run(ledger, [], now=115, grace=10).released == (grant,)
+
+
 def test_a_grant_listed_again_within_the_grace_period_restarts_its_clock() -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     ledger.record((IDS[0],), CapMode.CAPPED)
     listed = [Holding(container=ref("a"), replica_ids=(IDS[0],))]
     run(ledger, [], now=100)
@@ -59,7 +75,7 @@ def test_a_grant_listed_again_within_the_grace_period_restarts_its_clock() -> No
 
 
 def test_unknown_containers_are_adopted_with_their_kind() -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     result = run(
         ledger,
         [Holding(container=ref("full"), replica_ids=tuple(IDS))],
@@ -67,14 +83,14 @@ def test_unknown_containers_are_adopted_with_their_kind() -> None:
     )
     assert [(g.kind, g.owner, g.adopted) for g in result.adopted] == [(CapMode.FULL, ref("full"), True)]
     assert result.ledger_changed
-    ledger2 = Ledger()
+    ledger2 = new_ledger()
     result2 = run(ledger2, [Holding(container=ref("small"), replica_ids=(IDS[3],))], now=1)
     assert result2.adopted[0].kind is CapMode.CAPPED
     assert ledger2.statistics().adopted_grants == 1
 
 
 def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     old = ledger.record((IDS[0], IDS[1]), CapMode.CAPPED).grant
     result = run(
         ledger,
@@ -117,7 +133,7 @@ listings = st.lists(st.tuples(containers, st.lists(st.sampled_from(IDS), max_siz
 def test_after_the_grace_period_the_ledger_is_exactly_the_listing(
     allocated: list[list[ReplicaId]], listing: list[tuple[ContainerRef, list[ReplicaId]]]
 ) -> None:
-    ledger = Ledger()
+    ledger = new_ledger()
     for ids in allocated:
         ledger.record(tuple(ids), kind_of(tuple(ids)))
     listed = holdings([ListedDevices(container=c, device_ids=tuple(ids)) for c, ids in listing])

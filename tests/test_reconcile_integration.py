@@ -19,6 +19,7 @@ from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, i
 
 CAPPED = "25.0"
 FULL = "100.0"
+GRACE_S = 10  # the shortest grace period the agent accepts; it reconciles every GRACE_S / 2
 
 
 def listed(pod: str, device_ids: list[str], container: str = "main") -> ListedContainer:
@@ -58,19 +59,19 @@ def test_grants_made_before_the_agent_started_are_adopted_and_keep_the_daemon_ca
 def test_a_gone_container_is_released_after_the_grace_period_and_the_daemon_returns_to_full(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:
-    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "1")
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S))
     plugin = kubelet.wait_registered(RESOURCE)
     assert threads(short_dir) == FULL
     allocate(plugin, ids(GPU1, 2))
     assert threads(short_dir) == CAPPED
     pod_resources.set_containers(listed("web", ids(GPU1, 2)))
-    identified = agent.wait_log("grant identified")
+    identified = agent.wait_log("grant identified", timeout=GRACE_S)
     assert identified["container"] == "ml/web/main"
 
     pod_resources.set_containers()
     gone_at = time.monotonic()
-    released = agent.wait_log("grant released: its container is gone")
-    assert time.monotonic() - gone_at >= 0.9  # never before the grace period
+    released = agent.wait_log("grant released: its container is gone", timeout=3 * GRACE_S)
+    assert time.monotonic() - gone_at >= GRACE_S - 0.1  # never before the grace period
     assert released["container"] == "ml/web/main" and released["kind"] == "capped"
     wait_threads(short_dir, FULL)
 
@@ -78,12 +79,12 @@ def test_a_gone_container_is_released_after_the_grace_period_and_the_daemon_retu
 def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:
-    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "4")
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S))
     plugin = kubelet.wait_registered(RESOURCE)
     calls = pod_resources.calls
     allocate(plugin, ids(GPU0, 0))
     # Reconciliation runs soon after the Allocate, then twice per grace period.
-    wait_for(lambda: pod_resources.calls >= calls + 2, 3.5, "two reconciliations after the Allocate")
+    wait_for(lambda: pod_resources.calls >= calls + 2, GRACE_S * 0.9, "two reconciliations after the Allocate")
     assert threads(short_dir) == CAPPED
     assert events(agent, "grant released: its container is gone") == []
 
@@ -91,15 +92,15 @@ def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
 def test_when_the_full_grant_is_gone_and_a_capped_one_appears_the_daemon_is_capped(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:
-    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", "1")
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S))
     plugin = kubelet.wait_registered(RESOURCE)
     allocate(plugin, ALL)
     assert threads(short_dir) == FULL
     pod_resources.set_containers(listed("train", ALL))
-    agent.wait_log("grant identified")
+    agent.wait_log("grant identified", timeout=GRACE_S)
     # The training pod ended; the kubelet since admitted a small pod the agent has not heard of (no Allocate seen).
     pod_resources.set_containers(listed("small", ids(GPU0, 3)))
-    agent.wait_log("grant adopted from the kubelet")
+    agent.wait_log("grant adopted from the kubelet", timeout=GRACE_S)
     wait_threads(short_dir, CAPPED)
 
 

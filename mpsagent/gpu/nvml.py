@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import pynvml
 
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus
-from mpsagent.errors import GpuDiscoveryError, GpuHealthError
+from mpsagent.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
+from mpsagent.errors import GpuDiscoveryError, GpuHealthError, shown
 from mpsagent.gpu.port import ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")
@@ -118,9 +118,18 @@ class NvmlGpuSource:
         return self._call("list the GPUs", self._discover)
 
     def _discover(self) -> NodeGpus:
+        count = pynvml.nvmlDeviceGetCount()
+        if count > MAX_GPUS_PER_NODE:
+            raise GpuDiscoveryError(f"NVML reports {count} GPUs; mpsagent serves at most {MAX_GPUS_PER_NODE} per node")
         gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
+        for index in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            if not is_gpu_uuid(uuid):
+                raise GpuDiscoveryError(
+                    f"NVML reports GPU {index} with uuid `{shown(uuid)}`, which is not an NVIDIA GPU UUID "
+                    f"({GPU_UUID_FORM}); it is not handed to containers: check the driver"
+                )
             bus_id = pynvml.nvmlDeviceGetPciInfo(handle).busId
             try:
                 mig_enabled = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
@@ -128,7 +137,7 @@ class NvmlGpuSource:
                 mig_enabled = False
             gpus.append(
                 Gpu(
-                    uuid=GpuUuid(pynvml.nvmlDeviceGetUUID(handle)),
+                    uuid=GpuUuid(uuid),
                     index=index,
                     name=pynvml.nvmlDeviceGetName(handle),
                     memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),

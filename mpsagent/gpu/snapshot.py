@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import msgspec
-import yaml
 
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus
-from mpsagent.errors import SnapshotError
+from mpsagent.devices import (
+    MAX_GPUS_PER_NODE,
+    MIB,
+    UNKNOWN_DRIVER_VERSION,
+    Gpu,
+    GpuUuid,
+    NodeGpus,
+    driver_version_problem,
+    gpu_problem,
+)
+from mpsagent.documents import load_yaml
+from mpsagent.errors import DocumentError, FileReadError, SnapshotError, shown
 from mpsagent.gpu.port import ComputeMode
+from mpsagent.host import read_input_file
+
+MAX_SNAPSHOT_BYTES = 4 << 20
+"""`nvidia-smi -q -x` writes 10-30 KB per GPU: room for the most GPUs a node may have, at twice that."""
+_NO_NUMA_NODE = -1  # as sysfs says it
 
 
 class _SnapshotGpu(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
@@ -26,11 +41,11 @@ class _SnapshotGpu(msgspec.Struct, rename="camel", forbid_unknown_fields=True, k
 
 
 class _Snapshot(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
-    driver_version: str = "unknown"
+    driver_version: str = UNKNOWN_DRIVER_VERSION
     gpus: list[_SnapshotGpu]
 
 
-_CAPABILITY = re.compile(r"^(\d+)\.(\d+)$")
+_CAPABILITY = re.compile(r"(\d{1,2})\.(\d{1,2})")
 
 # nvidia-smi's XML has no compute capability; the architecture (and, where it is ambiguous, the product) tells it.
 _ARCHITECTURE_CAPABILITY: dict[str, tuple[int, int]] = {
@@ -54,26 +69,37 @@ _PRODUCT_CAPABILITY: tuple[tuple[str, tuple[int, int]], ...] = (
 
 
 def _capability(text: str, where: str) -> tuple[int, int]:
-    match = _CAPABILITY.match(text.strip())
+    match = _CAPABILITY.fullmatch(text.strip())
     if not match:
-        raise SnapshotError(f'{where}: computeCapability `{text}` must look like "9.0"')
+        raise SnapshotError(f'{where}.computeCapability `{shown(text)}` must look like "9.0"')
     return int(match.group(1)), int(match.group(2))
+
+
+def _check_count(count: int, source: str) -> None:
+    if not count:
+        raise SnapshotError(f"node snapshot {source}: lists no GPUs")
+    if count > MAX_GPUS_PER_NODE:
+        raise SnapshotError(
+            f"node snapshot {source}: lists {count} GPUs; a node has at most {MAX_GPUS_PER_NODE} "
+            "(see docs/configuration.md)"
+        )
 
 
 def _from_document(document: object, source: str) -> NodeGpus:
     try:
         snapshot = msgspec.convert(document, _Snapshot, str_keys=True)
     except msgspec.ValidationError as exc:
-        raise SnapshotError(f"node snapshot {source}: {exc}") from exc
+        raise SnapshotError(f"node snapshot {source}: {shown(exc, 200)}") from exc
+    _check_count(len(snapshot.gpus), source)
     gpus = tuple(
         Gpu(
             uuid=GpuUuid(entry.uuid),
             index=entry.index,
             name=entry.name,
             memory_bytes=entry.memory_bytes,
-            compute_capability=_capability(entry.compute_capability, f"{source}: gpus[{position}]"),
+            compute_capability=_capability(entry.compute_capability, f"node snapshot {source}: gpus[{position}]"),
             pci_bus_id=entry.pci_bus_id,
-            numa_node=entry.numa_node if entry.numa_node is not None and entry.numa_node >= 0 else None,
+            numa_node=None if entry.numa_node in (None, _NO_NUMA_NODE) else entry.numa_node,
             mig_enabled=entry.mig_enabled,
         )
         for position, entry in enumerate(snapshot.gpus)
@@ -109,11 +135,13 @@ def _from_smi_xml(text: str, source: str) -> NodeGpus:
         raise SnapshotError(f"node snapshot {source}: not valid XML ({exc})") from exc
     if root.tag != "nvidia_smi_log":
         raise SnapshotError(f"node snapshot {source}: expected <nvidia_smi_log> from `nvidia-smi -q -x`")
+    listed = root.findall("gpu")
+    _check_count(len(listed), source)
     gpus = []
-    for index, gpu in enumerate(root.findall("gpu")):
-        where = f"{source}: gpu {index}"
+    for index, gpu in enumerate(listed):
+        where = f"node snapshot {source}: gpus[{index}]"
         product = _text(gpu, "product_name")
-        memory = re.match(r"^(\d+)\s*MiB$", _text(gpu, "fb_memory_usage/total"))
+        memory = re.fullmatch(r"(\d{1,12})\s*MiB", _text(gpu, "fb_memory_usage/total"))
         uuid = _text(gpu, "uuid")
         if not uuid or not memory:
             raise SnapshotError(f"{where}: needs <uuid> and <fb_memory_usage><total> in MiB")
@@ -129,22 +157,23 @@ def _from_smi_xml(text: str, source: str) -> NodeGpus:
                 mig_enabled=_text(gpu, "mig_mode/current_mig").lower() == "enabled",
             )
         )
-    return _checked(tuple(gpus), _text(root, "driver_version", "unknown"), source)
+    return _checked(tuple(gpus), _text(root, "driver_version", UNKNOWN_DRIVER_VERSION), source)
 
 
 def _checked(gpus: tuple[Gpu, ...], driver_version: str, source: str) -> NodeGpus:
-    if not gpus:
-        raise SnapshotError(f"node snapshot {source}: lists no GPUs")
+    problem = driver_version_problem(driver_version)
+    if problem:
+        raise SnapshotError(f"node snapshot {source}: driverVersion {problem}")
+    for position, gpu in enumerate(gpus):
+        found = gpu_problem(gpu)
+        if found:
+            key, why = found
+            raise SnapshotError(f"node snapshot {source}: gpus[{position}].{key} {why}")
     for field in ("uuid", "index"):
-        values = [getattr(gpu, field) for gpu in gpus]
-        duplicates = sorted({str(v) for v in values if values.count(v) > 1})
+        counts = Counter(str(getattr(gpu, field)) for gpu in gpus)
+        duplicates = sorted(value for value, count in counts.items() if count > 1)
         if duplicates:
             raise SnapshotError(f"node snapshot {source}: duplicate GPU {field} {', '.join(duplicates)}")
-    for gpu in gpus:
-        if "::" in gpu.uuid or not gpu.uuid.isprintable() or " " in gpu.uuid:
-            raise SnapshotError(f"node snapshot {source}: GPU uuid `{gpu.uuid}` is not a valid device ID")
-        if gpu.memory_bytes < MIB:
-            raise SnapshotError(f"node snapshot {source}: GPU {gpu.uuid} has implausible memory {gpu.memory_bytes}")
     ordered = tuple(sorted(gpus, key=lambda g: g.index))
     return NodeGpus(driver_version=driver_version, gpus=ordered, source=f"snapshot {source}")
 
@@ -160,15 +189,17 @@ class SnapshotGpuSource:
 
     def discover(self) -> NodeGpus:
         try:
-            text = self._path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SnapshotError(f"--node-snapshot {self._path}: cannot read it ({exc})") from exc
+            text = read_input_file(self._path, max_bytes=MAX_SNAPSHOT_BYTES, what="--node-snapshot").decode("utf-8")
+        except FileReadError as exc:
+            raise SnapshotError(str(exc)) from exc
+        except UnicodeDecodeError as exc:
+            raise SnapshotError(f"--node-snapshot {self._path}: is not UTF-8 text (at byte {exc.start})") from exc
         if text.lstrip().startswith("<"):
             return _from_smi_xml(text, str(self._path))
         try:
-            document = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SnapshotError(f"--node-snapshot {self._path}: not YAML, JSON or nvidia-smi XML") from exc
+            document = load_yaml(text)
+        except DocumentError as exc:
+            raise SnapshotError(f"node snapshot {self._path} {exc}") from exc
         return _from_document(document, str(self._path))
 
     def compute_mode(self, uuid: GpuUuid) -> ComputeMode:

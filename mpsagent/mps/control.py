@@ -25,7 +25,7 @@ from mpsagent.errors import ControlRunError, DaemonCommandError
 from mpsagent.plan import ControlStep
 
 COMMAND_TIMEOUT_S = 5.0
-_SAFE_COMMAND = re.compile(r"^[a-z_]+( [A-Za-z0-9.=,-]+)*$")
+_SAFE_COMMAND = re.compile(r"[a-z_]+( [A-Za-z0-9.=,-]+)*")
 # What the front-end prints when it cannot reach a daemon, or the daemon refuses the command.
 _FAILURE_MARKERS = ("Cannot find MPS control daemon", "Cannot send command", "Unknown command", "Invalid", "failed")
 # What `get_server_list` prints: PIDs, one a line (or several on one line); no cap value looks like this.
@@ -37,7 +37,7 @@ HELP_TIMEOUT_S = 5.0
 
 
 def check_command(command: str) -> str:
-    if not _SAFE_COMMAND.match(command) or len(command) > 512:
+    if not _SAFE_COMMAND.fullmatch(command) or len(command) > 512:
         raise DaemonCommandError(f"refusing to send malformed MPS control command {command[:80]!r}")
     return command
 
