@@ -34,7 +34,7 @@ from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_dir
 from mpsagent.nfd import remove_features, write_features
 from mpsagent.plan import NodePlan, ResourcePlan
 from mpsagent.publisher import StatePublisher, feed_watchdog
-from mpsagent.status import DaemonView, ResourceView
+from mpsagent.status import DaemonView, ResourceView, starting_document
 from mpsagent.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class _Resource:
                 up=daemon.up if daemon else False,
                 mode=daemon.mode.value if daemon and daemon.mode else None,
                 restarts=daemon.restarts if daemon else 0,
+                restart_attempts=daemon.restart_attempts if daemon else 0,
                 multi_user=daemon.multi_user if daemon else None,
                 cap_tamper=daemon.cap_tamper_count if daemon else 0,
                 last_cap_tamper=daemon.last_cap_tamper if daemon else None,
@@ -72,6 +73,7 @@ class _Resource:
             ),
             registered=self.endpoint is not None and self.endpoint.registered,
             registrations=self.endpoint.statistics().registrations if self.endpoint else 0,
+            registration_failures=self.endpoint.statistics().registration_failures if self.endpoint else 0,
         )
 
     async def hold_caps(self, *, verify: bool = False) -> None:
@@ -169,7 +171,10 @@ def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> 
     from mpsagent.web import WebEndpoint  # noqa: PLC0415
 
     metrics = AgentMetrics(
-        gpus=tuple(gpu.uuid for gpu in plan.gpus), gpu_source=gpu_source.health, proc_root=settings.proc_root
+        starting=starting_document([resource.name for resource in plan.resources]),
+        gpus=tuple(gpu.uuid for gpu in plan.gpus),
+        gpu_source=gpu_source.health,
+        proc_root=settings.proc_root,
     )
     return WebEndpoint(settings.metrics_address, metrics)
 
@@ -254,7 +259,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         pre_start_required=resource.plan.enforce_caps,
                         hold_caps=resource.hold_caps,
                         on_granted=_on_granted(resource, reconciler),
-                        allocate_timer=web.allocate_timer(resource.plan.name) if web else None,
+                        rpc_timer=web.metrics.rpc_timer(resource.plan.name) if web else None,
                     )
                     resource.endpoint = PluginEndpoint(
                         resource_name=resource.plan.name,

@@ -7,14 +7,16 @@ never touch the event loop's live structures; GPU processes are read from NVML b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import platform
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mpsagent import __version__
 from mpsagent.cgroups import PodContainer, pod_container
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import GpuDiscoveryError
@@ -23,24 +25,49 @@ from mpsagent.logs import get_logger
 
 log = get_logger(__name__)
 
-ALLOCATE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RPC_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+CAP_MODES = ("full", "capped")
 
 
 class AgentMetrics:
-    def __init__(self, *, gpus: tuple[GpuUuid, ...], gpu_source: GpuHealthSource | None, proc_root: Path) -> None:
+    def __init__(
+        self,
+        *,
+        starting: dict[str, Any],
+        gpus: tuple[GpuUuid, ...],
+        gpu_source: GpuHealthSource | None,
+        proc_root: Path,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.allocate_seconds = Histogram(
-            "mpsagent_allocate_duration_seconds",
-            "Time to answer the kubelet's Allocate, by resource",
-            ["resource"],
-            buckets=ALLOCATE_BUCKETS_S,
-            registry=self.registry,
+        rpc_seconds = {
+            rpc: Histogram(
+                f"mpsagent_{rpc}_duration_seconds",
+                f"Time to answer the kubelet's {title}, by resource and outcome (ok, refused, failed)",
+                ["resource", "outcome"],
+                buckets=RPC_BUCKETS_S,
+                registry=self.registry,
+            )
+            for rpc, title in (("allocate", "Allocate"), ("preferred_allocation", "GetPreferredAllocation"))
+        }
+        self._rpc_seconds = rpc_seconds
+        ProcessCollector(registry=self.registry)
+        Info("mpsagent_build", "The running agent's version", registry=self.registry).info(
+            {"version": __version__, "python": platform.python_version()}
         )
-        self.document: dict[str, Any] | None = None
-        """The latest status document; the event loop replaces it whole, scrapes only read it."""
+        self.document: dict[str, Any] = starting
+        """The latest status document; the event loop replaces it whole, scrapes only read it. Until the first
+        publish, every resource unregistered with its daemon down, so that every series exists from the start."""
         self.registry.register(_StateCollector(self))
         if gpu_source is not None:
             self.registry.register(_GpuProcessCollector(gpus, gpu_source, proc_root))
+
+    def rpc_timer(self, resource: str) -> Callable[[str, float, str], None]:
+        """What the servicer of `resource` calls with each timed RPC, its seconds and its outcome."""
+
+        def observe(rpc: str, seconds: float, outcome: str) -> None:
+            self._rpc_seconds[rpc].labels(resource, outcome).observe(seconds)
+
+        return observe
 
 
 class _StateCollector(Collector):
@@ -52,8 +79,6 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         document = self._metrics.document
-        if document is None:
-            return
         replicas = GaugeMetricFamily(
             "mpsagent_replicas", "Advertised replicas by resource, GPU and health", labels=["resource", "gpu", "health"]
         )
@@ -71,7 +96,14 @@ class _StateCollector(Collector):
             "mpsagent_daemon_up", "1 when the MPS control daemon answers", labels=["resource"]
         )
         restarts = CounterMetricFamily(
-            "mpsagent_daemon_restarts", "MPS control daemon restarts after a failure", labels=["resource"]
+            "mpsagent_daemon_restarts",
+            "MPS control daemon failures seen (exited or hung); each ended the daemon's clients",
+            labels=["resource"],
+        )
+        restart_attempts = CounterMetricFamily(
+            "mpsagent_daemon_restart_attempts",
+            "Attempts to start a new MPS control daemon after a failure (a daemon that stays down keeps counting)",
+            labels=["resource"],
         )
         cap_mode = GaugeMetricFamily(
             "mpsagent_daemon_cap_mode", "1 for the cap mode the daemon holds", labels=["resource", "mode"]
@@ -92,34 +124,43 @@ class _StateCollector(Collector):
         registered = GaugeMetricFamily(
             "mpsagent_kubelet_registered", "1 while registered with the kubelet", labels=["resource"]
         )
+        registration_failures = CounterMetricFamily(
+            "mpsagent_kubelet_registration_failures", "Failed registrations with the kubelet", labels=["resource"]
+        )
         for res in document["resources"]:
             name = res["name"]
             for gpu, counts in res["gpus"].items():
                 replicas.add_metric([name, gpu, "Healthy"], counts["healthy"])
                 replicas.add_metric([name, gpu, "Unhealthy"], counts["replicas"] - counts["healthy"])
             ledger = res["ledger"]
-            for kind, count in ledger["allocated"].items():
-                grants.add_metric([name, kind], count)
-            for kind, count in ledger["live"].items():
-                active.add_metric([name, kind], count)
+            for kind in CAP_MODES:
+                grants.add_metric([name, kind], ledger["allocated"].get(kind, 0))
+                active.add_metric([name, kind], ledger["live"].get(kind, 0))
             adopted.add_metric([name], ledger["adopted"])
             released.add_metric([name], ledger["released"])
             daemon = res["daemon"]
             daemon_up.add_metric([name], 1 if daemon["up"] else 0)
             restarts.add_metric([name], daemon["restarts"])
-            for mode in ("full", "capped"):
+            restart_attempts.add_metric([name], daemon["restartAttempts"])
+            for mode in CAP_MODES:
                 cap_mode.add_metric([name, mode], 1 if daemon["capMode"] == mode else 0)
             if daemon["multiUser"] is not None:
                 multi_user.add_metric([name], 1 if daemon["multiUser"] else 0)
             cap_tamper.add_metric([name], daemon["capTamper"])
             registrations.add_metric([name], res["registrations"])
             registered.add_metric([name], 1 if res["registered"] else 0)
+            registration_failures.add_metric([name], res["registrationFailures"])
         pod_resources = GaugeMetricFamily(
             "mpsagent_pod_resources_up", "1 while the kubelet's pod-resources API answers"
         )
         pod_resources.add_metric([], 1 if document["podResources"]["available"] else 0)
-        yield from (replicas, grants, adopted, released, active, daemon_up, restarts, cap_mode, multi_user, cap_tamper)
-        yield from (registrations, registered, pod_resources)
+        pod_resources_failures = CounterMetricFamily(
+            "mpsagent_pod_resources_failures", "Failed pod-resources List calls"
+        )
+        pod_resources_failures.add_metric([], document["podResources"]["failures"])
+        yield from (replicas, grants, adopted, released, active, daemon_up, restarts, restart_attempts, cap_mode)
+        yield from (multi_user, cap_tamper, registrations, registered, registration_failures)
+        yield from (pod_resources, pod_resources_failures)
 
 
 class _GpuProcessCollector(Collector):

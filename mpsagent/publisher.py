@@ -19,7 +19,7 @@ from mpsagent.logs import get_logger
 from mpsagent.status import (
     STATUS_FILE,
     ResourceView,
-    readiness,
+    readiness_problems,
     remove_status,
     status_document,
     summary,
@@ -127,7 +127,7 @@ class StatePublisher:
                 if document is None or fingerprint != seen:
                     seen, document = fingerprint, self._document(views, unhealthy_gpus)
                     unwritten = True
-                    if not announced_ready and readiness(document)[0]:
+                    if not announced_ready and not readiness_problems(document):
                         self._notifier.notify("READY=1")
                         announced_ready = True
                     self._notifier.status(summary(document))

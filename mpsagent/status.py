@@ -31,6 +31,7 @@ class DaemonView:
     up: bool
     mode: str | None
     restarts: int
+    restart_attempts: int = 0
     multi_user: bool | None = None
     cap_tamper: int = 0
     last_cap_tamper: tuple[float, str] | None = None
@@ -50,6 +51,7 @@ class ResourceView:
     daemon: DaemonView
     registered: bool
     registrations: int
+    registration_failures: int = 0
 
 
 def _utc(wall: float) -> str:
@@ -87,6 +89,7 @@ def status_document(
                 "name": view.allocator.resource.name,
                 "registered": view.registered,
                 "registrations": view.registrations,
+                "registrationFailures": view.registration_failures,
                 "replicas": len(devices),
                 "healthy": sum(d.health is Health.HEALTHY for d in devices),
                 "gpus": per_gpu,
@@ -95,6 +98,7 @@ def status_document(
                     "up": view.daemon.up,
                     "capMode": view.daemon.mode,
                     "restarts": view.daemon.restarts,
+                    "restartAttempts": view.daemon.restart_attempts,
                     "multiUser": view.daemon.multi_user,
                     "capTamper": view.daemon.cap_tamper,
                     "lastCapTamper": _event(view.daemon.last_cap_tamper, "found"),
@@ -170,24 +174,50 @@ def agent_alive(document: dict[str, Any]) -> bool:
     return pid_alive(pid)
 
 
-def readiness(document: dict[str, Any] | None) -> tuple[bool, str]:
-    """Ready when every resource is registered with the kubelet and its MPS daemon is up; else what is not."""
-    if document is None:
-        return False, "starting"
+def readiness_problems(document: dict[str, Any]) -> list[str]:
+    """What keeps the agent from being ready: each resource must be registered with the kubelet and its MPS daemon
+    up. Empty when ready."""
     problems = []
     for res in document["resources"]:
         if not res["registered"]:
             problems.append(f"{res['name']}: not registered with the kubelet")
         if not res["daemon"]["up"]:
             problems.append(f"{res['name']}: mps daemon down")
-    return not problems, "; ".join(problems) or "ready"
+    return problems
+
+
+def starting_document(resources: Sequence[str]) -> dict[str, Any]:
+    """What the agent publishes before its first real document: every resource unregistered, its daemon down and
+    no grants, so that metrics and probes have every series and line from the first scrape."""
+    return {
+        "resources": [
+            {
+                "name": name,
+                "registered": False,
+                "registrations": 0,
+                "registrationFailures": 0,
+                "gpus": {},
+                "daemon": {
+                    "up": False,
+                    "capMode": None,
+                    "restarts": 0,
+                    "restartAttempts": 0,
+                    "multiUser": None,
+                    "capTamper": 0,
+                },
+                "ledger": {"allocated": {}, "adopted": 0, "released": 0, "live": {}},
+            }
+            for name in resources
+        ],
+        "podResources": {"available": False, "failures": 0},
+    }
 
 
 def summary(document: dict[str, Any]) -> str:
     """One line for systemd's STATUS=."""
-    ready, problems = readiness(document)
-    if not ready:
-        return problems
+    problems = readiness_problems(document)
+    if problems:
+        return "; ".join(problems)
     return "serving " + "; ".join(
         f"{res['name']} ({res['healthy']}/{res['replicas']} healthy, {len(res['grants'])} grants, "
         f"caps {res['daemon']['capMode']})"

@@ -22,7 +22,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from mpsagent.errors import MpsAgentError
 from mpsagent.logs import get_logger
 from mpsagent.metrics import AgentMetrics
-from mpsagent.status import readiness
+from mpsagent.status import readiness_problems
 
 log = get_logger(__name__)
 
@@ -43,28 +43,25 @@ class _QuietHandler(WSGIRequestHandler):
 class WebEndpoint:
     def __init__(self, address: tuple[str, int], metrics: AgentMetrics) -> None:
         self._address = address
-        self._metrics = metrics
-        self._metrics_app = make_wsgi_app(metrics.registry)
+        self.metrics = metrics
+        self.metrics_app = make_wsgi_app(metrics.registry)
         self._heartbeat = time.monotonic()
 
     def publish(self, document: dict[str, Any]) -> None:
         """Called by the event loop: the state scrapes and probes read, and proof that the loop is alive."""
-        self._metrics.document = document
+        self.metrics.document = document
         self._heartbeat = time.monotonic()
-
-    def allocate_timer(self, resource: str) -> Callable[[float], None]:
-        observe: Callable[[float], None] = self._metrics.allocate_seconds.labels(resource).observe
-        return observe
 
     def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            return self.metrics_app(environ, start_response)  # type: ignore[no-any-return]
         if path == "/healthz":
             age = time.monotonic() - self._heartbeat
             ok, text = age < STALE_AFTER_S, f"event loop last seen {age:.1f}s ago"
         elif path == "/readyz":
-            ok, text = readiness(self._metrics.document)
+            problems = readiness_problems(self.metrics.document)
+            ok, text = not problems, "\n".join(problems) or "ready"
         else:
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"not found: try /metrics, /healthz or /readyz\n"]

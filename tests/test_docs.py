@@ -78,3 +78,36 @@ def test_flag_tables_name_exactly_the_agents_environment_variables() -> None:
     variables = help_variables()
     assert table_variables((ROOT / "README.md").read_text()) == variables
     assert table_variables((DOCS / "configuration.md").read_text()) == variables
+
+
+class _NoProcesses:
+    """A GPU source with no processes: enough for the GPU collector to declare its families."""
+
+    def processes(self, gpu: str) -> list[object]:
+        return []
+
+
+def exported_families() -> set[str]:
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.status import starting_document  # noqa: PLC0415
+
+    metrics = AgentMetrics(
+        starting=starting_document(["nvidia.com/gpu"]),
+        gpus=("GPU-00000000-aaaa-bbbb-cccc-dddddddddddd",),
+        gpu_source=_NoProcesses(),  # type: ignore[arg-type]
+        proc_root=ROOT,
+    )
+    text = generate_latest(metrics.registry).decode()
+    families = set()
+    for name in re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE):
+        families.add(name)  # a counter's TYPE line names it with its `_total`
+    return families
+
+
+def test_the_metrics_table_lists_exactly_the_exported_metrics() -> None:
+    documented = set(re.findall(r"^\| `(mpsagent_\w+)` \|", (DOCS / "metrics.md").read_text(), re.MULTILINE))
+    exported = {name for name in exported_families() if name.startswith("mpsagent_")}
+    assert sorted(documented - exported) == [], "documented but not exported"
+    assert sorted(exported - documented) == [], "exported but not in docs/metrics.md"

@@ -4,20 +4,24 @@ NVML's process lists (the fake NVML) mapped through a fake /proc tree."""
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mpsagent import __version__
 from tests.conftest import ROOT, AgentLauncher, write_config
 from tests.fakes.nvml.build import fake_nvml_env
 from tests.fakes.nvml.control import FakeNvmlDriver
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.test_daemon import start
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
+from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids, preferred
 
 
 def serve(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, *extra: str, **kw: object):
@@ -55,6 +59,11 @@ def test_probes_follow_registration_and_metrics_follow_the_ledger(
     agent, base = serve(agents, kubelet, short_dir)
     assert get(base + "/healthz")[0] == 200
     wait_for(lambda: get(base + "/readyz") == (503, "nvidia.com/gpu: not registered with the kubelet\n"), 5, "503")
+    wait_for(
+        lambda: (value(base, "mpsagent_kubelet_registration_failures_total", resource=RESOURCE) or 0) >= 1,
+        5,
+        "a failed registration counted",
+    )
     kubelet.start()
     plugin = kubelet.wait_registered(RESOURCE)
     wait_for(lambda: get(base + "/readyz") == (200, "ready\n"), 5, "ready")
@@ -62,9 +71,19 @@ def test_probes_follow_registration_and_metrics_follow_the_ledger(
 
     allocate(plugin, ids(GPU0, 1))
     wait_for(lambda: value(base, "mpsagent_active_grants", resource=RESOURCE, kind="capped") == 1, 5, "a live grant")
+    assert value(base, "mpsagent_active_grants", resource=RESOURCE, kind="full") == 0
     assert value(base, "mpsagent_grants_total", resource=RESOURCE, kind="capped") == 1
     assert value(base, "mpsagent_grants_total", resource=RESOURCE, kind="full") == 0
-    assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE) == 1
+    assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE, outcome="ok") == 1
+    with pytest.raises(grpc.RpcError):
+        allocate(plugin, ["GPU-nonsense::0"])
+    assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE, outcome="refused") == 1
+    preferred(plugin, ids(GPU0, 0, 2), 1)
+    assert value(base, "mpsagent_preferred_allocation_duration_seconds_count", resource=RESOURCE, outcome="ok") == 1
+    assert value(base, "mpsagent_daemon_restart_attempts_total", resource=RESOURCE) == 0
+    assert value(base, "mpsagent_pod_resources_failures_total") == 0
+    assert (value(base, "process_resident_memory_bytes") or 0) > 0
+    assert value(base, "mpsagent_build_info", version=__version__, python=platform.python_version()) == 1
     assert value(base, "mpsagent_replicas", resource=RESOURCE, gpu=GPU0, health="Healthy") == 4
     assert value(base, "mpsagent_replicas", resource=RESOURCE, gpu=GPU0, health="Unhealthy") == 0
     assert value(base, "mpsagent_daemon_up", resource=RESOURCE) == 1
@@ -149,3 +168,30 @@ def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(
     )
     assert second.process.wait(30) == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in second.log()
+
+
+def test_every_state_series_and_readiness_line_exists_before_the_first_publish() -> None:
+    """Alerts on `mpsagent_daemon_up == 0` or `mpsagent_kubelet_registered == 0` must fire for an agent that never
+    got as far as publishing its state: the series exist, at 0, from the first scrape."""
+    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.status import readiness_problems, starting_document  # noqa: PLC0415
+
+    starting = starting_document(["nvidia.com/gpu", "nvidia.com/gpu-b"])
+    metrics = AgentMetrics(starting=starting, gpus=(), gpu_source=None, proc_root=Path("/proc"))
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
+    for resource in ("nvidia.com/gpu", "nvidia.com/gpu-b"):
+        for name in ("mpsagent_daemon_up", "mpsagent_kubelet_registered", "mpsagent_daemon_restart_attempts_total"):
+            assert scraped[(name, (("resource", resource),))] == 0
+    assert scraped[("mpsagent_pod_resources_up", ())] == 0
+    assert readiness_problems(starting) == [
+        "nvidia.com/gpu: not registered with the kubelet",
+        "nvidia.com/gpu: mps daemon down",
+        "nvidia.com/gpu-b: not registered with the kubelet",
+        "nvidia.com/gpu-b: mps daemon down",
+    ]

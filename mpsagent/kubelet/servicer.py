@@ -38,6 +38,9 @@ class HoldCaps(Protocol):
     async def __call__(self, *, verify: bool = False) -> None: ...
 
 
+RpcTimer = Callable[[str, float, str], None]
+"""Told how long an RPC took (`allocate`, `preferred_allocation`) and its outcome: `ok`, `refused` (the request
+was wrong) or `failed` (the node, or a bug)."""
 OnGranted = Callable[[Sequence[Allocation]], None]
 """Told of the grants of an Allocate that is answered OK."""
 RESTORE_TIMEOUT_S = 30.0
@@ -87,6 +90,10 @@ def receive_limit(device_ids: Sequence[str]) -> int:
     return max(MIN_RECEIVE_LIMIT, RECEIVE_LIMIT_MARGIN * size)
 
 
+# What the kubelet asked wrongly, as opposed to what the node failed to do.
+_REFUSALS = frozenset({Status.INVALID_ARGUMENT, Status.RESOURCE_EXHAUSTED})
+
+
 class DevicePluginServicer:
     def __init__(
         self,
@@ -96,14 +103,14 @@ class DevicePluginServicer:
         pre_start_required: bool = False,
         hold_caps: HoldCaps = _no_daemon,
         on_granted: OnGranted = _nothing_on_granted,
-        allocate_timer: Callable[[float], None] | None = None,
+        rpc_timer: RpcTimer | None = None,
     ) -> None:
         self._allocator = allocator
         self._inventory = inventory
         self._pre_start_required = pre_start_required
         self._hold_caps = hold_caps
         self._on_granted = on_granted
-        self._allocate_timer = allocate_timer
+        self._rpc_timer = rpc_timer
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
         self.receive_limit = receive_limit(allocator.resource.device_ids)
@@ -151,12 +158,25 @@ class DevicePluginServicer:
             generation = await self._next_generation(snapshot.generation)
 
     async def allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
-        began = time.perf_counter()
-        try:
+        with self._timed("allocate"):
             return await self._allocate(message)
+
+    @contextmanager
+    def _timed(self, rpc: str) -> Iterator[None]:
+        if self._rpc_timer is None:
+            yield
+            return
+        began = time.perf_counter()
+        outcome = "failed"
+        try:
+            yield
+            outcome = "ok"
+        except GRPCError as exc:
+            if exc.status in _REFUSALS:
+                outcome = "refused"
+            raise
         finally:
-            if self._allocate_timer is not None:
-                self._allocate_timer(time.perf_counter() - began)
+            self._rpc_timer(rpc, time.perf_counter() - began, outcome)
 
     async def _allocate(self, message: pb.AllocateRequest) -> pb.AllocateResponse:
         requests = [list(container.devices_ids) for container in message.container_requests]
@@ -195,7 +215,7 @@ class DevicePluginServicer:
                 self._log.error("mps daemon caps not changed", reason=str(exc))
 
     async def get_preferred_allocation(self, message: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
-        with self._answering("GetPreferredAllocation", "preferred allocation"):
+        with self._timed("preferred_allocation"), self._answering("GetPreferredAllocation", "preferred allocation"):
             chosen = [
                 self._allocator.preferred(
                     list(request.available_deviceIDs),

@@ -95,6 +95,8 @@ class DaemonSupervisor:
         self._original_modes: dict[str, int] = {}
         self._mode_lock = anyio.Lock()
         self.restarts = 0
+        self.restart_attempts = 0
+        """Daemons started after a failure, each attempt counted (a daemon that keeps failing keeps counting)."""
         self.cap_tamper_count = 0
         self.last_cap_tamper: tuple[float, str] | None = None
         """When (wall clock) the caps were last found changed behind the agent, and what was found."""
@@ -226,6 +228,8 @@ class DaemonSupervisor:
                 elif self._process is not None and self._process.returncode is None:
                     await self._wait_answering()  # ours, kept through the agent's own failure to ask it
                 else:
+                    if not first:
+                        self.restart_attempts += 1
                     await self._start()
                 await self._hold()
             except DaemonError as exc:
