@@ -9,14 +9,18 @@ import signal
 from contextlib import ExitStack
 
 import anyio
+from anyio.abc import TaskStatus
 
 from mpsagent.config import Settings
+from mpsagent.errors import MpsAgentError
 from mpsagent.logs import get_logger
 from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.plan import NodePlan
 
 log = get_logger("mpsagent.daemon_host")
+
+KEEPER_RETRY_S = 1.0
 
 
 async def _watch_signals(scope: anyio.CancelScope) -> None:
@@ -25,6 +29,38 @@ async def _watch_signals(scope: anyio.CancelScope) -> None:
             log.info("stopping", reason=signal.Signals(signum).name)
             scope.cancel()
             return
+
+
+class _StartedOnce(TaskStatus[None]):
+    """Passes the first `started()` on to the task's owner; a keeper run again reports started again."""
+
+    def __init__(self, owner: TaskStatus[None]) -> None:
+        self._owner = owner
+        self.reported = False
+
+    def started(self, value: None = None) -> None:
+        if not self.reported:
+            self.reported = True
+            self._owner.started()
+
+
+async def _keep(keeper: DaemonKeeper, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Run a keeper for good. A failure before its daemon first answers stops the daemon host (a broken install
+    must be loud); after that, the daemon host is the container's first process, and its exit would end every
+    daemon and client with the container: a keeper that fails is logged and run again, adopting its daemon."""
+    status = _StartedOnce(task_status)
+    while True:
+        try:
+            await keeper.run(task_status=status)
+        except MpsAgentError as exc:
+            if not status.reported:
+                raise
+            log.error("daemon keeper failed; the daemon is kept", pid=keeper.pid, reason=str(exc))  # noqa: TRY400
+        except Exception:
+            if not status.reported:
+                raise
+            log.exception("daemon keeper failed unexpectedly; the daemon is kept", pid=keeper.pid)
+        await anyio.sleep(KEEPER_RETRY_S)
 
 
 async def run_daemon_host(settings: Settings, plan: NodePlan) -> None:
@@ -46,7 +82,7 @@ async def run_daemon_host(settings: Settings, plan: NodePlan) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg.cancel_scope)
                 for keeper in keepers:
-                    await tg.start(keeper.run)
+                    await tg.start(_keep, keeper)
                 log.info(
                     "daemon host running",
                     resources=[r.name for r in plan.resources],

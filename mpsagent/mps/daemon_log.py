@@ -11,20 +11,33 @@ import anyio
 import structlog
 
 LOG_POLL_S = 0.5
+MAX_READ_BYTES = 1 << 20
+"""At most this much of the log per poll: a daemon that writes faster is followed, not read whole at once."""
+MAX_LINE_BYTES = 4096
 
 
 async def forward_daemon_log(path: Path, log: structlog.stdlib.BoundLogger) -> None:
-    """Forward lines appended to `path` from now on, until cancelled."""
+    """Forward lines appended to `path` from now on, until cancelled. A log that cannot be read (replaced by
+    something else, unreadable) is reported once and tried again; it never ends its owner."""
     position = _file_size(path)
     pending = b""
+    failing = False
     while True:
         await anyio.sleep(LOG_POLL_S)
-        position, chunk = _read_from(path, position)
+        try:
+            position, chunk = _read_from(path, position)
+        except OSError as exc:
+            if not failing:
+                log.warning("mps daemon log not forwarded", path=str(path), reason=exc.strerror or str(exc))
+            failing = True
+            continue
+        failing = False
         *lines, pending = (pending + chunk).split(b"\n")
+        pending = pending[-MAX_LINE_BYTES:]
         for line in lines:
             text = line.decode(errors="replace").strip()
             if text:
-                log.log(daemon_log_level(text), "mps daemon log", line=text)
+                log.log(daemon_log_level(text), "mps daemon log", line=text[:MAX_LINE_BYTES])
 
 
 # The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them.
@@ -57,4 +70,5 @@ def _read_from(path: Path, position: int) -> tuple[int, bytes]:
         return position, b""
     with path.open("rb") as file:
         file.seek(position)
-        return size, file.read(size - position)
+        chunk = file.read(min(size - position, MAX_READ_BYTES))
+        return position + len(chunk), chunk

@@ -55,7 +55,8 @@ class DaemonKeeper:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Keep the daemon running until cancelled; reports started once the first daemon answers. On
-        cancellation the daemon is asked to quit (its clients get QUIT_TIMEOUT_S to finish)."""
+        cancellation (the daemon host is stopped) the daemon is asked to quit (its clients get QUIT_TIMEOUT_S to
+        finish); any other end leaves it running, for the next `run` to adopt."""
         self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
             async with anyio.create_task_group() as tg:
@@ -69,9 +70,10 @@ class DaemonKeeper:
                     self._log.error("mps daemon restarting", reason=reason, pid=self._pid, restarts=self.restarts)
                     await self._end_daemon()
                     await self._start_with_backoff()
-        finally:
+        except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._quit()
+            raise
 
     async def _adopt(self) -> bool:
         """A daemon that already answers with a live recorded PID (left by an earlier keeper or agent) is kept."""
@@ -143,14 +145,20 @@ class DaemonKeeper:
             async def hung() -> None:
                 nonlocal reason
                 failed_rounds = 0
+                front_end_failing = False
                 while failed_rounds < HUNG_AFTER_FAILED_ROUNDS:
                     await anyio.sleep(PROBE_INTERVAL_S)
                     try:
                         answered = await self._channel.probe()
                     except ControlRunError as exc:
                         # The keeper's own failure to run the front-end says nothing about the daemon: kept.
-                        self._log.warning("mps control front-end cannot run; the daemon is kept", reason=str(exc))
+                        if not front_end_failing:
+                            self._log.error("mps control front-end cannot run; the daemon is kept", reason=str(exc))
+                        front_end_failing = True
                         continue
+                    if front_end_failing:
+                        self._log.info("mps control front-end runs again")
+                    front_end_failing = False
                     failed_rounds = 0 if answered else failed_rounds + 1
                     self._state_file.retry()
                 reason = f"it did not answer on {self._resource.pipe_directory} for {failed_rounds} rounds"
