@@ -111,3 +111,51 @@ def test_the_metrics_table_lists_exactly_the_exported_metrics() -> None:
     exported = {name for name in exported_families() if name.startswith("mpsagent_")}
     assert sorted(documented - exported) == [], "documented but not exported"
     assert sorted(exported - documented) == [], "exported but not in docs/metrics.md"
+
+
+def resolved_defaults() -> dict[str, str]:
+    """Each environment variable's default as the agent resolves it with nothing set, as the tables write it."""
+    from mpsagent.config import resolve_settings  # noqa: PLC0415
+
+    settings = resolve_settings({"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml")}, environ={})
+    values: dict[str, object] = {
+        "KUBELET_SOCKET": settings.kubelet_socket,
+        "MPS_ROOT": settings.mps_root,
+        "MPS_CONTROL_BIN": settings.mps_control_bin,
+        "MPS_ON_EXIT": settings.mps_on_exit.value,
+        "MPS_DAEMON": settings.mps_daemon.value,
+        "POD_RESOURCES_SOCKET": settings.pod_resources_socket,
+        "RECONCILE_GRACE_SECONDS": f"{settings.reconcile_grace_s:g}",
+        "HEALTH_RECOVERY_SECONDS": f"{settings.health_recovery_s:g}",
+        "PROBE_INTERVAL_SECONDS": f"{settings.probe_interval_s:g}",
+        "NFD_FEATURES_FILE": settings.nfd_features_file,
+        "PROC_ROOT": settings.proc_root,
+        "LOG_FORMAT": settings.log_format.value,
+        "LOG_LEVEL": settings.log_level,
+    }
+    assert settings.metrics_address is None and settings.node_snapshot is None  # documented as off / NVML
+    return {variable: str(value) for variable, value in values.items()}
+
+
+def table_defaults(text: str, column: int) -> dict[str, str]:
+    """The first backticked value of the default column, by environment variable, of a Markdown flag table."""
+    defaults = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        variable = re.fullmatch(r"`([A-Z_]+)`", cells[1]) if len(cells) > column else None
+        value = re.match(r"`([^`]+)`", cells[column]) if variable else None
+        if variable and value:
+            defaults[variable.group(1)] = value.group(1)
+    return defaults
+
+
+def test_flag_tables_state_the_defaults_the_agent_uses() -> None:
+    defaults = resolved_defaults()
+    assert table_defaults((ROOT / "README.md").read_text(), 2) == defaults
+    assert table_defaults((DOCS / "configuration.md").read_text(), 3) == defaults
+
+
+def test_the_defaults_check_catches_a_drifted_default() -> None:
+    readme = (ROOT / "README.md").read_text().replace("| `MPS_ON_EXIT` | `keep` |", "| `MPS_ON_EXIT` | `quit` |")
+    assert table_defaults(readme, 2)["MPS_ON_EXIT"] == "quit"
+    assert table_defaults(readme, 2) != resolved_defaults()
