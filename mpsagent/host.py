@@ -183,26 +183,31 @@ def write_atomically(path: Path, data: bytes, mode: int, *, what: str, durable: 
 
 class PidLock:
     """An exclusive flock on a file that holds its owner's PID, so that whoever finds it taken can name the holder.
-    Held until released, or until the owner dies; the file stays (removing a lock file races with its next taker)."""
+    Held until released, or until the owner dies; the file stays (removing a lock file races with its next taker).
+    The file is the agent's own regular file: never opened through a link, never another user's (`what` names it
+    in refusals)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, what: str = "the lock file") -> None:
         self.path = path
+        self._what = what
         self._fd: int | None = None
 
     def acquire(self) -> str | None:
         """Take the lock; None when taken, else the PID the holder wrote ("unknown" when it wrote none). Raises
-        OSError when the file cannot be opened, and refuses anything but a regular file (never follows a link)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        FileRefusedError for a file that is not the agent's own regular file, OSError when it cannot be used."""
+        fd = open_private_file(self.path, os.O_RDWR | os.O_CREAT, 0o600, what=self._what)
         try:
-            holder = _flock_or_holder(fd, self.path)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return holder if holder.isdigit() else "unknown"
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             os.close(fd)
             raise
-        if holder is not None:
-            os.close(fd)
-            return holder
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
         return None
 
@@ -212,14 +217,3 @@ class PidLock:
                 os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
-
-
-def _flock_or_holder(fd: int, path: Path) -> str | None:
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        return holder if holder.isdigit() else "unknown"
-    return None

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mpsagent.errors import AgentLockedError, MpsAgentError
-from mpsagent.host import PidLock
+from mpsagent.host import FileRefusedError, PidLock
 from mpsagent.plan import ResourcePlan
 
 LOCK_DIRECTORY = "mpsagent-locks"
@@ -72,9 +72,11 @@ class NodeGuard:
 
     @staticmethod
     def _take(taking: ExitStack, path: Path, what: str, alternative: str) -> None:
-        lock = PidLock(path)
+        lock = PidLock(path, what="the node lock")
         try:
             holder = lock.acquire()
+        except FileRefusedError as exc:
+            raise MpsAgentError(f"{exc}; remove it and start again") from exc
         except OSError as exc:
             raise MpsAgentError(f"cannot take the lock {path} ({exc.strerror}); remove it and start again") from exc
         if holder is not None:

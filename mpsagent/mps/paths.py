@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 from pathlib import Path
 
 from mpsagent.errors import AgentLockedError, HostError
-from mpsagent.host import FileRefusedError, file_kind, open_private_file
+from mpsagent.host import FileRefusedError, PidLock, file_kind
 from mpsagent.plan import NodePlan, ResourcePlan
 
 LOCK_FILE = "agent.lock"
@@ -173,52 +172,35 @@ def prepare_directories(plan: NodePlan) -> None:
 
 
 class ResourceLock:
-    """An exclusive flock on `<resource dir>/agent.lock` (or another lock file of the resource), holding the
+    """An exclusive lock on `<resource dir>/agent.lock` (or another lock file of the resource), holding the
     owner's PID; released when closed. `role` says in the refusal what the holder does."""
 
     def __init__(
         self, resource: ResourcePlan, *, file_name: str = LOCK_FILE, role: str = "already serves", hint: str = ""
     ) -> None:
         self._resource = resource
-        self._path = resource.directory / file_name
+        self._lock = PidLock(resource.directory / file_name, what="the agent lock")
         self._role = role
         self._hint = hint or "stop it before starting this one"
-        self._fd: int | None = None
 
     def acquire(self) -> None:
         """Raises AgentLockedError when another agent holds it, HostError when the file cannot be used."""
+        path = self._lock.path
         try:
-            fd = open_private_file(self._path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE, what="the agent lock")
+            holder = self._lock.acquire()
         except FileRefusedError as exc:
             raise HostError(f"{exc}; remove it") from exc
         except OSError as exc:
             raise HostError(
-                f"cannot open the agent lock {self._path} ({exc.strerror}); check the file system of --mps-root"
+                f"cannot use the agent lock {path} ({exc.strerror}); check the file system of --mps-root"
             ) from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        if holder is not None:
             raise AgentLockedError(
-                f"another mpsagent (PID {holder}) {self._role} {self._resource.name} (lock {self._path}); {self._hint}"
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as exc:
-            os.close(fd)
-            raise HostError(
-                f"cannot write the agent lock {self._path} ({exc.strerror}); check the file system of --mps-root"
-            ) from exc
-        self._fd = fd
+                f"another mpsagent (PID {holder}) {self._role} {self._resource.name} (lock {path}); {self._hint}"
+            )
 
     def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
 
     def __enter__(self) -> ResourceLock:
         self.acquire()
