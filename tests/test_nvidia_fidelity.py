@@ -108,7 +108,7 @@ CASES = [
     Case(
         "replicas-zero",
         mps("    - name: nvidia.com/gpu\n      replicas: 0\n"),
-        "refused: number of replicas must be >= 0",
+        "refused: number of replicas must be >= 2",
         True,
         "sharing.mps.resources[0].replicas: must be between 1 and 48",
     ),
@@ -129,7 +129,7 @@ CASES = [
     Case(
         "replicas-above-48",
         mps("    - name: nvidia.com/gpu\n      replicas: 49\n"),
-        "refused: MPS has at most 48 clients per GPU",
+        "refused: maximum allowed replicas exceeded: 49 > 48",
         True,
         "must be between 1 and 48",
     ),
@@ -170,6 +170,21 @@ CASES = [
         "accepted: advertised as nvidia.com/gpu.shared",
         False,
         "Resource nvidia.com/gpu.shared",
+    ),
+    Case(
+        "labels-shared-product-and-replicas",
+        "version: v1\n" + MPS_GPU_4,
+        "gpu.product with -SHARED, gpu.replicas=4 (internal/lm)",
+        False,
+        "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3-SHARED\n  nvidia.com/gpu.replicas=4\n",
+    ),
+    Case(
+        "labels-renamed-product-without-suffix",
+        "version: v1\nsharing:\n  mps:\n    renameByDefault: true\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 4\n",
+        "a renamed resource's gpu.product has no -SHARED (internal/lm)",
+        False,
+        "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3\n",
     ),
     Case(
         "device-id-strategy-index",
@@ -268,7 +283,7 @@ CASES = [
     Case(
         "replicas-20-on-compute-capability-7.0",
         mps("    - name: nvidia.com/gpu\n      replicas: 20\n"),
-        "refused: more than 16 clients below compute capability 7.5",
+        "refused: maximum allowed replicas exceeded: 20 > 16 (below compute capability 7.5)",
         False,
         "1 GPUs x 20 replicas",
         difference="`replicas` of 17 to 48 on compute capability 7.0 to 7.4",
@@ -277,7 +292,7 @@ CASES = [
     Case(
         "replicas-1",
         mps("    - name: nvidia.com/gpu\n      replicas: 1\n"),
-        "refused: MPS sharing needs at least 2 replicas",
+        "refused: number of replicas must be >= 2",
         False,
         "8 GPUs x 1 replicas",
         difference="`replicas: 1`",
