@@ -423,8 +423,9 @@ _MIG_REFERENCE = re.compile(r"[0-9]+:[0-9]+|MIG-.*", re.DOTALL)
 
 def _device_selector(path: str, devices: Literal["all"] | float | list[int | str]) -> DeviceSelector:
     if isinstance(devices, float):
-        if not devices.is_integer():
-            raise ConfigError(path, f"a device count must be a whole number, not {shown(devices)}")
+        # Beyond 2**53 a float is no exact count (and its digits would flood the messages that quote it).
+        if not devices.is_integer() or abs(devices) > 2**53:
+            raise ConfigError(path, f"a device count must be a whole number of GPUs, not {shown(devices)}")
         devices = int(devices)
     if isinstance(devices, int) and devices < 1:
         raise ConfigError(path, f"a device count must be at least 1, not {shown(devices)}")

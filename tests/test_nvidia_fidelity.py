@@ -414,10 +414,12 @@ def test_a_missing_version_is_read_as_v1_with_a_warning(tmp_path: Path) -> None:
     assert "version is missing; reading the file as `version: v1`" in str(warnings[0]["problem"])
 
 
-def test_a_fractional_device_count_is_refused(tmp_path: Path) -> None:
-    result = run_once(tmp_path, mps("    - name: nvidia.com/gpu\n      replicas: 2\n      devices: 2.5\n"))
+@pytest.mark.parametrize(("count", "shown"), [("2.5", "2.5"), ("1.0e+300", "1e+300"), (".inf", "inf")])
+def test_a_float_that_is_no_exact_count_is_refused(tmp_path: Path, count: str, shown: str) -> None:
+    result = run_once(tmp_path, mps(f"    - name: nvidia.com/gpu\n      replicas: 2\n      devices: {count}\n"))
     assert result.returncode == 2
-    assert "sharing.mps.resources[0].devices: a device count must be a whole number, not 2.5" in result.stderr
+    message = f"sharing.mps.resources[0].devices: a device count must be a whole number of GPUs, not {shown}"
+    assert result.stderr == f"mpsagent: error: {message}\n"
 
 
 def test_a_mig_reference_names_its_position(tmp_path: Path) -> None:
