@@ -454,7 +454,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
         version = shown(config.version)
         raise ConfigError("version", f"`{version}` is not supported; this agent reads `version: v1` files")
     missing_version = "version is missing; reading the file as `version: v1` (add `version: v1` to say so)"
-    warnings = () if config.version else (missing_version,)
+    warnings = (missing_version,) if config.version is None else ()
     _check_imex(config.imex)
     if config.sharing is not None and config.sharing.time_slicing is not None:
         raise ConfigError("sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only")
