@@ -3,7 +3,8 @@
 The one-file build is slow (about 25 s on 2 cores): it is built once per module, into a
 temporary directory, and removed afterwards. The two images are built with podman (as root) from a Debian base
 made by debootstrap (packaging/container/debian-base.sh, cached under /var/cache/mpsagent-image), and kept tagged
-`localhost/mpsagent-test:*` so that a second run reuses their layers.
+`localhost/mpsagent-test:*` so that a second run reuses their layers (an image a run replaces is removed;
+`podman image prune` removes the build stages of older sources).
 """
 
 from __future__ import annotations
@@ -436,12 +437,20 @@ def base_image() -> str:
     return done.stdout.split()[-1]
 
 
+def image_id(tag: str) -> str | None:
+    done = run("podman", "image", "inspect", "--format", "{{.Id}}", tag)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def build_image(base: str, tag: str, dockerfile: Path, context: Path, *extra: str | Path) -> str:
     ca = pip_ca_bundle()
     secret = ("--secret", f"id=pip-ca,src={ca}") if ca else ()
     isolation = ("--isolation", "chroot", "--network", "host")
+    previous = image_id(tag)
     podman("build", *isolation, "--build-arg", f"BASE_IMAGE={base}", *secret, *extra, "-f", dockerfile, "-t", tag,
            context, timeout=IMAGE_TIMEOUT_S)  # fmt: skip
+    if previous not in (None, image_id(tag)):
+        run("podman", "rmi", previous)  # the image this run replaced, with its layers (best effort)
     return tag
 
 
