@@ -156,6 +156,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         settings = resolve_settings(vars(args))
         configure_logging(settings.log_format, settings.log_level)
+        for warning in settings.sharing.warnings:
+            log.warning("config accepted with a warning", problem=warning)
         for key in settings.sharing.ignored_keys:
             log.info("config key ignored", key=key, reason="no meaning for MPS sharing through mpsagent")
         source = _gpu_source(settings)

@@ -54,7 +54,8 @@ class MpsResource(_Strict, frozen=True):
     name: str
     replicas: int
     rename: str | None = None
-    devices: DeviceSelector = "all"
+    # A float too: the NVIDIA plugin reads its files through YAML-to-JSON, so `devices: 2.0` means a count of 2.
+    devices: Literal["all"] | int | float | list[int | str] = "all"
 
 
 class MpsSharing(_Strict, frozen=True):
@@ -106,10 +107,16 @@ class Flags(_Strict, frozen=True):
     nvidia_driver_root: str | None = None
     nvidia_dev_root: str | None = None
     gds_enabled: bool | None = None
+    gdrcopy_enabled: bool | None = None
     mofed_enabled: bool | None = None
     use_node_feature_api: bool | None = msgspec.field(default=None, name="useNodeFeatureAPI")
     device_discovery_strategy: str | None = None
     gfd: dict[str, Any] | None = None
+
+
+class Imex(_Strict, frozen=True):
+    channel_ids: list[int] | None = msgspec.field(default=None, name="channelIDs")
+    required: bool | None = None
 
 
 class ConfigFile(_Strict, frozen=True):
@@ -118,7 +125,7 @@ class ConfigFile(_Strict, frozen=True):
     sharing: Sharing | None = None
     # NVIDIA sections without meaning here.
     resources: dict[str, Any] | None = None
-    imex: dict[str, Any] | None = None
+    imex: Imex | None = None
 
 
 _IGNORED_FLAG_KEYS = {
@@ -126,6 +133,7 @@ _IGNORED_FLAG_KEYS = {
     "nvidia_driver_root": "flags.nvidiaDriverRoot",
     "nvidia_dev_root": "flags.nvidiaDevRoot",
     "gds_enabled": "flags.gdsEnabled",
+    "gdrcopy_enabled": "flags.gdrcopyEnabled",
     "mofed_enabled": "flags.mofedEnabled",
     "use_node_feature_api": "flags.useNodeFeatureAPI",
     "device_discovery_strategy": "flags.deviceDiscoveryStrategy",
@@ -209,6 +217,8 @@ class SharingConfig:
     allocation_policy: AllocationPolicy
     ignored_keys: tuple[str, ...]
     multi_user: MultiUser = MultiUser.AUTO
+    # Accepted as the NVIDIA plugin accepts them, but worth a warning (a missing `version`).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -396,25 +406,56 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
             f"{path}.replicas",
             f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {shown(entry.replicas)}",
         )
-    if isinstance(entry.devices, int) and entry.devices < 1:
-        raise ConfigError(f"{path}.devices", f"a device count must be at least 1, not {shown(entry.devices)}")
-    if isinstance(entry.devices, list) and not entry.devices:
-        raise ConfigError(f"{path}.devices", "the device list is empty; omit the key to mean all GPUs")
+    devices = _device_selector(f"{path}.devices", entry.devices)
     return ResourceSpec(
         path=path,
         name=name,
         advertised_name=advertised,
         replicas=entry.replicas,
-        devices=entry.devices,
+        devices=devices,
         renamed=advertised != name,
     )
 
 
+# The NVIDIA plugin's MIG references: a MIG index `<gpu>:<mig>`, `MIG-<uuid>` and `MIG-GPU-<uuid>/<gi>/<ci>`.
+_MIG_REFERENCE = re.compile(r"[0-9]+:[0-9]+|MIG-.*", re.DOTALL)
+
+
+def _device_selector(path: str, devices: Literal["all"] | float | list[int | str]) -> DeviceSelector:
+    if isinstance(devices, float):
+        # Beyond 2**53 a float is no exact count (and its digits would flood the messages that quote it).
+        if not devices.is_integer() or abs(devices) > 2**53:
+            raise ConfigError(path, f"a device count must be a whole number of GPUs, not {shown(devices)}")
+        devices = int(devices)
+    if isinstance(devices, int) and devices < 1:
+        raise ConfigError(path, f"a device count must be at least 1, not {shown(devices)}")
+    if isinstance(devices, list):
+        if not devices:
+            raise ConfigError(path, "the device list is empty; omit the key to mean all GPUs")
+        for position, ref in enumerate(devices):
+            if isinstance(ref, str) and _MIG_REFERENCE.fullmatch(ref):
+                raise ConfigError(
+                    f"{path}[{position}]",
+                    f"`{shown(ref)}` is a MIG device; MIG devices cannot be shared through MPS: "
+                    "list whole GPUs (an index or a GPU UUID)",
+                )
+    return devices
+
+
+def _check_imex(imex: Imex | None) -> None:
+    """As the NVIDIA plugin: channel 0 or none (the agent itself injects no IMEX channel)."""
+    if imex is not None and imex.channel_ids not in (None, [], [0]):
+        raise ConfigError("imex.channelIDs", f"must be [] or [0], not {shown(imex.channel_ids)}")
+
+
 def check_config(config: ConfigFile) -> SharingConfig:
     """Apply the checks that need no GPUs; raises ConfigError naming the key path."""
-    if config.version != "v1":
-        version = "missing" if config.version is None else f"`{shown(config.version)}`"
-        raise ConfigError("version", f"{version} is not supported; this agent reads `version: v1` files")
+    if config.version not in (None, "v1"):
+        version = shown(config.version)
+        raise ConfigError("version", f"`{version}` is not supported; this agent reads `version: v1` files")
+    missing_version = "version is missing; reading the file as `version: v1` (add `version: v1` to say so)"
+    warnings = (missing_version,) if config.version is None else ()
+    _check_imex(config.imex)
     if config.sharing is not None and config.sharing.time_slicing is not None:
         raise ConfigError("sharing.timeSlicing", "time-slicing is not supported: mpsagent shares GPUs through MPS only")
     mps = config.sharing.mps if config.sharing else None
@@ -452,6 +493,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
         ),
         ignored_keys=tuple(ignored),
         multi_user=_one_of(MultiUser, str(mps.multi_user).lower(), MultiUser.AUTO, "sharing.mps.multiUser"),
+        warnings=warnings,
     )
 
 

@@ -2,8 +2,9 @@
 # Installs the Debian packages mpsagent's tests need, as root: Python with venv, a C compiler (for the fake
 # libnvidia-ml.so.1), and the real nvidia-cuda-mps-control from the `non-free` component, enabled if it is not;
 # for the packaging tests: systemd (systemd-analyze), binutils (objdump), prometheus (promtool, for the alert rules
-# and the metrics format; its server is not started) and kubectl (kubernetes-client), unless a kubectl is already
-# installed (another package's /usr/bin/kubectl would conflict with Debian's).
+# and the metrics format; its server is not started), podman and debootstrap (the image tests build both images
+# from a Debian base made locally) and kubectl (kubernetes-client), unless a kubectl is already installed (another
+# package's /usr/bin/kubectl would conflict with Debian's).
 set -eu
 if [ "$(id -u)" != 0 ]; then
   echo "install-system-deps.sh: run as root (it uses apt-get)" >&2
@@ -20,7 +21,7 @@ enable_non_free() {
 if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   enable_non_free
 fi
-packages="python3 python3-venv python3-dev gcc libc6-dev nvidia-cuda-mps systemd binutils prometheus"
+packages="python3 python3-venv python3-dev gcc libc6-dev nvidia-cuda-mps systemd binutils prometheus podman debootstrap"
 if ! command -v kubectl >/dev/null 2>&1; then
   packages="$packages kubernetes-client"
 fi

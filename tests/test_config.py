@@ -230,7 +230,6 @@ def test_accepted_flags(flags: str, attribute: str, expected: object) -> None:
 REFUSALS = [
     # version
     pytest.param(MINIMAL.replace("version: v1", "version: v2"), "version", "`v2` is not supported", id="version-v2"),
-    pytest.param(MINIMAL.replace("version: v1\n", ""), "version", "missing is not supported", id="version-missing"),
     pytest.param(MINIMAL.replace("version: v1", "version: 1"), "version", "expected `str | null`", id="version-int"),
     # time-slicing and MIG
     pytest.param(

@@ -1,7 +1,10 @@
-"""Packaging: the one-file executable, the systemd units, the container image recipe and the Kubernetes manifests.
+"""Packaging: the one-file executable, the systemd units, the container images and the Kubernetes manifests.
 
 The one-file build is slow (about 25 s on 2 cores): it is built once per module, into a
-temporary directory, and removed afterwards.
+temporary directory, and removed afterwards. The two images are built with podman (as root) from a Debian base
+made by debootstrap (packaging/container/debian-base.sh, cached under /var/cache/mpsagent-image), and kept tagged
+`localhost/mpsagent-test:*` so that a second run reuses their layers (an image a run replaces is removed;
+`podman image prune` removes the build stages of older sources).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import packages_distributions, requires
 from pathlib import Path
 
@@ -37,6 +41,9 @@ GLIBC_FLOOR = PACKAGING / "binary" / "glibc_floor.py"
 UNIT = PACKAGING / "systemd" / "mpsagent.service"
 SHM_MOUNT = PACKAGING / "systemd" / "run-nvidia-mps-shm.mount"
 DOCKERFILE = PACKAGING / "container" / "Dockerfile"
+DOCKERIGNORE = PACKAGING / "container" / "Dockerfile.dockerignore"
+ONEFILE_DOCKERFILE = PACKAGING / "container" / "Dockerfile.onefile"
+DEBIAN_BASE = PACKAGING / "container" / "debian-base.sh"
 KUSTOMIZE = PACKAGING / "kubernetes"
 INSTALL_DOC = ROOT / "docs" / "install.md"
 CONFIG = EXAMPLES / "config-mps.yaml"
@@ -49,6 +56,9 @@ OLDEST_KUBERNETES = Version("1.30")
 NOT_AGENT_FLAGS = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "TMPDIR", "MPSAGENT_CHILD_TMPDIR"}
 
 BUILD_TIMEOUT_S = 540
+IMAGE_TIMEOUT_S = 600
+IMAGE_ENTRYPOINT = ["/opt/mpsagent/bin/mpsagent"]
+ONEFILE_IMAGE_TARGET_MB = 120
 COMMAND_TIMEOUT_S = 60
 
 
@@ -390,6 +400,166 @@ def test_dockerfile_runs_the_agent_with_mps_from_debian_non_free() -> None:
                 assert (ROOT / source).exists(), source
     env = " ".join(rest for word, rest in instructions if word == "ENV")
     assert "CONFIG_FILE=/etc/mpsagent/config.yaml" in env
+
+
+# --- container images, built and run ---------------------------------------------------------------------
+#
+# podman builds them. Containers cannot be started on CI's machines (crun: "cgroups in hybrid mode not supported",
+# and setrlimit is refused), so RUN steps use chroot isolation on the host's network, and the entrypoint is run
+# with chroot in a created (never started) container's mounted root filesystem, with the image's environment.
+
+
+def podman(*args: str | Path, timeout: float = COMMAND_TIMEOUT_S) -> str:
+    done = run("podman", *args, timeout=timeout)
+    assert done.returncode == 0, f"podman {args[0]}: {done.stderr[-3000:]}"
+    return done.stdout
+
+
+def pip_ca_bundle() -> Path | None:
+    """The CA bundle the build host's pip is told to trust, if any: the build's pip trusts it too."""
+    for variable in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        value = os.environ.get(variable)
+        if value and Path(value).is_file():
+            return Path(value)
+    return None
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    missing = [tool for tool in ("podman", "debootstrap") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        why = f"{', '.join(missing)} not installed" if missing else "not root"
+        if os.environ.get("CI"):
+            pytest.fail(f"the image tests cannot run in CI: {why} (scripts/install-system-deps.sh installs both)")
+        pytest.skip(f"the image tests need podman, debootstrap and root: {why}")
+    done = run(DEBIAN_BASE, timeout=IMAGE_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()[-1]
+
+
+def image_id(tag: str) -> str | None:
+    done = run("podman", "image", "inspect", "--format", "{{.Id}}", tag)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def build_image(base: str, tag: str, dockerfile: Path, context: Path, *extra: str | Path) -> str:
+    ca = pip_ca_bundle()
+    secret = ("--secret", f"id=pip-ca,src={ca}") if ca else ()
+    isolation = ("--isolation", "chroot", "--network", "host")
+    previous = image_id(tag)
+    podman("build", *isolation, "--build-arg", f"BASE_IMAGE={base}", *secret, *extra, "-f", dockerfile, "-t", tag,
+           context, timeout=IMAGE_TIMEOUT_S)  # fmt: skip
+    if previous not in (None, image_id(tag)):
+        run("podman", "rmi", previous)  # the image this run replaced, with its layers (best effort)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def venv_image(base_image: str) -> str:
+    return build_image(base_image, "localhost/mpsagent-test:venv", DOCKERFILE, ROOT, "--ignorefile", DOCKERIGNORE)
+
+
+@pytest.fixture(scope="module")
+def onefile_image(base_image: str, binary: Path) -> str:
+    return build_image(base_image, "localhost/mpsagent-test:onefile", ONEFILE_DOCKERFILE, binary.parent)
+
+
+@pytest.fixture(params=["venv", "onefile"])
+def image(request: pytest.FixtureRequest) -> str:
+    tag: str = request.getfixturevalue(f"{request.param}_image")
+    return tag
+
+
+def image_config(image: str) -> dict:
+    (found,) = json.loads(podman("image", "inspect", image))
+    config: dict = found["Config"]
+    return config
+
+
+def image_mb(image: str) -> float:
+    (found,) = json.loads(podman("image", "inspect", image))
+    return float(found["Size"]) / 1e6
+
+
+@contextmanager
+def container_root(image: str) -> Iterator[Path]:
+    """The root filesystem of a container created from the image (writable; the image is not changed)."""
+    container = podman("create", image).strip()
+    try:
+        yield Path(podman("mount", container).strip())
+    finally:
+        run("podman", "umount", container)
+        run("podman", "rm", container)
+
+
+def in_image(image: str, root: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """argv in the image's root filesystem with the image's environment only (the entrypoint if argv starts with
+    an option)."""
+    config = image_config(image)
+    command = [*config["Entrypoint"], *argv] if not argv or argv[0].startswith("-") else list(argv)
+    return run("chroot", root, "/usr/bin/env", "-i", *config["Env"], *command)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_image_has_the_entrypoint_environment_user_and_labels(image: str) -> None:
+    config = image_config(image)
+    print(f"{image}: {image_mb(image):.0f} MB")
+    assert config["Entrypoint"] == IMAGE_ENTRYPOINT
+    assert not config.get("Cmd")  # the DaemonSets give the agent's arguments (`--daemon-host`) or none
+    assert config["User"] == "0:0"
+    assert config["StopSignal"] == "SIGTERM"
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env["PATH"].startswith("/opt/mpsagent/bin:")
+    assert {k: env[k] for k in ("CONFIG_FILE", "LOG_FORMAT", "NVIDIA_VISIBLE_DEVICES")} == {
+        "CONFIG_FILE": "/etc/mpsagent/config.yaml",
+        "LOG_FORMAT": "json",
+        "NVIDIA_VISIBLE_DEVICES": "all",
+    }
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.title"] == "mpsagent"
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_image_entrypoint_runs_the_agent_and_finds_the_mps_control_binary(image: str) -> None:
+    host_once = python_agent("--once", "--node-snapshot", H100_NODE, "--config-file", CONFIG)
+    assert host_once.returncode == 0, host_once.stderr
+    with container_root(image) as root:
+        version = in_image(image, root, "--version")
+        assert version.returncode == 0, version.stderr
+        assert version.stdout == python_agent("--version").stdout
+        # The config where the image's CONFIG_FILE says, as the DaemonSets mount it.
+        (root / "etc" / "mpsagent").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(CONFIG, root / "etc" / "mpsagent" / "config.yaml")
+        shutil.copyfile(H100_NODE, root / "tmp" / "node.yaml")
+        once = in_image(image, root, "--once", "--node-snapshot", "/tmp/node.yaml")
+        assert once.returncode == 0, once.stderr
+        assert once.stdout == host_once.stdout.replace(str(H100_NODE), "/tmp/node.yaml")
+        assert "--daemon-host" in in_image(image, root, "--help").stdout
+        control = in_image(image, root, "sh", "-c", "command -v nvidia-cuda-mps-control")
+        assert control.stdout.strip() == "/usr/bin/nvidia-cuda-mps-control", control.stderr
+        assert in_image(image, root, "nvidia-cuda-mps-control", "-h").returncode == 0
+
+
+def documented_onefile_image_mb() -> float:
+    match = re.search(r"one-file image[^.]*?about (\d+) MB", INSTALL_DOC.read_text())
+    assert match, "docs/install.md must give the one-file image's size as `one-file image ... about N MB`"
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_onefile_image_is_the_venv_image_in_less_room(venv_image: str, onefile_image: str) -> None:
+    venv, onefile = image_config(venv_image), image_config(onefile_image)
+    for key in ("Entrypoint", "Env", "User", "StopSignal", "Labels"):
+        assert onefile.get(key) == venv.get(key), key
+    size = image_mb(onefile_image)
+    print(f"one-file image: {size:.0f} MB; venv image: {image_mb(venv_image):.0f} MB")
+    assert size <= ONEFILE_IMAGE_TARGET_MB
+    assert abs(size - documented_onefile_image_mb()) <= 10, "update the size in docs/install.md"
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
