@@ -64,9 +64,12 @@ def test_once_json_has_the_documented_shape() -> None:
     assert resource["deviceIds"][0] == f"{plan['gpus'][0]['uuid']}::0"
     assert resource["pipeDirectory"] == "/run/nvidia/mps/nvidia.com/gpu/pipe"
     assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
-    one, every = resource["examples"]
+    one, two, whole, every = resource["examples"]
     assert one["request"] == 1 and one["fullGrant"] is False
     assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=20389M,1=20389M")
+    assert (two["title"], two["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("2 replicas on one GPU", "50")
+    assert two["ceilings"] == "threads 50%, memory 0=40779M," + ",".join(f"{o}=81559M" for o in range(1, 8))
+    assert whole["request"] == 4 and whole["fullGrant"] is True and whole["share"] == "4/4 of GPU 0 (whole)"
     assert every["request"] == 32 and every["fullGrant"] is True
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in every["envs"]
     assert plan["labels"]["nvidia.com/gpu.count"] == "8"
@@ -77,7 +80,7 @@ def test_once_shows_the_refusal_when_requests_greater_than_one_fail(tmp_path: Pa
     config = tmp_path / "c.yaml"
     config.write_text("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n")
     plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
-    every = plan["resources"][0]["examples"][1]
+    every = plan["resources"][0]["examples"][-1]
     assert every["error"] == "maximum request size for shared resources is 1; found 16"
     assert "envs" not in every
 

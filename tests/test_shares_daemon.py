@@ -1,0 +1,98 @@
+"""Proportional shares through the agent's socket, with the real control daemon: the daemon's per-ordinal ceilings
+follow the live grants (Allocate and reconciliation), `--status` shows each grant's share and each GPU's escape
+bound, and an agent restarted while pod-resources lists proportional grants rebuilds their ceilings before serving."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.conftest import AgentLauncher
+from tests.kubelet.fake import FakeKubelet, wait_for
+from tests.kubelet.podresources import FakePodResources
+from tests.test_daemon import control, pipe_of, start
+from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids
+from tests.test_reconcile_integration import GRACE_S, listed
+
+
+def ceilings(short_dir: Path) -> tuple[str, str, str]:
+    """The daemon's defaults: thread percentage, pinned memory of ordinals 0 and 1 (16 GiB T4s)."""
+    pipe = pipe_of(short_dir)
+    return (
+        control(pipe, "get_default_active_thread_percentage"),
+        control(pipe, "get_default_device_pinned_mem_limit 0"),
+        control(pipe, "get_default_device_pinned_mem_limit 1"),
+    )
+
+
+def resource_status(short_dir: Path) -> dict[str, object]:
+    return json.loads((short_dir / "mps" / "status.json").read_text())["resources"][0]
+
+
+def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S), text=config())
+    plugin = kubelet.wait_registered(RESOURCE)
+    assert ceilings(short_dir) == ("100.0", "16G", "16G")
+
+    quarter = allocate(plugin, ids(GPU0, 0)).container_responses[0].envs
+    assert (quarter["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], quarter["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+        "25",
+        "0=4096M,1=4096M",
+    )
+    assert ceilings(short_dir) == ("25.0", "4G", "16G")
+
+    half = allocate(plugin, ids(GPU0, 1, 2)).container_responses[0].envs
+    assert (half["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], half["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+        "50",
+        "0=8192M,1=8192M",
+    )
+    assert ceilings(short_dir) == ("50.0", "8G", "16G")
+
+    whole = allocate(plugin, ids(GPU1, 0, 1, 2, 3)).container_responses[0].envs
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in whole and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole
+    assert whole["NVIDIA_VISIBLE_DEVICES"] == GPU1
+    assert ceilings(short_dir) == ("100.0", "8G", "16G")
+
+    def escape_shown() -> dict[str, object] | None:
+        res = resource_status(short_dir)
+        return res if len(res["grants"]) == 3 else None
+
+    res = wait_for(escape_shown, 5, "the status with three grants")
+    assert [g["share"] for g in res["grants"]] == [
+        "1/4 of GPU 0, threads 25%",
+        "2/4 of GPU 0, threads 50%",
+        "4/4 of GPU 1 (whole)",
+    ]
+    gpu0 = res["gpus"][GPU0]
+    assert (gpu0["liveGrants"], gpu0["memoryCeilingMiB"], gpu0["memoryEscapeMiB"], gpu0["threadEscape"]) == (
+        2,
+        8192,
+        4096,
+        75,
+    )
+
+    # The 2/4 container is gone: once the kubelet has not listed it for the grace period, its ceiling goes with it.
+    pod_resources.set_containers(listed("quarter", ids(GPU0, 0)), listed("whole", ids(GPU1, 0, 1, 2, 3)))
+    gone_at = time.monotonic()
+    agent.wait_log("grant released: its container is gone", timeout=3 * GRACE_S)
+    assert time.monotonic() - gone_at >= GRACE_S - 0.1
+    wait_for(lambda: ceilings(short_dir) == ("100.0", "4G", "16G"), 10, "GPU 0's ceiling back at 1/4")
+
+
+def test_an_agent_restarted_while_proportional_grants_are_listed_rebuilds_their_ceilings_before_serving(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    first = start(agents, kubelet, short_dir, text=config())
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU0, 0, 1))
+    assert ceilings(short_dir) == ("50.0", "8G", "16G")
+    assert first.stop() == 0
+
+    # Meanwhile a container of 1/4 of GPU 1 was admitted (say, by an agent that has since been replaced).
+    pod_resources.set_containers(listed("half", ids(GPU0, 0, 1)), listed("quarter", ids(GPU1, 3)))
+    start(agents, kubelet, short_dir, text=config())
+    kubelet.wait_registered(RESOURCE, count=2)
+    assert ceilings(short_dir) == ("50.0", "8G", "4G")
