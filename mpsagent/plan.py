@@ -20,7 +20,7 @@ from mpsagent.config import (
     ResourceSpec,
     SharingConfig,
 )
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
 from mpsagent.errors import ConfigError, shown
 from mpsagent.shares import (
     MAX_CLIENTS_PER_GPU,
@@ -38,6 +38,9 @@ ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 CDI_KIND = "nvidia.com/gpu"
+MAX_MEMORY_UNITS_PER_GPU = 256
+"""What a memory-unit resource may advertise per GPU (1 GiB units of a 141 GiB GPU are 140): bounds the device
+list the kubelet is sent and every request over it, as `replicas` (at most 48) does."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +184,13 @@ def _ids_per_gpu(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[int, ...]:
             raise ConfigError(
                 f"{spec.path}.memoryUnit",
                 f"is larger than GPU {gpu.index}'s memory ({gpu.memory_mib} MiB); use a smaller unit",
+            )
+        if count > MAX_MEMORY_UNITS_PER_GPU:
+            smallest = -(-gpu.memory_bytes // MAX_MEMORY_UNITS_PER_GPU // MIB)
+            raise ConfigError(
+                f"{spec.path}.memoryUnit",
+                f"makes GPU {gpu.index} advertise {count} device IDs, more than the {MAX_MEMORY_UNITS_PER_GPU} a GPU "
+                f"may have; use a unit of at least {smallest}Mi",
             )
     return counts
 

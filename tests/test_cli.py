@@ -221,3 +221,47 @@ def test_status_refuses_a_file_larger_than_any_status(tmp_path: Path) -> None:
     assert result.stderr == (
         f"mpsagent: error: the agent status {tmp_path / 'status.json'} is larger than 64 MiB; remove it\n"
     )
+
+
+MEMORY_UNITS = (
+    "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu-mem\n      memoryUnit: {unit}\n      devices: 1\n"
+)
+
+
+def test_once_shows_what_memory_units_get(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MEMORY_UNITS.format(unit="8Gi"))
+    plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
+    (resource,) = plan["resources"]
+    assert resource["name"] == "nvidia.com/gpu-mem"
+    assert resource["memoryUnitBytes"] == 8 * 1024**3
+    assert len(resource["deviceIds"]) == 9  # 81559 MiB holds 9 units of 8 GiB
+    one, seven, whole = resource["examples"]
+    assert [e["title"] for e in resource["examples"]] == [
+        "1 memory unit",
+        "7 memory units on one GPU",
+        "a whole GPU (9 memory units)",
+    ]
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert (seven["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], seven["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == (
+        "0=57344M",
+        "77",
+    )
+    assert seven["ceilings"] == "threads 77%, memory 0=57344M"
+    assert whole["fullGrant"] is True and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole["envs"]
+
+
+@pytest.mark.parametrize(
+    ("unit", "message"),
+    [
+        ("8GB", "sharing.mps.resources[0].memoryUnit: `8GB` is not a Kubernetes quantity"),
+        ("100Gi", "sharing.mps.resources[0].memoryUnit: is larger than GPU 0's memory (81559 MiB)"),
+    ],
+)
+def test_a_bad_memory_unit_exits_2_naming_the_key(tmp_path: Path, unit: str, message: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MEMORY_UNITS.format(unit=unit))
+    result = mpsagent("--once", "--node-snapshot", str(H100_NODE), "--config-file", str(config))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

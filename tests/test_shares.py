@@ -184,6 +184,10 @@ def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int) -> No
         ("{name: m, memoryUnit: eight}", "`eight` is not a Kubernetes quantity"),
         ("{name: m, memoryUnit: 8GB}", "`8GB` is not a Kubernetes quantity"),
         ("{name: m, memoryUnit: 200Gi}", "larger than GPU 0's memory (143771 MiB)"),
+        (
+            "{name: m, memoryUnit: 1Mi}",
+            "makes GPU 0 advertise 143771 device IDs, more than the 256 a GPU may have; use a unit of at least 562Mi",
+        ),
     ],
 )
 def test_memory_unit_errors_name_the_key(entry: str, phrase: str) -> None:
