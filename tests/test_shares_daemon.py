@@ -8,12 +8,15 @@ import json
 import time
 from pathlib import Path
 
+import grpc
+import pytest
+
 from tests.conftest import AgentLauncher
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.kubelet.podresources import FakePodResources
 from tests.test_daemon import control, pipe_of, start
-from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids
-from tests.test_reconcile_integration import GRACE_S, listed
+from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids, preferred
+from tests.test_reconcile_integration import GRACE_S, listed, status
 
 
 def ceilings(short_dir: Path) -> tuple[str, str, str]:
@@ -28,6 +31,11 @@ def ceilings(short_dir: Path) -> tuple[str, str, str]:
 
 def resource_status(short_dir: Path) -> dict[str, object]:
     return json.loads((short_dir / "mps" / "status.json").read_text())["resources"][0]
+
+
+def with_grants(short_dir: Path, count: int) -> dict[str, object] | None:
+    res = resource_status(short_dir)
+    return res if len(res["grants"]) == count else None
 
 
 def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
@@ -56,16 +64,15 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
     assert whole["NVIDIA_VISIBLE_DEVICES"] == GPU1
     assert ceilings(short_dir) == ("100.0", "8G", "16G")
 
-    def escape_shown() -> dict[str, object] | None:
-        res = resource_status(short_dir)
-        return res if len(res["grants"]) == 3 else None
-
-    res = wait_for(escape_shown, 5, "the status with three grants")
+    res = wait_for(lambda: with_grants(short_dir, 3), 5, "the status with three grants")
     assert [g["share"] for g in res["grants"]] == [
         "1/4 of GPU 0, threads 25%",
         "2/4 of GPU 0, threads 50%",
         "4/4 of GPU 1 (whole)",
     ]
+    shown = status(short_dir).stdout
+    assert f"GPU 0 ({GPU0}): 2 live grants; ceilings 8192 of 16384 MiB, threads 100%; escape bound: +4096 MiB" in shown
+    assert f"[2/4 of GPU 0, threads 50%]: {GPU0}::1, {GPU0}::2" in shown
     gpu0 = res["gpus"][GPU0]
     assert (gpu0["liveGrants"], gpu0["memoryCeilingMiB"], gpu0["memoryEscapeMiB"], gpu0["threadEscape"]) == (
         2,
@@ -96,3 +103,32 @@ def test_an_agent_restarted_while_proportional_grants_are_listed_rebuilds_their_
     start(agents, kubelet, short_dir, text=config())
     kubelet.wait_registered(RESOURCE, count=2)
     assert ceilings(short_dir) == ("50.0", "8G", "4G")
+
+
+UNITS = (
+    "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n"
+    "sharing:\n  mps:\n    resources:\n    - name: gpu\n      memoryUnit: 256Mi\n"
+)
+
+
+def test_the_49th_live_grant_on_a_gpu_is_refused_and_preferred_allocation_avoids_the_full_gpu(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    start(agents, kubelet, short_dir, text=UNITS)  # 64 units of 256 MiB on each 16 GiB GPU
+    plugin = kubelet.wait_registered(RESOURCE)
+    for unit in range(48):
+        allocate(plugin, ids(GPU0, unit))
+    assert ceilings(short_dir) == ("1.0", "256M", "16G")
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate(plugin, ids(GPU1, 0), ids(GPU0, 48))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == (
+        f"{RESOURCE}: GPU {GPU0} would hold 49 live grants, but MPS serves at most 48 clients a GPU; nothing was "
+        "granted: ask for IDs of another GPU, or wait for a container on it to end"
+    )
+    res = wait_for(lambda: with_grants(short_dir, 48), 5, "the status with 48 grants")
+    assert res["gpus"][GPU0]["liveGrants"] == 48 and res["gpus"][GPU1]["liveGrants"] == 0
+    # Packed would pick the busiest GPU; GPU 0 is at the limit, so the request goes to GPU 1.
+    free = [*ids(GPU0, *range(48, 64)), *ids(GPU1, *range(64))]
+    chosen = preferred(plugin, free, 7)
+    assert chosen == ids(GPU1, *range(7))
