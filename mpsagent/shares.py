@@ -338,6 +338,3 @@ class ShareModel:
     def full_gpus(self, live: ShareTally) -> frozenset[GpuUuid]:
         """GPUs at MPS's client limit."""
         return frozenset(gpu.uuid for gpu in self.gpus if live.clients(gpu.ordinal) >= gpu.max_clients)
-
-    def gpu(self, uuid: GpuUuid) -> GpuSlots | None:
-        return self._by_uuid.get(uuid)
