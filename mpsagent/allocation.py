@@ -14,8 +14,9 @@ from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.errors import RequestError, shown
 from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
-from mpsagent.plan import CapMode, ContainerGrant, ResourcePlan, container_grant, daemon_mode_for
+from mpsagent.plan import ContainerGrant, ResourcePlan, container_grant
 from mpsagent.reconcile import Holding, ReconcileResult, reconcile
+from mpsagent.shares import Ceilings, ClientLimit, Share
 
 MAX_NAMED_IDS = 3
 
@@ -29,6 +30,14 @@ def describe_ids(ids: Sequence[str]) -> str:
 
 def size_error(count: int) -> RequestError:
     return RequestError(f"maximum request size for shared resources is 1; found {count}")
+
+
+def client_limit_error(resource: str, over: Sequence[ClientLimit]) -> RequestError:
+    first = over[0]
+    return RequestError(
+        f"{resource}: GPU {first.uuid} would hold {first.grants} live grants, but MPS serves at most {first.limit} "
+        "clients a GPU; nothing was granted: ask for IDs of another GPU, or wait for a container on it to end"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +58,8 @@ class ResourceAllocator:
         for replica in resource.device_ids:  # one pass: set-up grows with the node's replicas, not their square
             replicas[gpu_of(replica)].append(replica)
         self._gpu_replicas = {uuid: tuple(ids) for uuid, ids in replicas.items()}
+        # failRequestsGreaterThanOne is about replicas: a request of n memory units is the normal case.
+        self._one_at_most = resource.fail_requests_greater_than_one and not resource.memory_units
 
     def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:
         unique = tuple(dict.fromkeys(ids))
@@ -65,7 +76,7 @@ class ResourceAllocator:
         if not ids:
             raise RequestError(f"{self.resource.name}: a container request must name at least one device ID")
         unique = self._known_ids(ids, "the request")
-        if self.resource.fail_requests_greater_than_one and len(unique) > 1:
+        if self._one_at_most and len(unique) > 1:
             raise size_error(len(unique))
         return unique
 
@@ -76,7 +87,17 @@ class ResourceAllocator:
     def allocate(self, requests: Sequence[Sequence[str]]) -> list[Allocation]:
         """Check every container request, then record them all; a refusal records nothing."""
         grants = [self.grant_for(ids) for ids in requests]
-        return [Allocation(grant=g, record=self.ledger.record(g.replica_ids, g.kind)) for g in grants]
+        self._check_clients(grants)
+        return [Allocation(grant=g, record=self.ledger.record(g.replica_ids, g.share)) for g in grants]
+
+    def _check_clients(self, grants: Sequence[ContainerGrant]) -> None:
+        """Refuse grants that would give a GPU more live grants (MPS clients) than MPS serves."""
+        ending = {holder.grant_id: holder for g in grants for r in g.replica_ids if (holder := self.ledger.holder(r))}
+        over = self.resource.shares.clients_over_limit(
+            self.ledger.tally, [holder.share for holder in ending.values()], [g.share for g in grants]
+        )
+        if over:
+            raise client_limit_error(self.resource.name, over)
 
     def withdraw(self, allocations: Sequence[Allocation]) -> None:
         """Undo `allocate` (its answer was an error): the ledger is as it was before, as far as nothing else has
@@ -87,7 +108,7 @@ class ResourceAllocator:
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[ReplicaId]:
         if size < 1:
             raise RequestError(f"{self.resource.name}: allocation size must be at least 1, not {size}")
-        if self.resource.fail_requests_greater_than_one and size > 1:
+        if self._one_at_most and size > 1:
             raise size_error(size)
         return preferred_replicas(
             gpu_replicas=self._gpu_replicas,
@@ -96,15 +117,17 @@ class ResourceAllocator:
             size=size,
             policy=self.resource.allocation_policy,
             resource=self.resource.name,
+            memory_units=self.resource.memory_units,
+            full_gpus=self.resource.shares.full_gpus(self.ledger.tally),
         )
 
-    def daemon_mode(self) -> CapMode:
-        """The cap mode the resource's daemon must hold for the grants the ledger believes live."""
-        return daemon_mode_for(self.resource, self.ledger.has_live(CapMode.CAPPED))
+    def ceilings(self) -> Ceilings:
+        """The ceilings the resource's daemon must hold for the grants the ledger believes live."""
+        return self.resource.shares.ceilings(self.ledger.tally)
 
     def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
         """Bring the ledger to the kubelet's listing of this resource (see mpsagent.reconcile)."""
-        return reconcile(self.ledger, listed, now=now, grace_s=grace_s, kind_of=self._kind_of)
+        return reconcile(self.ledger, listed, now=now, grace_s=grace_s, share_of=self._share_of)
 
-    def _kind_of(self, ids: Sequence[str]) -> CapMode:
-        return CapMode.FULL if set(ids) >= self._known else CapMode.CAPPED
+    def _share_of(self, ids: Sequence[str]) -> Share:
+        return self.resource.shares.share_of(ReplicaId(i) for i in dict.fromkeys(ids))

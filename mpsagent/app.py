@@ -47,7 +47,7 @@ MAX_LOGGED_GRANTS = 5
 
 @dataclass(kw_only=True, slots=True)
 class _Resource:
-    """One resource's parts; the daemon exists once the initial reconciliation has decided its start mode."""
+    """One resource's parts; the daemon exists once the initial reconciliation has decided its first ceilings."""
 
     plan: ResourcePlan
     allocator: ResourceAllocator
@@ -63,7 +63,7 @@ class _Resource:
             daemon=DaemonView(
                 pid=daemon.pid if daemon else None,
                 up=daemon.up if daemon else False,
-                mode=daemon.mode.value if daemon and daemon.mode else None,
+                ceilings=daemon.ceilings if daemon else None,
                 restarts=daemon.restarts if daemon else 0,
                 restart_attempts=daemon.restart_attempts if daemon else 0,
                 multi_user=daemon.multi_user if daemon else None,
@@ -77,13 +77,13 @@ class _Resource:
         )
 
     async def hold_caps(self, *, verify: bool = False) -> None:
-        """Make the daemon hold the mode the ledger needs (`verify`: read back even a mode it is believed to hold);
-        raises DaemonError when it cannot (an Allocate or a pre-start then fails)."""
+        """Make the daemon hold the ceilings the ledger's live grants need (`verify`: read back even ceilings it is
+        believed to hold); raises DaemonError when it cannot (an Allocate or a pre-start then fails)."""
         assert self.daemon is not None
-        await self.daemon.set_mode(self.allocator.daemon_mode(), verify=verify)
+        await self.daemon.set_ceilings(self.allocator.ceilings(), verify=verify)
 
-    async def hold_ledger_mode(self) -> None:
-        """Make the daemon hold the mode the ledger needs; a daemon that is down takes it when it is back."""
+    async def hold_ledger_ceilings(self) -> None:
+        """Make the daemon hold the ceilings the ledger needs; a daemon that is down takes them when it is back."""
         if self.daemon is None:
             return
         try:
@@ -101,6 +101,7 @@ def _on_granted(resource: _Resource, reconciler: PodResourcesReconciler) -> OnGr
                 resource=resource.plan.name,
                 grant=grant.grant_id,
                 kind=grant.kind.value,
+                share=grant.share.describe(),
                 replicas=len(grant.replica_ids),
                 gpus=sorted({gpu_of(r) for r in grant.replica_ids}),
             )
@@ -226,10 +227,12 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         ]
         reconciler = PodResourcesReconciler(
             socket=settings.pod_resources_socket,
-            targets=[ReconcileTarget(allocator=r.allocator, on_ledger_changed=r.hold_ledger_mode) for r in resources],
+            targets=[
+                ReconcileTarget(allocator=r.allocator, on_ledger_changed=r.hold_ledger_ceilings) for r in resources
+            ],
             grace_s=settings.reconcile_grace_s,
         )
-        # Before any daemon holds a mode: containers that run since before this start must keep their caps.
+        # Before any daemon holds ceilings: containers that run since before this start must keep their caps.
         grants_known = await reconciler.reconcile_once()
         try:
             async with anyio.create_task_group() as tg:
@@ -248,7 +251,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                         gpu_source=gpu_source,
                         control_bin=settings.mps_control_bin,
                         on_exit=settings.mps_on_exit,
-                        initial_mode=resource.allocator.daemon_mode() if grants_known else None,
+                        initial_ceilings=resource.allocator.ceilings() if grants_known else None,
                         owner=settings.mps_daemon,
                         probe_interval_s=settings.probe_interval_s,
                     )

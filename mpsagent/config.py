@@ -41,6 +41,7 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
 MAX_REPLICAS = 48
 MAX_REPLICAS_BEFORE_VOLTA = 16
+MIB_BYTES = 1 << 20
 
 
 class _Strict(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -52,7 +53,9 @@ DeviceSelector = Literal["all"] | int | list[int | str]
 
 class MpsResource(_Strict, frozen=True):
     name: str
-    replicas: int
+    replicas: int | msgspec.UnsetType = msgspec.UNSET
+    # A Kubernetes quantity (`8Gi`): each device ID is that much memory of one GPU, instead of `replicas`.
+    memory_unit: int | str | None = None
     rename: str | None = None
     # A float too: the NVIDIA plugin reads its files through YAML-to-JSON, so `devices: 2.0` means a count of 2.
     devices: Literal["all"] | int | float | list[int | str] = "all"
@@ -63,6 +66,8 @@ class MpsSharing(_Strict, frozen=True):
     # Omitted means true: the NVIDIA plugin refuses multi-replica requests unless told otherwise.
     fail_requests_greater_than_one: bool = True
     enforce_caps: bool = True
+    # proportional (the default): a grant's caps follow its share of each GPU; equal: 1/replicas for any partial grant.
+    grants: str = "proportional"
     # auto (the default), true or false: run the daemon with one MPS server for every user (`-M`).
     multi_user: bool | str = "auto"
     resources: list[MpsResource] | None = None
@@ -181,6 +186,15 @@ class MpsDaemonOwner(enum.StrEnum):
     HOST = "host"
 
 
+class GrantRule(enum.StrEnum):
+    """`sharing.mps.grants`: how a grant's caps follow the replicas it holds. Proportional: k of a GPU's N IDs are
+    k/N of that GPU; equal: the NVIDIA device plugin's rule (every replica of the resource: no caps; anything else:
+    1/replicas of every GPU of the resource)."""
+
+    PROPORTIONAL = "proportional"
+    EQUAL = "equal"
+
+
 class MultiUser(enum.StrEnum):
     """`sharing.mps.multiUser`: one MPS server for every user when the control binary offers it (auto), always
     (true: a binary without it is refused), or never (false: pods of different users take turns)."""
@@ -200,7 +214,10 @@ class ResourceSpec:
     path: str
     name: str
     advertised_name: str
-    replicas: int
+    replicas: int | None
+    """Device IDs per GPU; None for a memory-unit resource."""
+    memory_unit_bytes: int | None
+    """Memory per device ID; None for a replica resource."""
     devices: DeviceSelector
     renamed: bool
 
@@ -219,6 +236,7 @@ class SharingConfig:
     multi_user: MultiUser = MultiUser.AUTO
     # Accepted as the NVIDIA plugin accepts them, but worth a warning (a missing `version`).
     warnings: tuple[str, ...] = ()
+    grants: GrantRule = GrantRule.PROPORTIONAL
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -383,6 +401,40 @@ def _device_list_strategy(value: str | list[str] | None) -> DeviceListStrategy:
     return _one_of(DeviceListStrategy, value, DeviceListStrategy.ENVVAR, path)
 
 
+_QUANTITY = re.compile(r"(?P<number>[0-9]{1,20}(?:\.[0-9]{1,20})?)(?P<suffix>[KMGTPE]i|[kMGTPE])?")
+_QUANTITY_FACTORS: dict[str | None, int] = {
+    None: 1,
+    **{f"{prefix}i": 1024 ** (power + 1) for power, prefix in enumerate("KMGTPE")},
+    **{prefix: 1000 ** (power + 1) for power, prefix in enumerate("kMGTPE")},
+}
+
+
+def parse_quantity(text: str) -> int | None:
+    """Bytes of a Kubernetes quantity (`512Mi`, `8G`, `1.5Gi`), rounded down; None when it is not one."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        return None
+    whole, _, fraction = match.group("number").partition(".")
+    factor = _QUANTITY_FACTORS[match.group("suffix")]
+    scale = int("1" + "0" * len(fraction))
+    return int(whole) * factor + int(fraction or "0") * factor // scale
+
+
+def _memory_unit(path: str, entry: MpsResource) -> int | None:
+    """The resource's memory unit in bytes (None: a replica resource); the GPU-dependent bound is the plan's."""
+    if entry.memory_unit is None:
+        return None
+    if not isinstance(entry.replicas, msgspec.UnsetType):
+        raise ConfigError(path, "give either `replicas` or `memoryUnit`, not both")
+    value = entry.memory_unit
+    unit: int | None = value if isinstance(value, int) else parse_quantity(value)
+    if unit is None:
+        raise ConfigError(path, f"`{shown(value)}` is not a Kubernetes quantity; write it like 1Gi, 512Mi or 8G")
+    if unit < MIB_BYTES:
+        raise ConfigError(path, f"`{shown(value)}` is less than 1Mi; a memory unit is at least 1Mi, for example 1Gi")
+    return unit
+
+
 def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> ResourceSpec:
     path = f"sharing.mps.resources[{index}]"
     name = qualify_resource_name(entry.name)
@@ -401,7 +453,13 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
             raise ConfigError(f"{path}.name", f"with renameByDefault the advertised name is invalid: {problem}")
     else:
         advertised = name
-    if not 1 <= entry.replicas <= MAX_REPLICAS:
+    unit = _memory_unit(f"{path}.memoryUnit", entry)
+    replicas = None if isinstance(entry.replicas, msgspec.UnsetType) else entry.replicas
+    if unit is None and replicas is None:
+        raise ConfigError(
+            path, "required key `replicas` is missing (or give `memoryUnit`, the memory of one ID, e.g. 1Gi)"
+        )
+    if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
         raise ConfigError(
             f"{path}.replicas",
             f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {shown(entry.replicas)}",
@@ -411,7 +469,8 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
         path=path,
         name=name,
         advertised_name=advertised,
-        replicas=entry.replicas,
+        replicas=replicas,
+        memory_unit_bytes=unit,
         devices=devices,
         renamed=advertised != name,
     )
@@ -494,6 +553,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
         ignored_keys=tuple(ignored),
         multi_user=_one_of(MultiUser, str(mps.multi_user).lower(), MultiUser.AUTO, "sharing.mps.multiUser"),
         warnings=warnings,
+        grants=_one_of(GrantRule, mps.grants, GrantRule.PROPORTIONAL, "sharing.mps.grants"),
     )
 
 

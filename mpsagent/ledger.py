@@ -1,4 +1,4 @@
-"""The allocation ledger of one resource: who holds which replicas, and whether any capped grant is live.
+"""The allocation ledger of one resource: who holds which replicas, and each grant's share (see mpsagent.shares).
 
 The kubelet is the authority on allocations: the ledger records, it never refuses. The kubelet hands out a replica
 only once it is free, so a replica granted again means its earlier grant (the whole container) has ended.
@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mpsagent.devices import ContainerRef, ReplicaId
-from mpsagent.plan import CapMode
+from mpsagent.shares import GrantKind, Share, ShareTally
 
 
 @dataclass(kw_only=True, slots=True)
 class Grant:
     grant_id: int
     replica_ids: tuple[ReplicaId, ...]
-    kind: CapMode
+    share: Share
     granted_at: float
     """Wall-clock time of the grant, for people."""
     granted_monotonic: float
@@ -32,6 +32,10 @@ class Grant:
     missing_since: float | None = None
     """Monotonic time of the first listing that no longer showed the grant (reconciliation's grace clock)."""
 
+    @property
+    def kind(self) -> GrantKind:
+        return self.share.kind
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecordResult:
@@ -42,13 +46,13 @@ class RecordResult:
 
 @dataclass(kw_only=True, slots=True)
 class LedgerStatistics:
-    grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
+    grants: dict[GrantKind, int] = field(default_factory=lambda: dict.fromkeys(GrantKind, 0))
     regranted_replicas: int = 0
     superseded_grants: int = 0
     """Ended because a later grant (or the kubelet's listing) holds their replicas."""
     adopted_grants: int = 0
     released_grants: int = 0
-    live_grants: dict[CapMode, int] = field(default_factory=lambda: dict.fromkeys(CapMode, 0))
+    live_grants: dict[GrantKind, int] = field(default_factory=lambda: dict.fromkeys(GrantKind, 0))
 
 
 class Ledger:
@@ -60,6 +64,8 @@ class Ledger:
         self._holder: dict[ReplicaId, int] = {}
         self._stats = LedgerStatistics()
         self._version = 0
+        self.tally = ShareTally()
+        """The live grants' shares, counted for ceilings and the client limit."""
 
     @property
     def version(self) -> int:
@@ -70,20 +76,20 @@ class Ledger:
         """Called by whoever updates a live grant's owner or listing state in place."""
         self._version += 1
 
-    def record(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode) -> RecordResult:
+    def record(self, replica_ids: tuple[ReplicaId, ...], share: Share) -> RecordResult:
         """Record an Allocate's grant."""
-        result = self._add(replica_ids, kind, owner=None)
-        self._stats.grants[kind] += 1
+        result = self._add(replica_ids, share, owner=None)
+        self._stats.grants[share.kind] += 1
         self._stats.regranted_replicas += len(result.grant.superseded_ids)
         return result
 
-    def adopt(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode, owner: ContainerRef) -> RecordResult:
+    def adopt(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef) -> RecordResult:
         """Record a grant the kubelet lists but this agent never saw allocated (made before it started)."""
-        result = self._add(replica_ids, kind, owner=owner)
+        result = self._add(replica_ids, share, owner=owner)
         self._stats.adopted_grants += 1
         return result
 
-    def _add(self, replica_ids: tuple[ReplicaId, ...], kind: CapMode, owner: ContainerRef | None) -> RecordResult:
+    def _add(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef | None) -> RecordResult:
         ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
         ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
         self._stats.superseded_grants += len(ended)
@@ -92,7 +98,7 @@ class Ledger:
         grant = Grant(
             grant_id=next(self._ids),
             replica_ids=replica_ids,
-            kind=kind,
+            share=share,
             granted_at=self._wall(),
             granted_monotonic=self._monotonic(),
             superseded_ids=regranted,
@@ -100,6 +106,7 @@ class Ledger:
             adopted=owner is not None,
         )
         self._live[grant.grant_id] = grant
+        self.tally.add(share)
         for replica in replica_ids:
             self._holder[replica] = grant.grant_id
         self._version += 1
@@ -118,6 +125,7 @@ class Ledger:
         restored = [g for g in result.ended if all(r not in self._holder for r in g.replica_ids)]
         for earlier in restored:
             self._live[earlier.grant_id] = earlier
+            self.tally.add(earlier.share)
             for replica in earlier.replica_ids:
                 self._holder[replica] = earlier.grant_id
         self._stats.grants[grant.kind] -= 1
@@ -134,6 +142,7 @@ class Ledger:
     def _end(self, grant_id: int) -> Grant:
         self._version += 1
         grant = self._live.pop(grant_id)
+        self.tally.remove(grant.share)
         for replica in grant.replica_ids:
             if self._holder.get(replica) == grant_id:
                 del self._holder[replica]
@@ -149,11 +158,11 @@ class Ledger:
     def held_replicas(self) -> int:
         return len(self._holder)
 
-    def has_live(self, kind: CapMode) -> bool:
-        return any(grant.kind is kind for grant in self._live.values())
+    def live_shares(self) -> tuple[Share, ...]:
+        return tuple(grant.share for grant in self._live.values())
 
     def statistics(self) -> LedgerStatistics:
-        live = dict.fromkeys(CapMode, 0)
+        live = dict.fromkeys(GrantKind, 0)
         for grant in self._live.values():
             live[grant.kind] += 1
         return LedgerStatistics(

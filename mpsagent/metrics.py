@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from mpsagent import __version__
 from mpsagent.cgroups import PodContainer, pod_container
-from mpsagent.devices import GpuUuid
+from mpsagent.devices import MIB, GpuUuid
 from mpsagent.errors import GpuDiscoveryError
 from mpsagent.gpu.port import GpuHealthSource
 from mpsagent.logs import get_logger
@@ -118,6 +118,7 @@ class _StateCollector(Collector):
             "Daemon values found changed behind the agent (and restored)",
             labels=["resource"],
         )
+        shares = _ShareFamilies()
         registrations = CounterMetricFamily(
             "mpsagent_kubelet_registrations", "Successful registrations with the kubelet", labels=["resource"]
         )
@@ -132,6 +133,7 @@ class _StateCollector(Collector):
             for gpu, counts in res["gpus"].items():
                 replicas.add_metric([name, gpu, "Healthy"], counts["healthy"])
                 replicas.add_metric([name, gpu, "Unhealthy"], counts["replicas"] - counts["healthy"])
+                shares.add_gpu(name, gpu, counts)
             ledger = res["ledger"]
             for kind in CAP_MODES:
                 grants.add_metric([name, kind], ledger["allocated"].get(kind, 0))
@@ -147,6 +149,7 @@ class _StateCollector(Collector):
             if daemon["multiUser"] is not None:
                 multi_user.add_metric([name], 1 if daemon["multiUser"] else 0)
             cap_tamper.add_metric([name], daemon["capTamper"])
+            shares.add_daemon(name, daemon.get("ceilings"))
             registrations.add_metric([name], res["registrations"])
             registered.add_metric([name], 1 if res["registered"] else 0)
             registration_failures.add_metric([name], res["registrationFailures"])
@@ -160,7 +163,54 @@ class _StateCollector(Collector):
         pod_resources_failures.add_metric([], document["podResources"]["failures"])
         yield from (replicas, grants, adopted, released, active, daemon_up, restarts, restart_attempts, cap_mode)
         yield from (multi_user, cap_tamper, registrations, registered, registration_failures)
+        yield from shares.families()
         yield from (pod_resources, pod_resources_failures)
+
+
+class _ShareFamilies:
+    """The daemon's ceilings, live grants per GPU and the escape bound (see docs/cap-model.md)."""
+
+    def __init__(self) -> None:
+        self.thread_ceiling = GaugeMetricFamily(
+            "mpsagent_daemon_thread_ceiling_percent",
+            "The thread percentage the MPS daemon allows any client of the resource",
+            labels=["resource"],
+        )
+        self.memory_ceiling = GaugeMetricFamily(
+            "mpsagent_daemon_memory_ceiling_bytes",
+            "The pinned memory the MPS daemon allows any client on the GPU",
+            labels=["resource", "gpu"],
+        )
+        self.live_grants = GaugeMetricFamily(
+            "mpsagent_gpu_live_grants",
+            "Live grants (MPS clients) holding a share of the GPU",
+            labels=["resource", "gpu"],
+        )
+        self.memory_escape = GaugeMetricFamily(
+            "mpsagent_escape_memory_bytes",
+            "Most memory beyond its own cap that a container on the GPU gets by unsetting its variables",
+            labels=["resource", "gpu"],
+        )
+        self.thread_escape = GaugeMetricFamily(
+            "mpsagent_escape_thread_percent",
+            "Most thread percentage points beyond its own cap that a container on the GPU gets by unsetting them",
+            labels=["resource", "gpu"],
+        )
+
+    def add_gpu(self, resource: str, gpu: str, counts: dict[str, Any]) -> None:
+        if "memoryCeilingMiB" not in counts:
+            return
+        self.memory_ceiling.add_metric([resource, gpu], counts["memoryCeilingMiB"] * MIB)
+        self.live_grants.add_metric([resource, gpu], counts["liveGrants"])
+        self.memory_escape.add_metric([resource, gpu], counts["memoryEscapeMiB"] * MIB)
+        self.thread_escape.add_metric([resource, gpu], counts["threadEscape"])
+
+    def add_daemon(self, resource: str, ceilings: dict[str, Any] | None) -> None:
+        if ceilings is not None:
+            self.thread_ceiling.add_metric([resource], ceilings["threadPercentage"])
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.thread_ceiling, self.memory_ceiling, self.live_grants, self.memory_escape, self.thread_escape)
 
 
 class _GpuProcessCollector(Collector):

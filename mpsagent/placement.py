@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mpsagent.config import AllocationPolicy
-from mpsagent.devices import GpuUuid, ReplicaId
+from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.errors import RequestError
 
 
@@ -17,12 +17,18 @@ def preferred_replicas(
     size: int,
     policy: AllocationPolicy,
     resource: str,
+    memory_units: bool = False,
+    full_gpus: frozenset[GpuUuid] = frozenset(),
 ) -> list[ReplicaId]:
     """Choose `size` replicas from `available`, `must_include` first.
 
-    `gpu_replicas` lists every replica of each GPU, GPUs in host-index order. A request of k whole GPUs' worth
-    takes k wholly free GPUs when there are that many: this is what makes full-GPU grants reachable. Otherwise
-    `distributed` takes from the GPU with the fewest replicas in use, `packed` from the one with the most.
+    `gpu_replicas` lists every ID of each GPU, GPUs in host-index order. GPUs in `full_gpus` (at MPS's client
+    limit) are left out while the others suffice. Then, in order:
+    - replicas, k whole GPUs' worth: k wholly free GPUs when there are that many (what makes whole-GPU grants
+      reachable);
+    - replicas, at most one GPU's worth: one GPU that has room (fewest GPUs touched), chosen by the policy;
+    - memory units: all on one GPU, best fit (the fullest GPU that still fits), else the fewest GPUs;
+    - otherwise one at a time: `distributed` from the GPU with the fewest IDs in use, `packed` the most.
     """
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
@@ -30,22 +36,52 @@ def preferred_replicas(
     free = set(available) - set(chosen)
     if len(free) < size - len(chosen):
         raise RequestError(f"{resource}: {size} replicas requested but only {len(free) + len(chosen)} are available")
-    per_gpu = {gpu: [r for r in replicas if r in free] for gpu, replicas in gpu_replicas.items()}
     remaining = size - len(chosen)
+    if not remaining:
+        return chosen
+    roomy = {r for r in free if gpu_of(r) not in full_gpus} if full_gpus else free
+    if len(roomy) >= remaining:
+        free = roomy
+    per_gpu = {gpu: [r for r in replicas if r in free] for gpu, replicas in gpu_replicas.items()}
+    order = list(gpu_replicas)
+    in_use = {gpu: len(gpu_replicas[gpu]) - len(per_gpu[gpu]) for gpu in gpu_replicas}
+    if memory_units:
+        return chosen + _fewest_gpus(per_gpu, order, remaining)
     replicas_per_gpu = max((len(r) for r in gpu_replicas.values()), default=0)
-    if remaining and replicas_per_gpu and remaining % replicas_per_gpu == 0:
+    if replicas_per_gpu and remaining % replicas_per_gpu == 0:
         whole = [gpu for gpu, replicas in per_gpu.items() if len(replicas) == len(gpu_replicas[gpu])]
         wanted = remaining // replicas_per_gpu
         if len(whole) >= wanted:
             return chosen + [r for gpu in whole[:wanted] for r in per_gpu[gpu]]
-    in_use = {gpu: len(gpu_replicas[gpu]) - len(per_gpu[gpu]) for gpu in gpu_replicas}
-    order = list(gpu_replicas)
+    fits = [gpu for gpu in order if len(per_gpu[gpu]) >= remaining]
+    if fits:
+        touched = {gpu_of(r) for r in chosen}
+        fits = [gpu for gpu in fits if gpu in touched] or fits  # fewest GPUs touched
+        return chosen + per_gpu[_by_policy(fits, in_use, order, policy)][:remaining]
     for _ in range(remaining):
-        candidates = [gpu for gpu in order if per_gpu[gpu]]
-        if policy is AllocationPolicy.PACKED:
-            gpu = max(candidates, key=lambda g: (in_use[g], -order.index(g)))
-        else:
-            gpu = min(candidates, key=lambda g: (in_use[g], order.index(g)))
+        gpu = _by_policy([gpu for gpu in order if per_gpu[gpu]], in_use, order, policy)
         chosen.append(per_gpu[gpu].pop(0))
         in_use[gpu] += 1
     return chosen
+
+
+def _by_policy(
+    candidates: list[GpuUuid], in_use: dict[GpuUuid, int], order: list[GpuUuid], policy: AllocationPolicy
+) -> GpuUuid:
+    if policy is AllocationPolicy.PACKED:
+        return max(candidates, key=lambda g: (in_use[g], -order.index(g)))
+    return min(candidates, key=lambda g: (in_use[g], order.index(g)))
+
+
+def _fewest_gpus(per_gpu: dict[GpuUuid, list[ReplicaId]], order: list[GpuUuid], wanted: int) -> list[ReplicaId]:
+    """Memory units: the fullest GPU that still has room for all of them, else the roomiest GPUs first."""
+    fits = [gpu for gpu in order if len(per_gpu[gpu]) >= wanted]
+    if fits:
+        best = min(fits, key=lambda g: (len(per_gpu[g]), order.index(g)))
+        return per_gpu[best][:wanted]
+    taken: list[ReplicaId] = []
+    for gpu in sorted(order, key=lambda g: (-len(per_gpu[g]), order.index(g))):
+        taken += per_gpu[gpu][: wanted - len(taken)]
+        if len(taken) == wanted:
+            break
+    return taken

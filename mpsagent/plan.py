@@ -6,7 +6,6 @@ what the running agent does.
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,14 @@ from mpsagent.config import (
 )
 from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
 from mpsagent.errors import ConfigError, shown
+from mpsagent.shares import (
+    MAX_CLIENTS_PER_GPU,
+    MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
+    Ceilings,
+    GpuSlots,
+    Share,
+    ShareModel,
+)
 
 CONTAINER_MPS_ROOT = PurePosixPath("/mps")
 CONTAINER_SHM = PurePosixPath("/dev/shm")
@@ -31,13 +38,9 @@ ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 CDI_KIND = "nvidia.com/gpu"
-
-
-class CapMode(enum.StrEnum):
-    """What the MPS daemon's defaults hold: the full hardware, or the per-replica share."""
-
-    FULL = "full"
-    CAPPED = "capped"
+MAX_MEMORY_UNITS_PER_GPU = 256
+"""What a memory-unit resource may advertise per GPU (1 GiB units of a 141 GiB GPU are 140): bounds the device
+list the kubelet is sent and every request over it, as `replicas` (at most 48) does."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +50,7 @@ class ResourcePlan:
     config_path: str
     name: ResourceName
     replicas: int
+    """Device IDs per GPU (for a memory-unit resource, the most any of its GPUs has)."""
     renamed: bool
     gpus: tuple[Gpu, ...]
     device_ids: tuple[ReplicaId, ...]
@@ -57,7 +61,13 @@ class ResourcePlan:
     device_id_strategy: DeviceIdStrategy
     allocation_policy: AllocationPolicy
     ordinals: dict[GpuUuid, int] = field(compare=False)
+    shares: ShareModel = field(compare=False)
     multi_user: MultiUser = MultiUser.AUTO
+    memory_unit_bytes: int | None = None
+
+    @property
+    def memory_units(self) -> bool:
+        return self.memory_unit_bytes is not None
 
     @property
     def pipe_directory(self) -> Path:
@@ -100,17 +110,17 @@ class Mount:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContainerGrant:
-    """What one container is given: its replicas, whether it is a full grant, and its environment."""
+    """What one container is given: its replicas, its share of each GPU, and its environment."""
 
     replica_ids: tuple[ReplicaId, ...]
-    full: bool
+    share: Share
     envs: dict[str, str]
     mounts: tuple[Mount, ...]
     cdi_devices: tuple[str, ...]
 
     @property
-    def kind(self) -> CapMode:
-        return CapMode.FULL if self.full else CapMode.CAPPED
+    def full(self) -> bool:
+        return self.share.full
 
 
 # --- building the plan ------------------------------------------------------------------------------------
@@ -155,12 +165,54 @@ def _check_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> None:
                 f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled; MPS sharing needs MIG disabled "
                 "(nvidia-smi -i <index> -mig 0), or leave the GPU out of this resource",
             )
-        if gpu.compute_capability < (7, 0) and spec.replicas > MAX_REPLICAS_BEFORE_VOLTA:
+        if gpu.compute_capability < (7, 0) and (spec.replicas or 0) > MAX_REPLICAS_BEFORE_VOLTA:
             raise ConfigError(
                 f"{spec.path}.replicas",
                 f"GPU {gpu.index} has compute capability {gpu.compute_capability_text}, where MPS allows at most "
                 f"{MAX_REPLICAS_BEFORE_VOLTA} clients; {spec.replicas} is too many",
             )
+
+
+def _ids_per_gpu(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[int, ...]:
+    """How many device IDs each GPU advertises: `replicas`, or as many memory units as fit in it."""
+    if spec.memory_unit_bytes is None:
+        assert spec.replicas is not None
+        return tuple(spec.replicas for _ in gpus)
+    counts = tuple(gpu.memory_bytes // spec.memory_unit_bytes for gpu in gpus)
+    for gpu, count in zip(gpus, counts, strict=True):
+        if count < 1:
+            raise ConfigError(
+                f"{spec.path}.memoryUnit",
+                f"is larger than GPU {gpu.index}'s memory ({gpu.memory_mib} MiB); use a smaller unit",
+            )
+        if count > MAX_MEMORY_UNITS_PER_GPU:
+            smallest = -(-gpu.memory_bytes // MAX_MEMORY_UNITS_PER_GPU // MIB)
+            raise ConfigError(
+                f"{spec.path}.memoryUnit",
+                f"makes GPU {gpu.index} advertise {count} device IDs, more than the {MAX_MEMORY_UNITS_PER_GPU} a GPU "
+                f"may have; use a unit of at least {smallest}Mi",
+            )
+    return counts
+
+
+def _share_model(spec: ResourceSpec, sharing: SharingConfig, gpus: tuple[Gpu, ...], ids: tuple[int, ...]) -> ShareModel:
+    return ShareModel(
+        gpus=tuple(
+            GpuSlots(
+                uuid=gpu.uuid,
+                ordinal=ordinal,
+                memory_bytes=gpu.memory_bytes,
+                ids=count,
+                max_clients=MAX_CLIENTS_PER_GPU
+                if gpu.compute_capability >= (7, 0)
+                else MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
+            )
+            for ordinal, (gpu, count) in enumerate(zip(gpus, ids, strict=True))
+        ),
+        rule=sharing.grants,
+        unit_bytes=spec.memory_unit_bytes,
+        enforce=sharing.enforce_caps,
+    )
 
 
 def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePlan:
@@ -178,14 +230,17 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                     "each GPU can be in one resource only",
                 )
             owners[gpu.uuid] = spec.path
+        ids = _ids_per_gpu(spec, gpus)
         resources.append(
             ResourcePlan(
                 config_path=spec.path,
                 name=ResourceName(spec.advertised_name),
-                replicas=spec.replicas,
+                replicas=max(ids, default=0),
                 renamed=spec.renamed,
                 gpus=gpus,
-                device_ids=tuple(format_replica_id(g.uuid, i) for g in gpus for i in range(spec.replicas)),
+                device_ids=tuple(
+                    format_replica_id(g.uuid, i) for g, count in zip(gpus, ids, strict=True) for i in range(count)
+                ),
                 directory=mps_root / spec.advertised_name,
                 fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
                 enforce_caps=sharing.enforce_caps,
@@ -193,7 +248,9 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 device_id_strategy=sharing.device_id_strategy,
                 allocation_policy=sharing.allocation_policy,
                 ordinals={gpu.uuid: ordinal for ordinal, gpu in enumerate(gpus)},
+                shares=_share_model(spec, sharing, gpus, ids),
                 multi_user=sharing.multi_user,
+                memory_unit_bytes=spec.memory_unit_bytes,
             )
         )
     shared = tuple(resources)
@@ -228,16 +285,6 @@ def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> d
 # --- caps ---------------------------------------------------------------------------------------------------
 
 
-def thread_percentage(resource: ResourcePlan, mode: CapMode) -> int:
-    return 100 if mode is CapMode.FULL else 100 // resource.replicas
-
-
-def pinned_memory_limits(resource: ResourcePlan, mode: CapMode) -> tuple[tuple[int, int], ...]:
-    """(daemon ordinal, limit in MiB) for every GPU of the resource, ascending by ordinal."""
-    divisor = 1 if mode is CapMode.FULL else resource.replicas
-    return tuple((resource.ordinals[gpu.uuid], gpu.memory_bytes // divisor // MIB) for gpu in resource.gpus)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ControlStep:
     """One control command, the `get_` command that reads its value back, and the reply that means it held;
@@ -254,9 +301,9 @@ def memory_read_back(mib: int) -> str:
     return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
 
 
-def daemon_default_steps(resource: ResourcePlan, mode: CapMode) -> tuple[ControlStep, ...]:
-    """The control commands that set the daemon's defaults (its hard ceilings) for a cap mode, with read-backs."""
-    percentage = thread_percentage(resource, mode)
+def daemon_default_steps(ceilings: Ceilings) -> tuple[ControlStep, ...]:
+    """The control commands that set the daemon's defaults (its hard ceilings), with read-backs."""
+    percentage = ceilings.thread_percentage
     return (
         ControlStep(
             command=f"set_default_active_thread_percentage {percentage}",
@@ -269,18 +316,18 @@ def daemon_default_steps(resource: ResourcePlan, mode: CapMode) -> tuple[Control
                 read_back=f"get_default_device_pinned_mem_limit {ordinal}",
                 expected=memory_read_back(mib),
             )
-            for ordinal, mib in pinned_memory_limits(resource, mode)
+            for ordinal, mib in enumerate(ceilings.memory_mib)
         ),
     )
 
 
-def daemon_default_commands(resource: ResourcePlan, mode: CapMode) -> tuple[str, ...]:
-    return tuple(step.command for step in daemon_default_steps(resource, mode))
+def daemon_default_commands(ceilings: Ceilings) -> tuple[str, ...]:
+    return tuple(step.command for step in daemon_default_steps(ceilings))
 
 
-def running_server_steps(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[ControlStep, ...]:
-    """Bring an already-running MPS server to a cap mode (defaults only apply to servers started later)."""
-    percentage = thread_percentage(resource, mode)
+def running_server_steps(ceilings: Ceilings, server_pid: int) -> tuple[ControlStep, ...]:
+    """Bring an already-running MPS server to the ceilings (defaults only apply to servers started later)."""
+    percentage = ceilings.thread_percentage
     return (
         ControlStep(
             command=f"set_active_thread_percentage {server_pid} {percentage}",
@@ -295,18 +342,18 @@ def running_server_steps(resource: ResourcePlan, mode: CapMode, server_pid: int)
                 expected=memory_read_back(mib),
                 server=server_pid,
             )
-            for ordinal, mib in pinned_memory_limits(resource, mode)
+            for ordinal, mib in enumerate(ceilings.memory_mib)
         ),
     )
 
 
-def running_server_commands(resource: ResourcePlan, mode: CapMode, server_pid: int) -> tuple[str, ...]:
-    return tuple(step.command for step in running_server_steps(resource, mode, server_pid))
+def running_server_commands(ceilings: Ceilings, server_pid: int) -> tuple[str, ...]:
+    return tuple(step.command for step in running_server_steps(ceilings, server_pid))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CapDifference:
-    """A value the daemon holds other than the one its cap mode needs: someone with the control socket (every
+    """A value the daemon holds other than the one its ceilings need: someone with the control socket (every
     client container has it) changed it behind the agent."""
 
     step: ControlStep
@@ -346,22 +393,6 @@ def cap_differences(
     return tuple(found)
 
 
-def daemon_mode_for(resource: ResourcePlan, capped_grants_live: bool) -> CapMode:
-    """What the daemon must hold: capped while any capped grant is live (when enforcing), else the full hardware."""
-    return CapMode.CAPPED if resource.enforce_caps and capped_grants_live else CapMode.FULL
-
-
-def unreconciled_mode(resource: ResourcePlan, adopted: CapMode | None) -> CapMode:
-    """What the daemon holds while the agent cannot yet know the live grants (pod-resources unanswered).
-
-    An adopted daemon keeps its mode: its clients were admitted under it. A new daemon is capped, so that no
-    container started before the agent escapes its caps; the first full grant or reconciliation lifts it.
-    """
-    if adopted is not None:
-        return adopted
-    return daemon_mode_for(resource, capped_grants_live=True)
-
-
 # --- grants -------------------------------------------------------------------------------------------------
 
 
@@ -373,7 +404,7 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
 
 def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
     """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
-    full = set(replica_ids) == set(resource.device_ids)
+    share = resource.shares.share_of(replica_ids)
     granted = {gpu_of(replica) for replica in replica_ids}
     gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
     envs = {ENV_PIPE_DIRECTORY: str(resource.container_pipe_directory)}
@@ -382,14 +413,14 @@ def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], 
         cdi = tuple(f"{CDI_KIND}={gpu.uuid}" for gpu in gpus)
     else:
         envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
-    if not full:
-        envs[ENV_THREAD_PERCENTAGE] = str(thread_percentage(resource, CapMode.CAPPED))
-        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in pinned_memory_limits(resource, CapMode.CAPPED))
+    if not share.full:
+        envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
+        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in enumerate(share.env_memory_mib))
     mounts = (
         Mount(container_path=str(resource.container_pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
     )
-    return ContainerGrant(replica_ids=replica_ids, full=full, envs=envs, mounts=mounts, cdi_devices=cdi)
+    return ContainerGrant(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)
 
 
 # --- the daemon ---------------------------------------------------------------------------------------------

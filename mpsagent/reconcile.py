@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mpsagent.devices import ContainerRef, ReplicaId
 from mpsagent.ledger import Grant, Ledger
-from mpsagent.plan import CapMode
+from mpsagent.shares import Share
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,9 +73,9 @@ def reconcile(
     *,
     now: float,
     grace_s: float,
-    kind_of: Callable[[tuple[ReplicaId, ...]], CapMode],
+    share_of: Callable[[tuple[ReplicaId, ...]], Share],
 ) -> ReconcileResult:
-    """Bring the ledger to the listing; `now` is monotonic time, `kind_of` classifies an adopted grant."""
+    """Bring the ledger to the listing; `now` is monotonic time, `share_of` gives an adopted grant its share."""
     identified: list[Grant] = []
     adopted: list[Grant] = []
     replaced: list[Grant] = []
@@ -93,7 +93,7 @@ def reconcile(
                 identified.append(match)
             seen.add(match.grant_id)
             continue
-        result = ledger.adopt(holding.replica_ids, kind_of(holding.replica_ids), holding.container)
+        result = ledger.adopt(holding.replica_ids, share_of(holding.replica_ids), holding.container)
         replaced.extend(result.ended)
         adopted.append(result.grant)
         seen.add(result.grant.grant_id)

@@ -6,9 +6,9 @@ import json
 from typing import Any
 
 from mpsagent.allocation import ResourceAllocator
+from mpsagent.devices import ReplicaId, gpu_of
 from mpsagent.errors import RequestError
 from mpsagent.plan import (
-    CapMode,
     NodePlan,
     ResourcePlan,
     daemon_default_commands,
@@ -19,21 +19,40 @@ from mpsagent.plan import (
 EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
 
 
+def _example_requests(resource: ResourcePlan) -> list[tuple[str, tuple[ReplicaId, ...]]]:
+    """The requests `--once` shows: replicas 1, 2 on one GPU, one whole GPU, every replica; memory units 1, 7 and
+    a whole GPU. Requests a resource cannot make (a GPU of 1 replica has no 2) are left out."""
+    first = tuple(r for r in resource.device_ids if gpu_of(r) == resource.gpus[0].uuid)
+    if resource.memory_units:
+        wanted = [("1 memory unit", first[:1]), ("7 memory units on one GPU", first[:7] if len(first) >= 7 else ())]
+        wanted.append((f"a whole GPU ({len(first)} memory units)", first))
+    else:
+        wanted = [("1 replica", first[:1]), ("2 replicas on one GPU", first[:2] if len(first) >= 2 else ())]
+        wanted += [(f"a whole GPU ({len(first)} replicas)", first), ("every replica", resource.device_ids)]
+    examples: dict[tuple[ReplicaId, ...], str] = {}
+    for title, ids in wanted:
+        if ids and ids not in examples:
+            examples[ids] = title
+    return [(title, ids) for ids, title in examples.items()]
+
+
 def _examples(resource: ResourcePlan, allocator: ResourceAllocator) -> list[dict[str, Any]]:
     examples: list[dict[str, Any]] = []
-    for ids in (resource.device_ids[:1], resource.device_ids):
-        entry: dict[str, Any] = {"request": len(ids)}
+    for title, ids in _example_requests(resource):
+        entry: dict[str, Any] = {"request": len(ids), "title": title}
         try:
             grant = allocator.grant_for(ids)
         except RequestError as exc:
-            entry["fullGrant"] = len(ids) == len(resource.device_ids)
+            entry["fullGrant"] = resource.shares.share_of(ids).full
             entry["error"] = str(exc)
         else:
             entry["fullGrant"] = grant.full
+            entry["share"] = grant.share.describe()
             entry["envs"] = dict(sorted(grant.envs.items()))
             entry["mounts"] = [{"hostPath": m.host_path, "containerPath": m.container_path} for m in grant.mounts]
             if grant.cdi_devices:
                 entry["cdiDevices"] = list(grant.cdi_devices)
+        entry["ceilings"] = resource.shares.ceilings([resource.shares.share_of(ids)]).describe()
         examples.append(entry)
     return examples
 
@@ -59,6 +78,8 @@ def plan_report(
             {
                 "name": resource.name,
                 "replicas": resource.replicas,
+                "memoryUnitBytes": resource.memory_unit_bytes,
+                "grants": resource.shares.rule.value if not resource.memory_units else "memory units",
                 "gpus": [gpu.uuid for gpu in resource.gpus],
                 "deviceIds": list(resource.device_ids),
                 "pipeDirectory": str(resource.pipe_directory),
@@ -76,11 +97,11 @@ def plan_report(
                     "server": multi_user,
                     "note": _multi_user_note(multi_user, multi_user_offered, control_bin),
                 },
-                "daemonCommands": list(daemon_default_commands(resource, CapMode.FULL)),
-                "capModes": {
+                "daemonCommands": list(daemon_default_commands(resource.shares.full_hardware())),
+                "ceilings": {
                     "enforcedAtDaemon": resource.enforce_caps,
-                    "full": list(daemon_default_commands(resource, CapMode.FULL)),
-                    "capped": list(daemon_default_commands(resource, CapMode.CAPPED)),
+                    "fullHardware": list(daemon_default_commands(resource.shares.full_hardware())),
+                    "untilGrantsKnown": list(daemon_default_commands(resource.shares.unreconciled_ceilings())),
                 },
                 "failRequestsGreaterThanOne": resource.fail_requests_greater_than_one,
                 "examples": _examples(resource, allocator),
@@ -121,9 +142,15 @@ def render_text(report: dict[str, Any]) -> str:
         )
     for res in report["resources"]:
         ids = res["deviceIds"]
+        per_gpu = (
+            f"memory units of {res['memoryUnitBytes'] // 1048576} MiB"
+            if res["memoryUnitBytes"]
+            else f"{res['replicas']} replicas"
+        )
         lines += [
             "",
-            f"Resource {res['name']}: {len(res['gpus'])} GPUs x {res['replicas']} replicas = {len(ids)} devices",
+            f"Resource {res['name']}: {len(res['gpus'])} GPUs x {per_gpu} = {len(ids)} devices "
+            f"(grants: {res['grants']})",
             f"  device IDs: {ids[0]} ... {ids[-1]}" if len(ids) > 2 else f"  device IDs: {', '.join(ids)}",
             f"  pipe directory: {res['pipeDirectory']}",
             f"  compute mode: {res['computeMode']['set'] or 'unchanged'} ({res['computeMode']['note']})",
@@ -132,26 +159,34 @@ def render_text(report: dict[str, Any]) -> str:
             + " "
             + " ".join(res["daemonStart"]["argv"]),
             f"  users: {res['multiUser']['note']} (sharing.mps.multiUser: {res['multiUser']['setting']})",
-            "  daemon commands at start (full hardware):",
+        ]
+        lines += [
+            "  daemon commands with no live grant (the full hardware):",
             *(f"    {c}" for c in res["daemonCommands"]),
         ]
-        if res["capModes"]["enforcedAtDaemon"]:
+        if res["ceilings"]["enforcedAtDaemon"]:
             lines += [
-                "  while any capped grant is live, the daemon holds instead:",
-                *(f"    {c}" for c in res["capModes"]["capped"]),
+                "  daemon ceilings until the live grants are known (the smallest share):",
+                *(f"    {c}" for c in res["ceilings"]["untilGrantsKnown"]),
+                "  then, on every grant and release: per GPU the largest memory cap of its live grants, and the",
+                "  largest thread percentage of the resource's live grants (see docs/cap-model.md)",
             ]
         else:
-            lines.append("  caps are not enforced at the daemon (sharing.mps.enforceCaps: false)")
+            lines.append(
+                "  caps are not enforced at the daemon (sharing.mps.enforceCaps: false): it holds the full hardware"
+            )
+        lines.append("  a container's thread percentage is one value for all its GPUs: the smallest of its shares")
         for example in res["examples"]:
             lines.append(
-                f"  a container granted {example['request']} replica{'s' if example['request'] > 1 else ''}"
-                f" ({'full' if example['fullGrant'] else 'capped'} grant):"
+                f"  a container granted {example['title']} ({'full' if example['fullGrant'] else 'capped'} grant):"
             )
             if "error" in example:
                 lines.append(f"    refused: {example['error']}")
                 continue
+            lines.append(f"    share: {example['share']}")
             lines += [f"    {k}={v}" for k, v in example["envs"].items()]
             lines += [f"    mount {m['hostPath']} -> {m['containerPath']}" for m in example["mounts"]]
             lines += [f"    CDI device {d}" for d in example.get("cdiDevices", [])]
+            lines.append(f"    daemon ceilings while it is the only live grant: {example['ceilings']}")
     lines += ["", "Node labels:", *(f"  {k}={v}" for k, v in report["labels"].items())]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
 from mpsagent.host import FileRefusedError, pid_alive, read_regular_file, write_atomically
 from mpsagent.inventory import Inventory
+from mpsagent.shares import Ceilings
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
@@ -29,7 +30,8 @@ MAX_STATUS_BYTES = 64 * 1024 * 1024
 class DaemonView:
     pid: int | None
     up: bool
-    mode: str | None
+    ceilings: Ceilings | None
+    """What the daemon is known to hold; None while they are being set, or after a change failed."""
     restarts: int
     restart_attempts: int = 0
     multi_user: bool | None = None
@@ -52,6 +54,13 @@ class ResourceView:
     registered: bool
     registrations: int
     registration_failures: int = 0
+
+
+def _cap_mode(held: Ceilings | None, full: Ceilings) -> str | None:
+    """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
+    if held is None:
+        return None
+    return "full" if held == full else "capped"
 
 
 def _utc(wall: float) -> str:
@@ -84,6 +93,18 @@ def status_document(
             counts["healthy"] += device.health is Health.HEALTHY
         grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
         stats = view.allocator.ledger.statistics()
+        shares = view.allocator.resource.shares
+        held = view.daemon.ceilings
+        for bound in shares.escape_bounds(held or view.allocator.ceilings(), [g.share for g in grants]):
+            per_gpu.setdefault(bound.uuid, {"replicas": 0, "healthy": 0}).update(
+                ordinal=bound.ordinal,
+                liveGrants=bound.live_grants,
+                memoryCeilingMiB=bound.memory_ceiling_mib,
+                memoryMiB=shares.gpus[bound.ordinal].memory_mib,
+                threadCeiling=bound.thread_ceiling,
+                memoryEscapeMiB=bound.memory_escape_mib,
+                threadEscape=bound.thread_escape,
+            )
         entries.append(
             {
                 "name": view.allocator.resource.name,
@@ -96,7 +117,10 @@ def status_document(
                 "daemon": {
                     "pid": view.daemon.pid,
                     "up": view.daemon.up,
-                    "capMode": view.daemon.mode,
+                    "capMode": _cap_mode(held, shares.full_hardware()),
+                    "ceilings": None
+                    if held is None
+                    else {"threadPercentage": held.thread_percentage, "memoryMiB": list(held.memory_mib)},
                     "restarts": view.daemon.restarts,
                     "restartAttempts": view.daemon.restart_attempts,
                     "multiUser": view.daemon.multi_user,
@@ -115,6 +139,7 @@ def status_document(
                     {
                         "id": grant.grant_id,
                         "kind": grant.kind.value,
+                        "share": grant.share.describe(),
                         "container": str(grant.owner) if grant.owner else None,
                         "adopted": grant.adopted,
                         "grantedAt": _utc(grant.granted_at),
@@ -200,6 +225,7 @@ def starting_document(resources: Sequence[str]) -> dict[str, Any]:
                 "daemon": {
                     "up": False,
                     "capMode": None,
+                    "ceilings": None,
                     "restarts": 0,
                     "restartAttempts": 0,
                     "multiUser": None,
@@ -248,6 +274,20 @@ def _daemon_events(daemon: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _gpu_lines(gpus: dict[str, dict[str, Any]]) -> list[str]:
+    """Each GPU's ceilings and escape bound: what a container on it gets at most by unsetting its variables."""
+    lines = []
+    for uuid, gpu in gpus.items():
+        if "memoryCeilingMiB" not in gpu:
+            continue
+        lines.append(
+            f"  GPU {gpu['ordinal']} ({uuid}): {gpu['liveGrants']} live grants; ceilings "
+            f"{gpu['memoryCeilingMiB']} of {gpu['memoryMiB']} MiB, threads {gpu['threadCeiling']}%; escape bound: "
+            f"+{gpu['memoryEscapeMiB']} MiB, +{gpu['threadEscape']} threads % over the smallest live share"
+        )
+    return lines
+
+
 def render_status_text(document: dict[str, Any]) -> str:
     pod_resources = document["podResources"]
     alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
@@ -266,6 +306,7 @@ def render_status_text(document: dict[str, Any]) -> str:
             f"  mps daemon: {'up' if daemon['up'] else 'DOWN'}, pid {daemon['pid']}, caps {daemon['capMode']}, "
             f"{daemon['restarts']} restarts, {_users(daemon.get('multiUser'))}",
             *_daemon_events(daemon),
+            *_gpu_lines(res["gpus"]),
             f"  grants: {len(res['grants'])}",
         ]
         for grant in res["grants"]:
@@ -275,5 +316,6 @@ def render_status_text(document: dict[str, Any]) -> str:
             if grant["unlistedSince"]:
                 note += f" (not listed by the kubelet since {grant['unlistedSince']})"
             holder = grant["container"] or "container not yet known"
-            lines.append(f"    #{grant['id']} {grant['kind']:<6} {holder}{note}: {shown}")
+            share = f" [{grant['share']}]" if grant.get("share") else ""
+            lines.append(f"    #{grant['id']} {grant['kind']:<6} {holder}{note}{share}: {shown}")
     return "\n".join(lines)

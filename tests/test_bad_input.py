@@ -99,7 +99,7 @@ def test_a_withdrawn_allocate_leaves_the_ledger_as_it_was(earlier: list[list[str
     def state() -> object:
         live = sorted(a.ledger.live_grants(), key=lambda g: g.grant_id)
         holders = {r: g.grant_id for r in ALL if (g := a.ledger.holder(r))}
-        return [(g.grant_id, g.replica_ids, g.kind) for g in live], holders, a.ledger.statistics(), a.daemon_mode()
+        return [(g.grant_id, g.replica_ids, g.kind) for g in live], holders, a.ledger.statistics(), a.ceilings()
 
     before = state()
     a.withdraw(a.allocate(requests))

@@ -116,7 +116,8 @@ def test_quick_bench_reports_every_metric_and_leaves_nothing_running(short_dir: 
     assert counts["burst_agent"] == counts["burst_floor"] == params["bursts"]
     assert counts["burst_size"] == params["burst_size"] == 48
     assert counts["memory_calls"] >= params["memory_calls"]
-    assert counts["cap_mode_switches"] == 4 * params["switch_reps"]
+    # Full, capped, full, capped each round; proportional ceilings also move when a burst first reaches a GPU.
+    assert counts["cap_mode_switches"] >= 4 * params["switch_reps"]
     assert counts["health"] == params["health_reps"]
     assert counts["startup"] == params["startup_reps"]
     assert counts["reregister"] == params["rereg_reps"]

@@ -20,12 +20,12 @@ from mpsagent.inventory import Inventory
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
-from mpsagent.plan import CapDifference, CapMode, ControlStep, build_plan, cap_differences, running_server_steps
+from mpsagent.plan import CapDifference, ControlStep, build_plan, cap_differences, running_server_steps
 from tests.conftest import EXAMPLES, ROOT, AgentLauncher, small_node
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.test_daemon import REAL_BIN, control, pipe_of, start
 from tests.test_metrics import serve, value
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, ids
+from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
 
 TAMPERED = "mps daemon caps changed behind the agent; restoring them"
 
@@ -89,7 +89,8 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
 def test_a_limit_taken_away_altogether_is_restored(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
-    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1")
+    # Under equal grants a grant on GPU 0 caps ordinal 1 too (under proportional ones, GPU 1 would be at full).
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1", text=config(grants="equal"))
     plugin = kubelet.wait_registered(RESOURCE)
     allocate(plugin, ids(GPU0, 0))
     pipe = pipe_of(short_dir)
@@ -156,7 +157,7 @@ def test_a_server_that_is_still_starting_is_not_taken_for_tampering(
 
 def steps(server: int) -> tuple[ControlStep, ...]:
     plan = build_plan(_sharing(), SnapshotGpuSource(EXAMPLES / "node-h100x8.yaml").discover(), Path("/mps"))
-    return running_server_steps(plan.resources[0], CapMode.CAPPED, server)
+    return running_server_steps(plan.resources[0].shares.smallest_caps(), server)
 
 
 def _sharing() -> SharingConfig:
@@ -207,21 +208,23 @@ def supervisor(short_dir: Path) -> Iterator[DaemonSupervisor]:
         gpu_source=SnapshotGpuSource(short_dir / "node.json"),
         control_bin=str(REAL_BIN),
         on_exit=MpsOnExit.QUIT,
-        initial_mode=CapMode.CAPPED,
+        initial_ceilings=plan.resources[0].shares.smallest_caps(),
         probe_interval_s=60,  # no round in this test: only the calls it makes read the daemon
     )
 
 
-def test_set_mode_with_verify_reads_the_daemons_real_values(supervisor: DaemonSupervisor, short_dir: Path) -> None:
+def test_set_ceilings_with_verify_reads_the_daemons_real_values(supervisor: DaemonSupervisor, short_dir: Path) -> None:
     pipe = short_dir / "mps" / "nvidia.com" / "gpu" / "pipe"
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(supervisor.run)
             control(pipe, "set_default_active_thread_percentage 100")
-            await supervisor.set_mode(CapMode.CAPPED)  # the cached mode says capped: nothing is read
+            capped = supervisor.ceilings
+            assert capped is not None
+            await supervisor.set_ceilings(capped)  # the cached ceilings say capped: nothing is read
             assert control(pipe, "get_default_active_thread_percentage") == "100.0"
-            await supervisor.set_mode(CapMode.CAPPED, verify=True)
+            await supervisor.set_ceilings(capped, verify=True)
             assert control(pipe, "get_default_active_thread_percentage") == "25.0"
             assert supervisor.cap_tamper_count == 1
             assert supervisor.last_cap_tamper is not None

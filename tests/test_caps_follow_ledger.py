@@ -14,7 +14,7 @@ from tests.conftest import AgentLauncher
 from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
 from tests.kubelet.stubs import dp_pb2
 from tests.test_daemon import REAL_BIN, control, pipe_of, start
-from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, ids
+from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, config, ids
 
 # A front-end that passes everything to the real one, except that once `fault` holds "read-back", the session that
 # reads the defaults back after the next switch to the full hardware fails (once): the daemon switched, and the
@@ -55,7 +55,7 @@ def test_an_allocate_whose_cap_switch_fails_leaves_the_ledger_and_the_caps_as_th
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
     front_end, fault = flaky_front_end(short_dir)
-    agent = start(agents, kubelet, short_dir, "--mps-control-bin", str(front_end))
+    agent = start(agents, kubelet, short_dir, "--mps-control-bin", str(front_end), text=config(grants="equal"))
     plugin = kubelet.wait_registered(RESOURCE)
     pipe = pipe_of(short_dir)
     allocate(plugin, ids(GPU0, 0))

@@ -64,9 +64,12 @@ def test_once_json_has_the_documented_shape() -> None:
     assert resource["deviceIds"][0] == f"{plan['gpus'][0]['uuid']}::0"
     assert resource["pipeDirectory"] == "/run/nvidia/mps/nvidia.com/gpu/pipe"
     assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
-    one, every = resource["examples"]
+    one, two, whole, every = resource["examples"]
     assert one["request"] == 1 and one["fullGrant"] is False
     assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=20389M,1=20389M")
+    assert (two["title"], two["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("2 replicas on one GPU", "50")
+    assert two["ceilings"] == "threads 50%, memory 0=40779M," + ",".join(f"{o}=81559M" for o in range(1, 8))
+    assert whole["request"] == 4 and whole["fullGrant"] is True and whole["share"] == "4/4 of GPU 0 (whole)"
     assert every["request"] == 32 and every["fullGrant"] is True
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in every["envs"]
     assert plan["labels"]["nvidia.com/gpu.count"] == "8"
@@ -77,7 +80,7 @@ def test_once_shows_the_refusal_when_requests_greater_than_one_fail(tmp_path: Pa
     config = tmp_path / "c.yaml"
     config.write_text("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n")
     plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
-    every = plan["resources"][0]["examples"][1]
+    every = plan["resources"][0]["examples"][-1]
     assert every["error"] == "maximum request size for shared resources is 1; found 16"
     assert "envs" not in every
 
@@ -218,3 +221,47 @@ def test_status_refuses_a_file_larger_than_any_status(tmp_path: Path) -> None:
     assert result.stderr == (
         f"mpsagent: error: the agent status {tmp_path / 'status.json'} is larger than 64 MiB; remove it\n"
     )
+
+
+MEMORY_UNITS = (
+    "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu-mem\n      memoryUnit: {unit}\n      devices: 1\n"
+)
+
+
+def test_once_shows_what_memory_units_get(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MEMORY_UNITS.format(unit="8Gi"))
+    plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
+    (resource,) = plan["resources"]
+    assert resource["name"] == "nvidia.com/gpu-mem"
+    assert resource["memoryUnitBytes"] == 8 * 1024**3
+    assert len(resource["deviceIds"]) == 9  # 81559 MiB holds 9 units of 8 GiB
+    one, seven, whole = resource["examples"]
+    assert [e["title"] for e in resource["examples"]] == [
+        "1 memory unit",
+        "7 memory units on one GPU",
+        "a whole GPU (9 memory units)",
+    ]
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert (seven["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], seven["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == (
+        "0=57344M",
+        "77",
+    )
+    assert seven["ceilings"] == "threads 77%, memory 0=57344M"
+    assert whole["fullGrant"] is True and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole["envs"]
+
+
+@pytest.mark.parametrize(
+    ("unit", "message"),
+    [
+        ("8GB", "sharing.mps.resources[0].memoryUnit: `8GB` is not a Kubernetes quantity"),
+        ("100Gi", "sharing.mps.resources[0].memoryUnit: is larger than GPU 0's memory (81559 MiB)"),
+    ],
+)
+def test_a_bad_memory_unit_exits_2_naming_the_key(tmp_path: Path, unit: str, message: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(MEMORY_UNITS.format(unit=unit))
+    result = mpsagent("--once", "--node-snapshot", str(H100_NODE), "--config-file", str(config))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

@@ -94,7 +94,7 @@ def test_daemon_holds_the_full_hardware_at_start(agents: AgentLauncher, kubelet:
 def test_capped_and_full_allocations_switch_the_daemon(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
-    start(agents, kubelet, short_dir)
+    start(agents, kubelet, short_dir, text=config(grants="equal"))  # the NVIDIA rule: 1/replicas on every GPU
     plugin = kubelet.wait_registered(RESOURCE)
     pipe = pipe_of(short_dir)
     allocate(plugin, ids(GPU0, 0))

@@ -21,7 +21,7 @@ from tests.fakes.nvml.build import fake_nvml_env
 from tests.fakes.nvml.control import FakeNvmlDriver
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.test_daemon import start
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids, preferred
+from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids, preferred
 
 
 def serve(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, *extra: str, **kw: object):
@@ -88,6 +88,13 @@ def test_probes_follow_registration_and_metrics_follow_the_ledger(
     assert value(base, "mpsagent_replicas", resource=RESOURCE, gpu=GPU0, health="Unhealthy") == 0
     assert value(base, "mpsagent_daemon_up", resource=RESOURCE) == 1
     assert value(base, "mpsagent_daemon_cap_mode", resource=RESOURCE, mode="capped") == 1
+    # 1/4 of GPU 0 is the only live grant: its ceilings, and no escape beyond them.
+    assert value(base, "mpsagent_daemon_thread_ceiling_percent", resource=RESOURCE) == 25
+    assert value(base, "mpsagent_daemon_memory_ceiling_bytes", resource=RESOURCE, gpu=GPU0) == 4 * 1024**3
+    assert value(base, "mpsagent_daemon_memory_ceiling_bytes", resource=RESOURCE, gpu=GPU1) == 16 * 1024**3
+    assert value(base, "mpsagent_gpu_live_grants", resource=RESOURCE, gpu=GPU0) == 1
+    assert value(base, "mpsagent_escape_memory_bytes", resource=RESOURCE, gpu=GPU0) == 0
+    assert value(base, "mpsagent_escape_thread_percent", resource=RESOURCE, gpu=GPU0) == 0
     assert value(base, "mpsagent_daemon_restarts_total", resource=RESOURCE) == 0
     assert value(base, "mpsagent_kubelet_registrations_total", resource=RESOURCE) == 1
     assert value(base, "mpsagent_kubelet_registered", resource=RESOURCE) == 1

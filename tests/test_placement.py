@@ -56,28 +56,34 @@ def pairs(*items: tuple[int, int]) -> list[ReplicaId]:
     return [rid(*item) for item in items]
 
 
+HALF_USED = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
 @pytest.mark.parametrize(
     ("gpus", "replicas", "size", "policy", "used", "must", "expected"),
     [
         # One replica on a fresh node: the first GPU, either way.
         pytest.param(3, 4, 1, DISTRIBUTED, (), (), [(0, 0)], id="one-distributed"),
         pytest.param(3, 4, 1, PACKED, (), (), [(0, 0)], id="one-packed"),
-        # Two replicas: distributed spreads over GPUs, packed fills one GPU.
-        pytest.param(2, 4, 2, DISTRIBUTED, (), (), [(0, 0), (1, 0)], id="two-distributed"),
+        # At most one GPU's worth stays on one GPU (a proportional share of it), either way.
+        pytest.param(2, 4, 2, DISTRIBUTED, (), (), [(0, 0), (0, 1)], id="two-distributed"),
         pytest.param(2, 4, 2, PACKED, (), (), [(0, 0), (0, 1)], id="two-packed"),
-        pytest.param(3, 4, 3, DISTRIBUTED, (), (), [(0, 0), (1, 0), (2, 0)], id="three-distributed"),
+        pytest.param(3, 4, 3, DISTRIBUTED, (), (), [(0, 0), (0, 1), (0, 2)], id="three-distributed"),
         pytest.param(3, 4, 3, PACKED, (), (), [(0, 0), (0, 1), (0, 2)], id="three-packed"),
-        # With GPU 0 half in use: distributed goes to the idle GPU first, packed to the busy one.
-        pytest.param(2, 4, 3, DISTRIBUTED, ((0, 0), (0, 1)), (), [(1, 0), (1, 1), (0, 2)], id="busy-distributed"),
-        pytest.param(2, 4, 3, PACKED, ((0, 0), (0, 1)), (), [(0, 2), (0, 3), (1, 0)], id="busy-packed"),
+        # The policy picks among the GPUs with room: distributed the idlest, packed the busiest.
+        pytest.param(3, 4, 2, DISTRIBUTED, ((0, 0),), (), [(1, 0), (1, 1)], id="busy-distributed"),
+        pytest.param(3, 4, 2, PACKED, ((1, 0),), (), [(1, 1), (1, 2)], id="busy-packed"),
+        # No GPU has room for all of them: replica by replica, distributed to the idle GPU first, packed the busy.
+        pytest.param(2, 4, 3, DISTRIBUTED, HALF_USED, (), [(0, 2), (1, 2), (0, 3)], id="split-distributed"),
+        pytest.param(2, 4, 3, PACKED, HALF_USED, (), [(0, 2), (0, 3), (1, 2)], id="split-packed"),
         # Packed prefers the busiest GPU even when it is not the first.
         pytest.param(3, 4, 1, PACKED, ((2, 0),), (), [(2, 1)], id="packed-busiest-later-gpu"),
         pytest.param(3, 4, 1, DISTRIBUTED, ((0, 0), (1, 3)), (), [(2, 0)], id="distributed-idlest-gpu"),
         # must_include comes first and counts as in use.
-        pytest.param(2, 4, 4, DISTRIBUTED, (), ((1, 2),), [(1, 2), (0, 0), (0, 1), (1, 0)], id="must-distributed"),
+        pytest.param(2, 4, 4, DISTRIBUTED, (), ((1, 2),), [(1, 2), (1, 0), (1, 1), (1, 3)], id="must-distributed"),
         pytest.param(2, 4, 4, PACKED, (), ((1, 2),), [(1, 2), (1, 0), (1, 1), (1, 3)], id="must-packed"),
         pytest.param(2, 4, 2, DISTRIBUTED, (), ((1, 1), (0, 3)), [(1, 1), (0, 3)], id="must-is-everything"),
-        pytest.param(2, 4, 2, DISTRIBUTED, (), ((1, 1), (1, 1)), [(1, 1), (0, 0)], id="must-duplicated"),
+        pytest.param(2, 4, 2, DISTRIBUTED, (), ((1, 1), (1, 1)), [(1, 1), (1, 0)], id="must-duplicated"),
         # Whole-GPU requests take wholly free GPUs, even when a partly used GPU comes first.
         pytest.param(2, 4, 4, DISTRIBUTED, ((0, 0),), (), [(1, 0), (1, 1), (1, 2), (1, 3)], id="whole-distributed"),
         pytest.param(2, 4, 4, PACKED, ((0, 0),), (), [(1, 0), (1, 1), (1, 2), (1, 3)], id="whole-packed"),

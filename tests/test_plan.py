@@ -15,18 +15,15 @@ from mpsagent.plan import (
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
     ENV_VISIBLE_DEVICES,
-    CapMode,
     NodePlan,
     ResourcePlan,
     build_plan,
     container_grant,
     daemon_default_commands,
     daemon_launch,
-    daemon_mode_for,
     node_labels,
-    pinned_memory_limits,
-    thread_percentage,
 )
+from mpsagent.shares import Ceilings, GrantKind
 
 GIB = 1024**3
 T4_BYTES = 16 * GIB
@@ -84,6 +81,14 @@ def config(*entries: str, mps: str = "", flags: str = "") -> SharingConfig:
 
 def plan(gpus: NodeGpus, *entries: str, mps: str = "", flags: str = "") -> NodePlan:
     return build_plan(config(*entries, mps=mps, flags=flags), gpus, MPS_ROOT)
+
+
+EQUAL = "grants: equal"
+
+
+def ceilings_of(resource: ResourcePlan, mode: str) -> Ceilings:
+    """What today's (equal) rule calls the capped mode: the smallest share on every GPU; full: the hardware."""
+    return resource.shares.smallest_caps() if mode == "capped" else resource.shares.full_hardware()
 
 
 def only_resource(gpus: NodeGpus, entry: str, *, flags: str = "", mps: str = "") -> ResourcePlan:
@@ -263,8 +268,8 @@ def test_two_resources_split_eight_gpus() -> None:
     assert high.config_path == "sharing.mps.resources[1]"
     # The second daemon sees only GPUs 4..7, numbered from 0: its ordinals are 0..3, not the host indices.
     assert high.ordinals == {uuid(4): 0, uuid(5): 1, uuid(6): 2, uuid(7): 3}
-    assert [o for o, _ in pinned_memory_limits(high, CapMode.CAPPED)] == [0, 1, 2, 3]
-    assert daemon_default_commands(high, CapMode.CAPPED)[1:] == tuple(
+    assert len(high.shares.smallest_caps().memory_mib) == 4
+    assert daemon_default_commands(high.shares.smallest_caps())[1:] == tuple(
         f"set_default_device_pinned_mem_limit {o} 40779M" for o in range(4)
     )
     assert high.visible_devices == ",".join(uuid(i) for i in (4, 5, 6, 7))
@@ -279,7 +284,7 @@ def test_two_resources_split_eight_gpus() -> None:
 
 
 def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
-    _, high = plan(t4_node(8), *SPLIT).resources
+    _, high = plan(t4_node(8), *SPLIT, mps=EQUAL).resources
     grant = container_grant(high, ids((6, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M,1=8192M,2=8192M,3=8192M"
@@ -295,83 +300,86 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
         pytest.param(
             T4_BYTES,
             4,
-            CapMode.CAPPED,
+            "capped",
             ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M"),
             id="16GiB-4-capped",
         ),
         pytest.param(
             T4_BYTES,
             4,
-            CapMode.FULL,
+            "full",
             ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 16384M"),
             id="16GiB-4-full",
         ),
         pytest.param(
             H100_BYTES,
             4,
-            CapMode.CAPPED,
+            "capped",
             ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 20389M"),
             id="h100-4-capped",
         ),
         pytest.param(
             H100_BYTES,
             4,
-            CapMode.FULL,
+            "full",
             ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 81559M"),
             id="h100-4-full",
         ),
         pytest.param(
             T4_BYTES,
             3,
-            CapMode.CAPPED,
+            "capped",
             ("set_default_active_thread_percentage 33", "set_default_device_pinned_mem_limit 0 5461M"),
             id="16GiB-3-capped",
         ),
         pytest.param(
             T4_BYTES,
             1,
-            CapMode.CAPPED,
+            "capped",
             ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 16384M"),
             id="16GiB-1-capped",
         ),
         pytest.param(
             T4_BYTES,
             48,
-            CapMode.CAPPED,
+            "capped",
             ("set_default_active_thread_percentage 2", "set_default_device_pinned_mem_limit 0 341M"),
             id="16GiB-48-capped",
         ),
     ],
 )
-def test_daemon_default_commands(memory_bytes: int, replicas: int, mode: CapMode, expected: tuple[str, ...]) -> None:
+def test_daemon_default_commands(memory_bytes: int, replicas: int, mode: str, expected: tuple[str, ...]) -> None:
     resource = only_resource(node(gpu(0, memory_bytes=memory_bytes)), f"{{name: gpu, replicas: {replicas}}}")
-    assert daemon_default_commands(resource, mode) == expected
+    assert daemon_default_commands(ceilings_of(resource, mode)) == expected
 
 
 def test_caps_cover_every_gpu_in_ordinal_order() -> None:
     gpus = node(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
     resource = only_resource(gpus, "{name: gpu, replicas: 4, devices: [2, 1]}")
-    assert daemon_default_commands(resource, CapMode.CAPPED) == (
+    assert daemon_default_commands(resource.shares.smallest_caps()) == (
         "set_default_active_thread_percentage 25",
         "set_default_device_pinned_mem_limit 0 2048M",
         "set_default_device_pinned_mem_limit 1 4096M",
     )
-    assert pinned_memory_limits(resource, CapMode.FULL) == ((0, 8192), (1, 16384))
-    assert thread_percentage(resource, CapMode.FULL) == 100
+    assert resource.shares.full_hardware() == Ceilings(thread_percentage=100, memory_mib=(8192, 16384))
 
 
 @pytest.mark.parametrize(
     ("enforce", "capped_live", "mode"),
     [
-        (True, True, CapMode.CAPPED),
-        (True, False, CapMode.FULL),
-        (False, True, CapMode.FULL),
-        (False, False, CapMode.FULL),
+        (True, True, "capped"),
+        (True, False, "full"),
+        (False, True, "full"),
+        (False, False, "full"),
     ],
 )
-def test_daemon_mode(enforce: bool, capped_live: bool, mode: CapMode) -> None:
-    resource = only_resource(t4_node(1), "{name: gpu, replicas: 4}", mps=f"enforceCaps: {str(enforce).lower()}")
-    assert daemon_mode_for(resource, capped_live) is mode
+def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
+    resource = only_resource(
+        t4_node(1), "{name: gpu, replicas: 4}", mps=f"enforceCaps: {str(enforce).lower()}\n    grants: equal"
+    )
+    live = [resource.shares.share_of(resource.device_ids[:1])] if capped_live else []
+    wanted = resource.shares.smallest_caps() if mode == "capped" else resource.shares.full_hardware()
+    assert resource.shares.ceilings(live) == wanted
 
 
 # --- container grants ---------------------------------------------------------------------------------------
@@ -381,7 +389,7 @@ def test_a_full_grant_has_no_caps() -> None:
     resource = only_resource(t4_node(2), "{name: gpu, replicas: 4}")
     grant = container_grant(resource, tuple(reversed(resource.device_ids)), SHM)
     assert grant.full is True
-    assert grant.kind is CapMode.FULL
+    assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs
     assert ENV_PINNED_MEM_LIMIT not in grant.envs
     assert grant.envs == {
@@ -406,11 +414,11 @@ def test_a_full_grant_has_no_caps() -> None:
         pytest.param([(i, r) for i in range(4) for r in range(4)][:-1], [0, 1, 2, 3], id="all-but-one"),
     ],
 )
-def test_a_partial_grant_is_capped(pairs: list[tuple[int, int]], visible: list[int]) -> None:
-    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}")
+def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
+    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
     grant = container_grant(resource, ids(*pairs), SHM)
     assert grant.full is False
-    assert grant.kind is CapMode.CAPPED
+    assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
     # Every GPU of the resource, by daemon ordinal, ascending - not only the granted ones.
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=4096M,2=4096M,3=4096M"

@@ -23,8 +23,11 @@ GPU1 = "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
 MIB_PER_REPLICA = 16 * 1024 // 4  # 16 GiB T4 in 4 replicas
 
 
-def config(fail_gt_one: bool | None = False, policy: str = "distributed", replicas: int = 4) -> str:
+def config(
+    fail_gt_one: bool | None = False, policy: str = "distributed", replicas: int = 4, grants: str | None = None
+) -> str:
     fail = "" if fail_gt_one is None else f"    failRequestsGreaterThanOne: {str(fail_gt_one).lower()}\n"
+    fail += "" if grants is None else f"    grants: {grants}\n"
     return (
         "version: v1\n"
         f"flags:\n  plugin:\n    sharedDevicesAllocationPolicy: {policy}\n"
@@ -153,15 +156,18 @@ def test_unknown_ids_are_refused_by_name_with_a_bounded_message(plugin: Plugin) 
     assert len(huge.value.details()) < 1024
 
 
-def test_preferred_allocation_distributed_spreads_and_takes_whole_gpus(plugin: Plugin) -> None:
-    # GPU0 has one replica in use: distributed picks from GPU1 first, then alternates.
+def test_preferred_allocation_distributed_keeps_shares_on_one_gpu_and_takes_whole_gpus(plugin: Plugin) -> None:
+    # GPU0 has one replica in use: distributed picks the idle GPU1, and keeps a request of at most one GPU's
+    # worth on one GPU (a share of it); a request that must include an ID stays on that ID's GPU.
     available = [i for i in ALL if i != f"{GPU0}::0"]
     assert preferred(plugin, available, 1) == [f"{GPU1}::0"]
-    assert preferred(plugin, available, 3) == [f"{GPU1}::0", f"{GPU0}::1", f"{GPU1}::1"]
+    assert preferred(plugin, available, 3) == ids(GPU1, 0, 1, 2)
+    # More than one GPU's worth and no whole GPUs' worth: replica by replica, alternating.
+    assert preferred(plugin, available, 5) == [f"{GPU1}::0", f"{GPU0}::1", f"{GPU1}::1", f"{GPU0}::2", f"{GPU1}::2"]
     # A whole GPU's worth, with one GPU wholly free, takes that GPU.
     assert preferred(plugin, available, 4) == ids(GPU1, 0, 1, 2, 3)
     assert preferred(plugin, ALL, 8) == ALL
-    assert preferred(plugin, available, 2, must=[f"{GPU0}::3"]) == [f"{GPU0}::3", f"{GPU1}::0"]
+    assert preferred(plugin, available, 2, must=[f"{GPU0}::3"]) == [f"{GPU0}::3", f"{GPU0}::1"]
     with pytest.raises(grpc.RpcError) as too_many:
         preferred(plugin, ids(GPU0, 1, 2), 3)
     assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -5,16 +5,28 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.devices import ContainerRef, ReplicaId
+from mpsagent.config import GrantRule
+from mpsagent.devices import ContainerRef, GpuUuid, ReplicaId
 from mpsagent.ledger import Ledger
-from mpsagent.plan import CapMode
 from mpsagent.reconcile import Holding, ListedDevices, holdings, reconcile
+from mpsagent.shares import GpuSlots, GrantKind, Share, ShareModel
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
+SHARES = ShareModel(
+    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, ids=8),),
+    rule=GrantRule.PROPORTIONAL,
+    unit_bytes=None,
+    enforce=True,
+)
+CAPPED = SHARES.share_of(IDS[:1])
 
 
-def kind_of(ids: tuple[ReplicaId, ...]) -> CapMode:
-    return CapMode.FULL if set(ids) >= set(IDS) else CapMode.CAPPED
+def share_of(ids: tuple[ReplicaId, ...]) -> Share:
+    return SHARES.share_of(ids)
+
+
+def capped_live(ledger: Ledger) -> bool:
+    return any(share.kind is GrantKind.CAPPED for share in ledger.live_shares())
 
 
 def ref(pod: str, container: str = "main", namespace: str = "default") -> ContainerRef:
@@ -28,12 +40,12 @@ def new_ledger(clock: list[float] | None = None) -> Ledger:
 
 
 def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):
-    return reconcile(ledger, listed, now=now, grace_s=grace, kind_of=kind_of)
+    return reconcile(ledger, listed, now=now, grace_s=grace, share_of=share_of)
 
 
 def test_a_listed_grant_learns_its_owner_and_stays() -> None:
     ledger = new_ledger()
-    grant = ledger.record((IDS[0],), CapMode.CAPPED).grant
+    grant = ledger.record((IDS[0],), CAPPED).grant
     result = run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=100)
     assert result.identified == (grant,)
     assert grant.owner == ref("a")
@@ -44,13 +56,13 @@ def test_a_listed_grant_learns_its_owner_and_stays() -> None:
 
 def test_an_unlisted_grant_is_released_only_after_the_grace_period() -> None:
     ledger = new_ledger()
-    grant = ledger.record((IDS[0], IDS[1]), CapMode.CAPPED).grant
+    grant = ledger.record((IDS[0], IDS[1]), CAPPED).grant
     assert run(ledger, [], now=100).missing == 1
     assert run(ledger, [], now=159.9).released == ()
-    assert ledger.has_live(CapMode.CAPPED)
+    assert capped_live(ledger)
     result = run(ledger, [], now=160)
     assert result.released == (grant,)
-    assert not ledger.has_live(CapMode.CAPPED)
+    assert not capped_live(ledger)
     assert ledger.holder(IDS[0]) is None
 
 
@@ -58,7 +70,7 @@ def test_a_grant_gets_a_full_grace_period_even_from_a_listing_older_than_itself(
     # The reconciler took the listing (and its `now`) at 100; the Allocate came in while it was at work, at 105.
     clock = [105.0]
     ledger = new_ledger(clock)
-    grant = ledger.record((IDS[0],), CapMode.CAPPED).grant
+    grant = ledger.record((IDS[0],), CAPPED).grant
     assert run(ledger, [], now=100, grace=10).missing == 1
     assert run(ledger, [], now=112, grace=10).released == ()
     assert run(ledger, [], now=115, grace=10).released == (grant,)
@@ -66,7 +78,7 @@ def test_a_grant_gets_a_full_grace_period_even_from_a_listing_older_than_itself(
 
 def test_a_grant_listed_again_within_the_grace_period_restarts_its_clock() -> None:
     ledger = new_ledger()
-    ledger.record((IDS[0],), CapMode.CAPPED)
+    ledger.record((IDS[0],), CAPPED)
     listed = [Holding(container=ref("a"), replica_ids=(IDS[0],))]
     run(ledger, [], now=100)
     run(ledger, listed, now=150)
@@ -81,17 +93,17 @@ def test_unknown_containers_are_adopted_with_their_kind() -> None:
         [Holding(container=ref("full"), replica_ids=tuple(IDS))],
         now=1,
     )
-    assert [(g.kind, g.owner, g.adopted) for g in result.adopted] == [(CapMode.FULL, ref("full"), True)]
+    assert [(g.kind, g.owner, g.adopted) for g in result.adopted] == [(GrantKind.FULL, ref("full"), True)]
     assert result.ledger_changed
     ledger2 = new_ledger()
     result2 = run(ledger2, [Holding(container=ref("small"), replica_ids=(IDS[3],))], now=1)
-    assert result2.adopted[0].kind is CapMode.CAPPED
+    assert result2.adopted[0].kind is GrantKind.CAPPED
     assert ledger2.statistics().adopted_grants == 1
 
 
 def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
     ledger = new_ledger()
-    old = ledger.record((IDS[0], IDS[1]), CapMode.CAPPED).grant
+    old = ledger.record((IDS[0], IDS[1]), CAPPED).grant
     result = run(
         ledger,
         [
@@ -135,7 +147,7 @@ def test_after_the_grace_period_the_ledger_is_exactly_the_listing(
 ) -> None:
     ledger = new_ledger()
     for ids in allocated:
-        ledger.record(tuple(ids), kind_of(tuple(ids)))
+        ledger.record(tuple(ids), share_of(tuple(ids)))
     listed = holdings([ListedDevices(container=c, device_ids=tuple(ids)) for c, ids in listing])
     within = run(ledger, listed, now=0)
     # Inside the grace period nothing the listing shows is lost, and everything listed is held by its container.

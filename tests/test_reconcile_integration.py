@@ -156,7 +156,8 @@ def test_an_agent_restart_without_pod_resources_keeps_the_adopted_daemons_caps(
     pod_resources.stop()
     second = start(agents, kubelet, short_dir)
     kubelet.wait_registered(RESOURCE, count=2)
-    assert second.wait_log("cap mode kept until the live grants are known")["mode"] == "full"
+    kept = second.wait_log("ceilings kept until the live grants are known")
+    assert kept["ceilings"] == "threads 100%, memory 0=16384M,1=16384M"
     assert threads(short_dir) == FULL
 
 

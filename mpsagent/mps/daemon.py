@@ -1,5 +1,5 @@
-"""The daemon supervisor of one resource: starts or adopts its `nvidia-cuda-mps-control`, holds the cap mode the
-ledger needs, watches it, restarts it with backoff, and forwards its log.
+"""The daemon supervisor of one resource: starts or adopts its `nvidia-cuda-mps-control`, holds the ceilings the
+ledger's live grants need (see mpsagent.shares), watches it, restarts it with backoff, and forwards its log.
 
 The daemon runs in its own session with its output in `<resource>/log/control.log`, so an agent restart or crash
 never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps-daemon host` the daemon host
@@ -32,17 +32,16 @@ from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
-from mpsagent.mps.state import DaemonState, StateFile
+from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import (
     CapDifference,
-    CapMode,
     ResourcePlan,
     cap_differences,
     daemon_default_steps,
     running_server_commands,
     running_server_steps,
-    unreconciled_mode,
 )
+from mpsagent.shares import Ceilings
 
 log = get_logger(__name__)
 
@@ -68,11 +67,11 @@ class DaemonSupervisor:
         gpu_source: GpuSource,
         control_bin: str,
         on_exit: MpsOnExit,
-        initial_mode: CapMode | None,
+        initial_ceilings: Ceilings | None,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
     ) -> None:
-        """`initial_mode` None: the live grants are not known yet (see plan.unreconciled_mode)."""
+        """`initial_ceilings` None: the live grants are not known yet (see ShareModel.unreconciled_ceilings)."""
         self._resource = resource
         self._inventory = inventory
         self._gpus = gpu_source
@@ -82,9 +81,9 @@ class DaemonSupervisor:
         self._owns_daemon = owner is MpsDaemonOwner.AGENT
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
         self._state_file = StateFile(resource.directory)
-        self._wanted = initial_mode or unreconciled_mode(resource, adopted=None)
-        self._mode_known = initial_mode is not None
-        self._held: CapMode | None = None
+        self._wanted = initial_ceilings or resource.shares.unreconciled_ceilings()
+        self._ceilings_known = initial_ceilings is not None
+        self._held: Ceilings | None = None
         self._up = False
         self._process: Process | None = None
         self._pid: int | None = None
@@ -93,7 +92,7 @@ class DaemonSupervisor:
         self._running_multi_user: bool | None = None
         """Whether the running daemon has `-M`; None: an adopted daemon whose agent did not record it."""
         self._original_modes: dict[str, int] = {}
-        self._mode_lock = anyio.Lock()
+        self._ceilings_lock = anyio.Lock()
         self.restarts = 0
         self.restart_attempts = 0
         """Daemons started after a failure, each attempt counted (a daemon that keeps failing keeps counting)."""
@@ -113,64 +112,64 @@ class DaemonSupervisor:
         return self._up
 
     @property
-    def mode(self) -> CapMode | None:
-        """The cap mode the daemon is known to hold; None while it is being set, or after a switch failed."""
+    def ceilings(self) -> Ceilings | None:
+        """The ceilings the daemon is known to hold; None while they are being set, or after a change failed."""
         return self._held
 
     @property
     def multi_user(self) -> bool | None:
         return self._running_multi_user
 
-    # --- cap mode -------------------------------------------------------------------------------------------
+    # --- ceilings -------------------------------------------------------------------------------------------
 
-    async def set_mode(self, mode: CapMode, *, verify: bool = False) -> None:
-        """Make the daemon hold `mode` (defaults and running servers); raises DaemonError when it cannot.
+    async def set_ceilings(self, ceilings: Ceilings, *, verify: bool = False) -> None:
+        """Make the daemon hold `ceilings` (defaults and running servers); raises DaemonError when it cannot.
 
-        `verify`: read the daemon's real values even when it is believed to hold `mode`, and restore (and report)
-        any that changed behind the agent; a PreStartContainer must not trust a cached mode.
+        `verify`: read the daemon's real values even when it is believed to hold them, and restore (and report)
+        any that changed behind the agent; a PreStartContainer must not trust cached ceilings.
         """
-        self._wanted = mode
-        self._mode_known = True
-        if self._held is mode and not verify:
+        self._wanted = ceilings
+        self._ceilings_known = True
+        if self._held == ceilings and not verify:
             return
         if self._pid is None:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
         await self._hold(verify=verify)
 
     async def _hold(self, *, verify: bool = False) -> None:
-        """Bring the daemon to the latest wanted mode; concurrent callers queue, the last wish wins."""
-        async with self._mode_lock:
-            mode = self._wanted
-            if self._held is mode:
+        """Bring the daemon to the latest wanted ceilings; concurrent callers queue, the last wish wins."""
+        async with self._ceilings_lock:
+            ceilings = self._wanted
+            if self._held == ceilings:
                 if not verify:
                     return
-                differences = await self._differences(mode)
+                differences = await self._differences(ceilings)
                 if not differences:
                     return
-                self._report_tamper(mode, differences)
+                self._report_tamper(ceilings, differences)
             self._held = None
-            await self._channel.apply(daemon_default_steps(self._resource, mode))
+            await self._channel.apply(daemon_default_steps(ceilings))
             servers = await self._channel.server_pids()
             if servers:
                 await self._channel.send_all(
-                    [command for server in servers for command in running_server_commands(self._resource, mode, server)]
+                    [command for server in servers for command in running_server_commands(ceilings, server)]
                 )
-            self._held = mode
+            self._held = ceilings
             self._save_state()
-            self._log.info("mps daemon caps set", mode=mode.value, pid=self._pid)
+            self._log.info("mps daemon caps set", ceilings=ceilings.describe(), pid=self._pid)
 
-    async def _differences(self, mode: CapMode) -> tuple[CapDifference, ...]:
-        """The daemon's defaults and running servers' values that differ from `mode`'s: one front-end session,
+    async def _differences(self, ceilings: Ceilings) -> tuple[CapDifference, ...]:
+        """The daemon's defaults and running servers' values that differ from the ceilings: one front-end session,
         and one more when servers run."""
-        defaults = daemon_default_steps(self._resource, mode)
+        defaults = daemon_default_steps(ceilings)
         default_values, servers = await self._channel.read_with_servers([step.read_back for step in defaults])
-        per_server = [running_server_steps(self._resource, mode, server) for server in servers]
+        per_server = [running_server_steps(ceilings, server) for server in servers]
         server_values = (
             await self._channel.read([step.read_back for steps in per_server for step in steps]) if servers else []
         )
         return cap_differences(defaults, default_values, per_server, server_values)
 
-    def _report_tamper(self, mode: CapMode, differences: Sequence[CapDifference]) -> None:
+    def _report_tamper(self, ceilings: Ceilings, differences: Sequence[CapDifference]) -> None:
         for difference in differences:
             self._log.error(
                 "mps daemon caps changed behind the agent; restoring them",
@@ -178,7 +177,7 @@ class DaemonSupervisor:
                 expected=difference.step.expected,
                 found=difference.found,
                 server=difference.step.server,
-                mode=mode.value,
+                ceilings=ceilings.describe(),
             )
         self.cap_tamper_count += len(differences)
         self.last_cap_tamper = (time.time(), "; ".join(difference.describe() for difference in differences))
@@ -245,11 +244,11 @@ class DaemonSupervisor:
                 continue
             self._up = True
             self._inventory.set_resource_problem(HEALTH_SOURCE, False)
-            self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
+            self._log.info("mps daemon healthy", pid=self._pid, ceilings=self._wanted.describe())
             return
 
     async def _adopt_from_host(self) -> None:
-        """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted mode."""
+        """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted ceilings."""
         delay = RESTART_BACKOFF_INITIAL_S
         waiting_logged = False
         while True:
@@ -258,7 +257,7 @@ class DaemonSupervisor:
                     await self._hold()
                     self._up = True
                     self._inventory.set_resource_problem(HEALTH_SOURCE, False)
-                    self._log.info("mps daemon healthy", pid=self._pid, mode=self._wanted.value)
+                    self._log.info("mps daemon healthy", pid=self._pid, ceilings=self._wanted.describe())
                     return
                 reason = f"no MPS daemon with a live PID answers on {self._resource.pipe_directory}"
             except DaemonError as exc:
@@ -293,7 +292,10 @@ class DaemonSupervisor:
         self._pid = state.pid
         self._running_multi_user = state.multi_user
         self._original_modes = state.original_compute_modes or self._original_modes
-        self._log.info("mps daemon adopted", pid=state.pid, mode=state.mode, multi_user=state.multi_user)
+        held = recorded_ceilings(state, self._resource.shares)
+        self._log.info(
+            "mps daemon adopted", pid=state.pid, ceilings=held.describe() if held else None, multi_user=state.multi_user
+        )
         if self._owns_daemon and state.multi_user is not None and state.multi_user is not self._multi_user:
             self._log.warning(
                 "adopted mps daemon keeps its user mode, which differs from the configuration",
@@ -302,9 +304,10 @@ class DaemonSupervisor:
                 hint="a daemon the agent starts follows the configuration; to switch now, stop the agent with "
                 "--mps-on-exit quit (this quits the daemon and ends its clients) and start it again",
             )
-        if not self._mode_known and state.mode in {mode.value for mode in CapMode}:
-            self._wanted = unreconciled_mode(self._resource, adopted=CapMode(state.mode))
-            self._log.info("cap mode kept until the live grants are known", mode=self._wanted.value)
+        if not self._ceilings_known and held is not None:
+            # Its clients were admitted under these ceilings: kept until the live grants are known.
+            self._wanted = held
+            self._log.info("ceilings kept until the live grants are known", ceilings=held.describe())
         return True
 
     async def _start(self) -> None:
@@ -354,7 +357,7 @@ class DaemonSupervisor:
             wait = self._probe_interval
 
     async def _round(self) -> bool:
-        """Check that the daemon holds the wanted mode, restoring what changed; False when it does not answer."""
+        """Check that the daemon holds the wanted ceilings, restoring what changed; False when it does not answer."""
         try:
             await self._hold(verify=True)
         except DaemonCommandError as exc:
@@ -462,10 +465,11 @@ class DaemonSupervisor:
         if self._pid is None:
             return
         self._state_file.write(
-            DaemonState(
+            daemon_state(
                 pid=self._pid,
                 visible_devices=self._resource.visible_devices,
-                mode=(self._held or self._wanted).value,
+                ceilings=self._held or self._wanted,
+                shares=self._resource.shares,
                 multi_user=self._running_multi_user,
                 original_compute_modes=self._original_modes,
             ),

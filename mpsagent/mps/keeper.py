@@ -22,8 +22,8 @@ from mpsagent.logs import get_logger
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, stop_process, wait_answering
-from mpsagent.mps.state import DaemonState, StateFile
-from mpsagent.plan import ResourcePlan, daemon_default_steps, unreconciled_mode
+from mpsagent.mps.state import StateFile, daemon_state
+from mpsagent.plan import ResourcePlan, daemon_default_steps
 
 log = get_logger(__name__)
 
@@ -117,20 +117,21 @@ class DaemonKeeper:
         await wait_answering(self._process, self._resource, self._channel)
         # Capped until the agent knows the live grants: a client container restarted before the agent is back
         # must not run uncapped (the agent lifts the caps when its ledger allows).
-        mode = unreconciled_mode(self._resource, adopted=None)
-        await self._channel.apply(daemon_default_steps(self._resource, mode))
+        ceilings = self._resource.shares.unreconciled_ceilings()
+        await self._channel.apply(daemon_default_steps(ceilings))
         # Recorded only now: the agent adopts a daemon once its PID is recorded, and must not race these caps.
         earlier = self._state_file.read()
         self._state_file.write(
-            DaemonState(
+            daemon_state(
                 pid=self._pid,
                 visible_devices=self._resource.visible_devices,
-                mode=mode.value,
+                ceilings=ceilings,
+                shares=self._resource.shares,
                 multi_user=self._multi_user,
                 original_compute_modes=earlier.original_compute_modes if earlier else {},
             )
         )
-        self._log.info("mps daemon started", pid=self._pid, mode=mode.value, multi_user=self._multi_user)
+        self._log.info("mps daemon started", pid=self._pid, ceilings=ceilings.describe(), multi_user=self._multi_user)
 
     async def _wait_for_failure(self) -> str:
         """Why the daemon must be restarted: it exited (noticed at once), or it stopped answering."""

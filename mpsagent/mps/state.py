@@ -1,5 +1,5 @@
 """The daemon state file `<mps-root>/<resource>/daemon.json`: what the agent needs to recognise its daemon after
-a restart (PID, the GPUs it serves, the cap mode it holds, whether it runs one server for every user, the compute
+a restart (PID, the GPUs it serves, the ceilings it holds, whether it runs one server for every user, the compute
 modes to restore).
 
 Written atomically. A write that fails (a full or read-only file system) never fails what the daemon was doing:
@@ -16,19 +16,62 @@ import msgspec
 from mpsagent.host import os_reason, write_atomically
 from mpsagent.logs import get_logger
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
+from mpsagent.shares import Ceilings, ShareModel
 
 log = get_logger(__name__)
 
 STATE_FILE = "daemon.json"
 
 
+class RecordedCeilings(msgspec.Struct, rename="camel", kw_only=True):
+    thread_percentage: int
+    memory_mib: list[int]
+
+
 class DaemonState(msgspec.Struct, rename="camel", kw_only=True):
     pid: int
     visible_devices: str
     mode: str
+    """`capped` when the ceilings are below the full hardware, else `full`: what agents before ceilings read."""
+    ceilings: RecordedCeilings | None = None
+    """The ceilings it holds; None: recorded by an agent before ceilings (its `mode` says what it held)."""
     multi_user: bool | None = None
     """Whether it was started with `-M`; None: recorded by an agent that did not know."""
     original_compute_modes: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+def daemon_state(
+    *,
+    pid: int,
+    visible_devices: str,
+    ceilings: Ceilings,
+    shares: ShareModel,
+    multi_user: bool | None,
+    original_compute_modes: dict[str, int],
+) -> DaemonState:
+    return DaemonState(
+        pid=pid,
+        visible_devices=visible_devices,
+        mode="full" if ceilings == shares.full_hardware() else "capped",
+        ceilings=RecordedCeilings(thread_percentage=ceilings.thread_percentage, memory_mib=list(ceilings.memory_mib)),
+        multi_user=multi_user,
+        original_compute_modes=original_compute_modes,
+    )
+
+
+def recorded_ceilings(state: DaemonState, shares: ShareModel) -> Ceilings | None:
+    """The ceilings a recorded daemon holds; from an older agent's `mode`: `full` is the full hardware, `capped`
+    the smallest share (the only capped value it knew). None when the record fits no ceilings of this resource."""
+    recorded = state.ceilings
+    if recorded is not None:
+        if len(recorded.memory_mib) != len(shares.gpus):
+            return None
+        return Ceilings(thread_percentage=recorded.thread_percentage, memory_mib=tuple(recorded.memory_mib))
+    if state.mode == "full":
+        return shares.full_hardware()
+    if state.mode == "capped":
+        return shares.smallest_caps()
+    return None
 
 
 class StateFile:

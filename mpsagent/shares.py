@@ -1,0 +1,340 @@
+"""Shares: how much of each GPU a grant gets, the caps that say so, and the daemon ceilings of a set of live grants.
+
+Pure and synchronous. The plan builds one `ShareModel` per resource; allocation, the ledger, reconciliation, the
+daemon supervisor and keeper, `--once`, `--status` and metrics all ask it, so a share is decided in one place.
+
+A grant holding `k` of the `N` IDs of GPU `g` (replicas, or memory units) has the share `k/N` of `g`:
+- memory cap on `g`: `floor(memory_g * k / N)` in MiB (memory units: exactly `k * unit`);
+- thread percentage: one value for all its GPUs (MPS has one per client), `max(1, floor(100 * min_g k/N))`;
+- `k = N` on every GPU it holds: a whole-GPU (full) grant, with no cap variables at all.
+Under `grants: equal` a grant of every ID of the resource is full and any other gets 1/replicas of every GPU.
+
+The daemon's defaults are ceilings (a client's environment can lower its caps, never raise them): on each ordinal
+the largest memory cap of the live grants holding it (full memory when none does), and for threads the largest
+thread percentage of the resource's live grants (100 when there are none). A container that unsets its variables
+gets at most the ceilings: that is the escape bound.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from mpsagent.config import GrantRule
+from mpsagent.devices import MIB, GpuUuid, ReplicaId, gpu_of
+
+MAX_CLIENTS_PER_GPU = 48
+"""MPS serves at most this many clients a GPU (Volta and later); the 49th fails with
+CUDA_ERROR_MPS_MAX_CLIENTS_REACHED."""
+MAX_CLIENTS_PER_GPU_BEFORE_VOLTA = 16
+FULL_THREAD_PERCENTAGE = 100
+MAX_KNOWN_SHARES = 4096
+
+
+class GrantKind(enum.StrEnum):
+    """Full: whole GPUs, no cap variables. Capped: anything less."""
+
+    FULL = "full"
+    CAPPED = "capped"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuSlots:
+    """One GPU of a resource as shares see it: its daemon ordinal, memory and how many device IDs it has."""
+
+    uuid: GpuUuid
+    ordinal: int
+    memory_bytes: int
+    ids: int
+    max_clients: int = MAX_CLIENTS_PER_GPU
+
+    @property
+    def memory_mib(self) -> int:
+        return self.memory_bytes // MIB
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ceilings:
+    """What the daemon's defaults hold: the hard ceilings of every client of the resource."""
+
+    thread_percentage: int
+    memory_mib: tuple[int, ...]
+    """Pinned-memory limit per daemon ordinal (index = ordinal)."""
+
+    def describe(self) -> str:
+        memory = ",".join(f"{ordinal}={mib}M" for ordinal, mib in enumerate(self.memory_mib))
+        return f"threads {self.thread_percentage}%, memory {memory}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuShare:
+    """k of N IDs of one GPU, and the memory that is."""
+
+    uuid: GpuUuid
+    ordinal: int
+    held: int
+    of: int
+    memory_mib: int
+
+    def describe(self) -> str:
+        return f"{self.held}/{self.of} of GPU {self.ordinal}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Share:
+    """What one grant gets: its share of each GPU it holds, and the caps (None for a full grant)."""
+
+    gpus: tuple[GpuShare, ...]
+    """The GPUs it holds, by ordinal."""
+    kind: GrantKind
+    thread_percentage: int
+    """Its thread cap; 100 for a full grant."""
+    env_memory_mib: tuple[int, ...]
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT per daemon ordinal (every ordinal of the resource); empty for a full grant."""
+    bounds: tuple[tuple[int, int], ...]
+    """(ordinal, MiB) it needs the daemon's ceilings to allow: its held GPUs (under `equal`, a capped grant's
+    uniform value on every GPU of the resource, as the NVIDIA rule sets it)."""
+
+    @property
+    def full(self) -> bool:
+        return self.kind is GrantKind.FULL
+
+    def describe(self) -> str:
+        held = ", ".join(gpu.describe() for gpu in self.gpus)
+        return f"{held} (whole)" if self.full else f"{held}, threads {self.thread_percentage}%"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EscapeBound:
+    """What a container holding a share of one GPU can get by unsetting its variables: the ceilings."""
+
+    uuid: GpuUuid
+    ordinal: int
+    live_grants: int
+    memory_ceiling_mib: int
+    thread_ceiling: int
+    memory_escape_mib: int
+    """How much more memory than its own cap the smallest live share on the GPU can take (0: none can)."""
+    thread_escape: int
+    """How many more percentage points of threads than its own cap the smallest live share can take."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientLimit:
+    """A GPU an Allocate would push past MPS's client limit."""
+
+    uuid: GpuUuid
+    ordinal: int
+    grants: int
+    limit: int
+
+
+class ShareTally:
+    """Live shares counted by what the ceilings and the client limit need, kept up to date as grants come and go
+    (by the ledger), so that neither costs a pass over every live grant on each Allocate."""
+
+    def __init__(self, shares: Iterable[Share] = ()) -> None:
+        self._memory: dict[int, Counter[int]] = {}
+        self._threads: Counter[int] = Counter()
+        self._clients: Counter[int] = Counter()
+        for share in shares:
+            self.add(share)
+
+    def add(self, share: Share) -> None:
+        for ordinal, mib in share.bounds:
+            self._memory.setdefault(ordinal, Counter())[mib] += 1
+        self._threads[share.thread_percentage] += 1
+        for held in share.gpus:
+            self._clients[held.ordinal] += 1
+
+    def remove(self, share: Share) -> None:
+        for ordinal, mib in share.bounds:
+            _take(self._memory[ordinal], mib)
+        _take(self._threads, share.thread_percentage)
+        for held in share.gpus:
+            _take(self._clients, held.ordinal)
+
+    def clients(self, ordinal: int) -> int:
+        return self._clients[ordinal]
+
+    def largest_memory(self, ordinal: int) -> int | None:
+        values = self._memory.get(ordinal)
+        return max(values) if values else None
+
+    def largest_thread(self) -> int | None:
+        return max(self._threads) if self._threads else None
+
+
+def _take(counter: Counter[int], key: int) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShareModel:
+    """How one resource's device IDs turn into shares; built by the plan."""
+
+    gpus: tuple[GpuSlots, ...]
+    """By daemon ordinal."""
+    rule: GrantRule
+    unit_bytes: int | None
+    """Memory per device ID for a memory-unit resource; None for replicas."""
+    enforce: bool
+    """Whether the daemon holds ceilings (`enforceCaps`); without, its defaults stay at the full hardware."""
+    _by_uuid: dict[GpuUuid, GpuSlots] = field(init=False, compare=False, repr=False)
+    _known_shares: dict[tuple[tuple[int, int], ...], Share] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_uuid", {gpu.uuid: gpu for gpu in self.gpus})
+        object.__setattr__(self, "_known_shares", {})
+
+    @property
+    def equal(self) -> bool:
+        return self.rule is GrantRule.EQUAL and self.unit_bytes is None
+
+    def _memory_mib(self, gpu: GpuSlots, held: int) -> int:
+        if self.unit_bytes is not None:
+            return held * self.unit_bytes // MIB
+        return gpu.memory_bytes * held // gpu.ids // MIB
+
+    def share_of(self, replica_ids: Iterable[ReplicaId]) -> Share:
+        """The share of a grant of these (distinct) IDs; IDs of GPUs outside the resource count for nothing."""
+        counts = Counter(gpu_of(replica) for replica in replica_ids)
+        key = tuple(sorted((gpu.ordinal, counts[gpu.uuid]) for uuid in counts if (gpu := self._by_uuid.get(uuid))))
+        # Allocate asks this on every request, and a resource has few distinct shares: each is worked out once.
+        share = self._known_shares.get(key)
+        if share is None:
+            if len(self._known_shares) >= MAX_KNOWN_SHARES:
+                self._known_shares.clear()
+            share = self._known_shares[key] = self._share(key)
+        return share
+
+    def _share(self, counts: tuple[tuple[int, int], ...]) -> Share:
+        held = tuple(
+            GpuShare(
+                uuid=self.gpus[ordinal].uuid,
+                ordinal=ordinal,
+                held=k,
+                of=self.gpus[ordinal].ids,
+                memory_mib=self._memory_mib(self.gpus[ordinal], k),
+            )
+            for ordinal, k in counts
+        )
+        if self.equal or not held:
+            # No GPU of the resource (IDs of an older configuration, adopted): the smallest share, so that a
+            # grant the agent cannot place never lifts the ceilings.
+            return self._equal_share(held)
+        if all(share.held >= share.of for share in held):
+            full_bounds = tuple((share.ordinal, self.gpus[share.ordinal].memory_mib) for share in held)
+            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=full_bounds)
+        thread = max(1, min(FULL_THREAD_PERCENTAGE * share.held // share.of for share in held))
+        smallest = min(share.memory_mib for share in held)
+        by_ordinal = {share.ordinal: share.memory_mib for share in held}
+        return Share(
+            gpus=held,
+            kind=GrantKind.CAPPED,
+            thread_percentage=thread,
+            env_memory_mib=tuple(by_ordinal.get(gpu.ordinal, smallest) for gpu in self.gpus),
+            bounds=tuple(by_ordinal.items()),
+        )
+
+    def _equal_share(self, held: tuple[GpuShare, ...]) -> Share:
+        """The NVIDIA rule: every ID of the resource is a full grant; anything else 1/replicas of every GPU."""
+        if held and sum(share.held for share in held) >= sum(gpu.ids for gpu in self.gpus):
+            bounds = tuple((gpu.ordinal, gpu.memory_mib) for gpu in self.gpus)
+            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=bounds)
+        smallest = self.smallest_caps()
+        return Share(
+            gpus=held,
+            kind=GrantKind.CAPPED,
+            thread_percentage=smallest.thread_percentage,
+            env_memory_mib=smallest.memory_mib,
+            bounds=tuple(enumerate(smallest.memory_mib)),
+        )
+
+    def full_hardware(self) -> Ceilings:
+        return Ceilings(thread_percentage=FULL_THREAD_PERCENTAGE, memory_mib=tuple(g.memory_mib for g in self.gpus))
+
+    def smallest_caps(self) -> Ceilings:
+        """The caps of the smallest share: one ID of each GPU."""
+        if self.equal:
+            replicas = self.gpus[0].ids
+            return Ceilings(
+                thread_percentage=FULL_THREAD_PERCENTAGE // replicas,
+                memory_mib=tuple(gpu.memory_bytes // replicas // MIB for gpu in self.gpus),
+            )
+        return Ceilings(
+            thread_percentage=max(1, min(FULL_THREAD_PERCENTAGE // gpu.ids for gpu in self.gpus)),
+            memory_mib=tuple(self._memory_mib(gpu, 1) for gpu in self.gpus),
+        )
+
+    def unreconciled_ceilings(self) -> Ceilings:
+        """What a new daemon holds while the live grants are not known: the smallest share's caps, so that no
+        container started before the agent escapes its caps (the first reconciliation or Allocate moves them)."""
+        return self.smallest_caps() if self.enforce else self.full_hardware()
+
+    def ceilings(self, live: Iterable[Share] | ShareTally) -> Ceilings:
+        """The daemon ceilings these live grants need."""
+        full = self.full_hardware()
+        if not self.enforce:
+            return full
+        tally = live if isinstance(live, ShareTally) else ShareTally(live)
+        return Ceilings(
+            thread_percentage=tally.largest_thread() or FULL_THREAD_PERCENTAGE,
+            memory_mib=tuple(
+                mib if (mib := tally.largest_memory(ordinal)) is not None else whole
+                for ordinal, whole in enumerate(full.memory_mib)
+            ),
+        )
+
+    def escape_bounds(self, ceilings: Ceilings, live: Sequence[Share]) -> tuple[EscapeBound, ...]:
+        """Per GPU: its live grants, the ceilings, and how far its smallest live share can exceed its caps."""
+        bounds = []
+        for gpu in self.gpus:
+            on_gpu = [share for share in live if any(held.ordinal == gpu.ordinal for held in share.gpus)]
+            memory_ceiling = ceilings.memory_mib[gpu.ordinal]
+            own_memory = [self._cap_on(share, gpu.ordinal) for share in on_gpu]
+            bounds.append(
+                EscapeBound(
+                    uuid=gpu.uuid,
+                    ordinal=gpu.ordinal,
+                    live_grants=len(on_gpu),
+                    memory_ceiling_mib=memory_ceiling,
+                    thread_ceiling=ceilings.thread_percentage,
+                    memory_escape_mib=max(0, memory_ceiling - min(own_memory)) if own_memory else 0,
+                    thread_escape=max(0, ceilings.thread_percentage - min(s.thread_percentage for s in on_gpu))
+                    if on_gpu
+                    else 0,
+                )
+            )
+        return tuple(bounds)
+
+    def _cap_on(self, share: Share, ordinal: int) -> int:
+        return share.env_memory_mib[ordinal] if share.env_memory_mib else self.gpus[ordinal].memory_mib
+
+    def clients_over_limit(
+        self, live: ShareTally, ending: Iterable[Share], added: Iterable[Share]
+    ) -> tuple[ClientLimit, ...]:
+        """The GPUs that `added` grants would push past MPS's client limit, with the `live` ones but those `ending`
+        (the grants whose replicas they take)."""
+        change: Counter[int] = Counter()
+        for share in ending:
+            change.subtract(held.ordinal for held in share.gpus)
+        touched: set[int] = set()
+        for share in added:
+            change.update(held.ordinal for held in share.gpus)
+            touched.update(held.ordinal for held in share.gpus)
+        over = []
+        for ordinal in sorted(touched):
+            gpu = self.gpus[ordinal]
+            count = live.clients(ordinal) + change[ordinal]
+            if count > gpu.max_clients:
+                over.append(ClientLimit(uuid=gpu.uuid, ordinal=ordinal, grants=count, limit=gpu.max_clients))
+        return tuple(over)
+
+    def full_gpus(self, live: ShareTally) -> frozenset[GpuUuid]:
+        """GPUs at MPS's client limit."""
+        return frozenset(gpu.uuid for gpu in self.gpus if live.clients(gpu.ordinal) >= gpu.max_clients)

@@ -1,0 +1,336 @@
+"""Shares: what a grant of k of a GPU's N IDs gets (env values), the daemon ceilings of live grants, the escape
+bound, the 48-client limit, memory-unit resources and their placement. Domain code, no sockets."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpsagent.allocation import ResourceAllocator
+from mpsagent.config import check_config, parse_config
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.errors import ConfigError, RequestError
+from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
+from mpsagent.plan import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES, ResourcePlan, build_plan
+from mpsagent.shares import Ceilings, GrantKind
+
+GIB = 1024**3
+H200_BYTES = 150754820096  # 143771 MiB, as NVML reports an H200
+T4_BYTES = 16 * GIB
+SHM = Path("/run/nvidia/mps/shm")
+
+
+def uuid(index: int) -> GpuUuid:
+    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
+
+
+def node(count: int, memory_bytes: int = H200_BYTES) -> NodeGpus:
+    gpus = tuple(
+        Gpu(
+            uuid=uuid(i),
+            index=i,
+            name="NVIDIA H200",
+            memory_bytes=memory_bytes,
+            compute_capability=(9, 0),
+            pci_bus_id=f"00000000:{i + 1:02X}:00.0",
+            numa_node=0,
+            mig_enabled=False,
+        )
+        for i in range(count)
+    )
+    return NodeGpus(driver_version="580.65.06", gpus=gpus, source="test")
+
+
+def resource(
+    entry: str, *, gpus: int = 1, mps: str = "failRequestsGreaterThanOne: false\n", memory_bytes: int = H200_BYTES
+) -> ResourcePlan:
+    text = f"version: v1\nsharing:\n  mps:\n{textwrap.indent(mps, '    ')}    resources:\n    - {entry}\n"
+    sharing = check_config(parse_config(text, "config.yaml"))
+    (plan,) = build_plan(sharing, node(gpus, memory_bytes), Path("/run/nvidia/mps")).resources
+    return plan
+
+
+def ids(*counts: int) -> tuple[ReplicaId, ...]:
+    """k_g IDs of each GPU g (by host index), from its first ID."""
+    return tuple(format_replica_id(uuid(g), i) for g, k in enumerate(counts) for i in range(k))
+
+
+def envs(plan: ResourcePlan, replica_ids: tuple[ReplicaId, ...]) -> dict[str, str]:
+    return ResourceAllocator(plan, SHM).grant_for(replica_ids).envs
+
+
+# --- the share table ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [4, 10, 48])
+def test_k_of_n_replicas_of_one_gpu(replicas: int) -> None:
+    plan = resource(f"{{name: gpu, replicas: {replicas}}}")
+    for k in range(1, replicas):
+        got = envs(plan, ids(k))
+        assert got[ENV_THREAD_PERCENTAGE] == str(max(1, 100 * k // replicas)), k
+        assert got[ENV_PINNED_MEM_LIMIT] == f"0={H200_BYTES * k // replicas // MIB}M", k
+    whole = envs(plan, ids(replicas))
+    assert ENV_THREAD_PERCENTAGE not in whole and ENV_PINNED_MEM_LIMIT not in whole
+
+
+@pytest.mark.parametrize(
+    ("replicas", "counts", "threads", "memory"),
+    [
+        pytest.param(4, (1,), "25", "0=35942M", id="1-of-4"),
+        pytest.param(4, (2,), "50", "0=71885M", id="2-of-4"),
+        pytest.param(4, (3,), "75", "0=107828M", id="3-of-4"),
+        pytest.param(10, (1,), "10", "0=14377M", id="1-of-10"),
+        pytest.param(10, (7,), "70", "0=100639M", id="7-of-10"),
+        pytest.param(48, (1,), "2", "0=2995M", id="1-of-48"),
+        pytest.param(48, (47,), "97", "0=140775M", id="47-of-48"),
+        # Mixes: the thread percentage is the smallest share; memory per GPU; GPUs not held get the smallest cap.
+        pytest.param(4, (1, 2), "25", "0=35942M,1=71885M", id="1+2-of-4"),
+        pytest.param(4, (4, 1), "25", "0=143771M,1=35942M", id="whole+1-is-capped"),
+        pytest.param(4, (0, 3), "75", "0=107828M,1=107828M", id="held-gpu1-only"),
+        pytest.param(10, (5, 10, 2), "20", "0=71885M,1=143771M,2=28754M", id="three-gpus"),
+        pytest.param(4, (2, 0, 1), "25", "0=71885M,1=35942M,2=35942M", id="gpu0-and-gpu2"),
+    ],
+)
+def test_share_table(replicas: int, counts: tuple[int, ...], threads: str, memory: str) -> None:
+    plan = resource(f"{{name: gpu, replicas: {replicas}}}", gpus=max(len(counts), 1))
+    got = envs(plan, ids(*counts))
+    assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == (threads, memory)
+
+
+@pytest.mark.parametrize("counts", [(4,), (4, 4), (0, 4), (4, 0, 4)])
+def test_whole_gpus_get_no_caps_and_only_their_gpus(counts: tuple[int, ...]) -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=3)
+    grant = ResourceAllocator(plan, SHM).grant_for(ids(*counts))
+    assert grant.share.kind is GrantKind.FULL
+    assert ENV_THREAD_PERCENTAGE not in grant.envs and ENV_PINNED_MEM_LIMIT not in grant.envs
+    assert grant.envs[ENV_VISIBLE_DEVICES] == ",".join(uuid(g) for g, k in enumerate(counts) if k)
+
+
+def test_equal_grants_keep_the_nvidia_rule() -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=2, mps="grants: equal\nfailRequestsGreaterThanOne: false\n")
+    for counts in [(1,), (2,), (4,), (4, 3)]:
+        got = envs(plan, ids(*counts))
+        assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == ("25", "0=35942M,1=35942M"), counts
+    assert ENV_THREAD_PERCENTAGE not in envs(plan, ids(4, 4))
+
+
+# --- ceilings and the escape bound -----------------------------------------------------------------------------
+
+
+def test_ceilings_follow_the_largest_live_share_per_gpu_and_resource() -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=2)
+    shares = plan.shares
+    quarter, half, whole1 = (shares.share_of(ids(*c)) for c in [(1,), (2,), (0, 4)])
+    full, q, h = H200_BYTES // MIB, H200_BYTES // 4 // MIB, H200_BYTES // 2 // MIB
+    assert shares.ceilings([]) == Ceilings(thread_percentage=100, memory_mib=(full, full))
+    assert shares.ceilings([quarter]) == Ceilings(thread_percentage=25, memory_mib=(q, full))
+    assert shares.ceilings([quarter, half]) == Ceilings(thread_percentage=50, memory_mib=(h, full))
+    assert shares.ceilings([quarter, half, whole1]) == Ceilings(thread_percentage=100, memory_mib=(h, full))
+    bounds = shares.escape_bounds(shares.ceilings([quarter, half]), [quarter, half])
+    assert [(b.live_grants, b.memory_ceiling_mib, b.memory_escape_mib, b.thread_escape) for b in bounds] == [
+        (2, h, h - q, 25),
+        (0, full, 0, 0),
+    ]
+
+
+def test_without_enforcement_the_daemon_holds_the_full_hardware() -> None:
+    plan = resource("{name: gpu, replicas: 4}", mps="enforceCaps: false\n")
+    assert plan.shares.ceilings([plan.shares.share_of(ids(1))]) == plan.shares.full_hardware()
+    assert plan.shares.unreconciled_ceilings() == plan.shares.full_hardware()
+
+
+def test_until_the_grants_are_known_the_daemon_holds_the_smallest_share() -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=2)
+    q = H200_BYTES // 4 // MIB
+    assert plan.shares.unreconciled_ceilings() == Ceilings(thread_percentage=25, memory_mib=(q, q))
+    units = resource("{name: gpu-mem, memoryUnit: 8Gi}")
+    assert units.shares.unreconciled_ceilings() == Ceilings(thread_percentage=5, memory_mib=(8192,))
+
+
+# --- memory units -------------------------------------------------------------------------------------------
+
+
+def test_a_memory_unit_resource_advertises_what_fits() -> None:
+    plan = resource("{name: gpu-mem, memoryUnit: 8Gi}", gpus=2)
+    assert plan.name == "nvidia.com/gpu-mem"
+    assert len(plan.device_ids) == 2 * (H200_BYTES // (8 * GIB)) == 34
+    assert plan.device_ids[0] == f"{uuid(0)}::0" and plan.device_ids[-1] == f"{uuid(1)}::16"
+    got = envs(plan, ids(2))
+    assert got[ENV_PINNED_MEM_LIMIT] == "0=16384M,1=16384M"
+    assert got[ENV_THREAD_PERCENTAGE] == str(100 * 2 // 17)
+    assert envs(plan, ids(7))[ENV_PINNED_MEM_LIMIT] == "0=57344M,1=57344M"
+    assert ENV_PINNED_MEM_LIMIT not in envs(plan, ids(17))
+
+
+@pytest.mark.parametrize(
+    ("unit", "mib"),
+    [("1Gi", 1024), ("512Mi", 512), ("8G", 8_000_000_000 // MIB), ("1.5Gi", 1536), (1073741824, 1024)],
+)
+def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int) -> None:
+    plan = resource(f"{{name: gpu-mem, memoryUnit: {unit}}}", memory_bytes=T4_BYTES)
+    assert envs(plan, ids(1))[ENV_PINNED_MEM_LIMIT] == f"0={mib}M"
+
+
+@pytest.mark.parametrize(
+    ("entry", "phrase"),
+    [
+        ("{name: m, memoryUnit: 8Gi, replicas: 2}", "either `replicas` or `memoryUnit`, not both"),
+        ("{name: m, memoryUnit: 0}", "at least 1Mi"),
+        ("{name: m, memoryUnit: eight}", "`eight` is not a Kubernetes quantity"),
+        ("{name: m, memoryUnit: 8GB}", "`8GB` is not a Kubernetes quantity"),
+        ("{name: m, memoryUnit: 200Gi}", "larger than GPU 0's memory (143771 MiB)"),
+        (
+            "{name: m, memoryUnit: 1Mi}",
+            "makes GPU 0 advertise 143771 device IDs, more than the 256 a GPU may have; use a unit of at least 562Mi",
+        ),
+    ],
+)
+def test_memory_unit_errors_name_the_key(entry: str, phrase: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        resource(entry)
+    assert refused.value.path == "sharing.mps.resources[0].memoryUnit"
+    assert phrase in refused.value.message
+
+
+def test_grants_must_be_proportional_or_equal() -> None:
+    with pytest.raises(ConfigError) as refused:
+        resource("{name: gpu, replicas: 4}", mps="grants: fair\n")
+    assert refused.value.path == "sharing.mps.grants"
+    assert "use one of: proportional, equal" in refused.value.message
+
+
+def test_fail_requests_greater_than_one_is_about_replicas_only() -> None:
+    units = ResourceAllocator(resource("{name: gpu-mem, memoryUnit: 8Gi}", mps=""), SHM)
+    assert len(units.grant_for(ids(3)).replica_ids) == 3
+    replicas = ResourceAllocator(resource("{name: gpu, replicas: 4}", mps=""), SHM)
+    with pytest.raises(RequestError, match="maximum request size for shared resources is 1; found 3"):
+        replicas.grant_for(ids(3))
+
+
+# --- the 48-client limit ------------------------------------------------------------------------------------
+
+
+def test_the_49th_live_grant_on_a_gpu_is_refused_with_nothing_changed() -> None:
+    plan = resource("{name: gpu-mem, memoryUnit: 1Gi}", gpus=2)  # 140 units a GPU
+    allocator = ResourceAllocator(plan, SHM)
+    for i in range(48):
+        allocator.allocate([[format_replica_id(uuid(0), i)]])
+    before = (allocator.ledger.version, allocator.ledger.statistics(), allocator.ceilings())
+    with pytest.raises(RequestError) as refused:
+        allocator.allocate([[format_replica_id(uuid(1), 0)], [format_replica_id(uuid(0), 48)]])
+    assert str(refused.value) == (
+        f"nvidia.com/gpu-mem: GPU {uuid(0)} would hold 49 live grants, but MPS serves at most 48 clients a GPU; "
+        "nothing was granted: ask for IDs of another GPU, or wait for a container on it to end"
+    )
+    assert (allocator.ledger.version, allocator.ledger.statistics(), allocator.ceilings()) == before
+    # A grant that replaces one of the 48 (its replica granted again: that container ended) is no 49th.
+    allocator.allocate([[format_replica_id(uuid(0), 0), format_replica_id(uuid(0), 100)]])
+    # GetPreferredAllocation avoids the full GPU.
+    available = [r for r in plan.device_ids if allocator.ledger.holder(r) is None]
+    assert {r.split("::")[0] for r in allocator.preferred(available, [], 2)} == {uuid(1)}
+
+
+# --- placement of memory units ---------------------------------------------------------------------------------
+
+
+def test_memory_units_go_to_the_fullest_gpu_that_fits_else_the_fewest_gpus() -> None:
+    plan = resource("{name: gpu-mem, memoryUnit: 8Gi}", gpus=3)  # 17 units a GPU
+    allocator = ResourceAllocator(plan, SHM)
+    allocator.allocate([list(ids(0, 10)[:0]) + [format_replica_id(uuid(1), i) for i in range(10)]])
+    allocator.allocate([[format_replica_id(uuid(2), i) for i in range(4)]])
+    available = [r for r in plan.device_ids if allocator.ledger.holder(r) is None]  # free: 17, 7, 13
+
+    def gpus_of(chosen: list[ReplicaId]) -> list[str]:
+        return sorted({r.split("::")[0] for r in chosen})
+
+    assert gpus_of(allocator.preferred(available, [], 7)) == [uuid(1)]  # best fit: exactly full
+    assert gpus_of(allocator.preferred(available, [], 8)) == [uuid(2)]
+    assert gpus_of(allocator.preferred(available, [], 14)) == [uuid(0)]
+    chosen = allocator.preferred(available, [], 30)  # no GPU fits: the roomiest first
+    assert len(chosen) == 30 and gpus_of(chosen) == [uuid(0), uuid(2)]
+
+
+# --- properties -----------------------------------------------------------------------------------------------
+
+layouts = st.tuples(st.sampled_from([1, 2, 4, 10, 48]), st.integers(1, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), layout=layouts)
+def test_no_share_exceeds_its_gpu_and_live_caps_never_sum_above_memory(data: st.DataObject, layout) -> None:
+    replicas, gpus = layout
+    plan = resource(f"{{name: gpu, replicas: {replicas}}}", gpus=gpus)
+    allocator = ResourceAllocator(plan, SHM)
+    free = list(plan.device_ids)
+    for _ in range(data.draw(st.integers(0, 6))):
+        if not free:
+            break
+        chosen = data.draw(st.lists(st.sampled_from(free), min_size=1, max_size=len(free), unique=True))
+        allocator.allocate([chosen])
+        free = [r for r in free if r not in chosen]
+        if data.draw(st.booleans()):  # a container ends
+            live_ids = [g.grant_id for g in allocator.ledger.live_grants()]
+            allocator.ledger.release([data.draw(st.sampled_from(live_ids))])
+    live = allocator.ledger.live_shares()
+    # The ledger's running tally gives what a fresh count of the live grants gives.
+    assert allocator.ceilings() == plan.shares.ceilings(live)
+    for gpu in plan.shares.gpus:
+        on_gpu = [held for share in live for held in share.gpus if held.ordinal == gpu.ordinal]
+        assert all(held.held <= held.of for held in on_gpu)
+        assert sum(held.memory_mib for held in on_gpu) <= gpu.memory_mib
+    for share in live:
+        assert 1 <= share.thread_percentage <= 100
+    ceilings = allocator.ceilings()
+    assert all(c <= g.memory_mib for c, g in zip(ceilings.memory_mib, plan.shares.gpus, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_refused_request_changes_nothing(data: st.DataObject) -> None:
+    plan = resource("{name: gpu-mem, memoryUnit: 2Gi}", gpus=2, memory_bytes=T4_BYTES)  # 8 units a GPU
+    allocator = ResourceAllocator(plan, SHM)
+    for _ in range(data.draw(st.integers(0, 4))):
+        allocator.allocate([data.draw(st.lists(st.sampled_from(plan.device_ids), min_size=1, max_size=4, unique=True))])
+    before = (
+        sorted((g.grant_id, g.replica_ids) for g in allocator.ledger.live_grants()),
+        allocator.ledger.statistics(),
+        allocator.ceilings(),
+    )
+    good = data.draw(st.lists(st.sampled_from(plan.device_ids), min_size=1, max_size=3, unique=True))
+    with pytest.raises(RequestError):
+        allocator.allocate([good, [*good[:1], "GPU-unknown::0"]])
+    after = (
+        sorted((g.grant_id, g.replica_ids) for g in allocator.ledger.live_grants()),
+        allocator.ledger.statistics(),
+        allocator.ceilings(),
+    )
+    assert after == before
+
+
+# --- daemon.json ------------------------------------------------------------------------------------------------
+
+
+def test_daemon_state_records_the_ceilings_and_reads_an_older_agents_mode() -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=2)
+    shares = plan.shares
+    half = shares.ceilings([shares.share_of(ids(2))])
+    state = daemon_state(
+        pid=1, visible_devices="x", ceilings=half, shares=shares, multi_user=True, original_compute_modes={}
+    )
+    written = msgspec.json.decode(msgspec.json.encode(state))
+    assert written["mode"] == "capped"
+    assert written["ceilings"] == {"threadPercentage": 50, "memoryMib": [71885, 143771]}
+    assert recorded_ceilings(msgspec.json.decode(msgspec.json.encode(state), type=DaemonState), shares) == half
+    older = b'{"pid": 1, "visibleDevices": "x", "mode": "%s"}'
+    assert recorded_ceilings(msgspec.json.decode(older % b"full", type=DaemonState), shares) == shares.full_hardware()
+    capped = msgspec.json.decode(older % b"capped", type=DaemonState)
+    assert recorded_ceilings(capped, shares) == shares.smallest_caps()
+    assert recorded_ceilings(msgspec.json.decode(older % b"odd", type=DaemonState), shares) is None
+    # Ceilings of a daemon that served other GPUs do not fit this resource: not adopted as its ceilings.
+    other = resource("{name: gpu, replicas: 4}", gpus=1).shares
+    assert recorded_ceilings(msgspec.json.decode(msgspec.json.encode(state), type=DaemonState), other) is None
