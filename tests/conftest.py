@@ -73,8 +73,10 @@ class AgentProcess:
         return self.log_path.read_text(errors="replace")
 
     def log_events(self) -> list[dict[str, object]]:
+        """The JSON log lines written so far; a last line still being written is not one yet."""
+        text = self.log()
         events = []
-        for line in self.log().splitlines():
+        for line in text[: text.rfind("\n") + 1].splitlines():
             if line.startswith("{"):
                 events.append(json.loads(line))
         return events
