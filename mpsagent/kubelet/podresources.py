@@ -8,7 +8,7 @@ API is absent or refuses, the first failure is logged, retries back off, and eve
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,12 +67,11 @@ class PodResourcesReconciler:
         self,
         *,
         socket: Path,
-        targets: Sequence[ReconcileTarget],
         grace_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._socket = socket
-        self._targets = targets
+        self._targets: list[ReconcileTarget] = []
         self._grace_s = grace_s
         # Twice per grace period, so that a gone container is released within 1.5 grace periods.
         self._period_s = min(PERIOD_MAX_S, max(MIN_SPACING_S, grace_s / 2))
@@ -85,6 +84,11 @@ class PodResourcesReconciler:
     @property
     def available(self) -> bool:
         return self.successes > 0 and not self._failing
+
+    def add_target(self, target: ReconcileTarget) -> None:
+        """A resource to reconcile from now on (each resource's server is built with this reconciler's `request`,
+        so the reconciler comes first and its targets after)."""
+        self._targets.append(target)
 
     def request(self) -> None:
         """Ask for a reconciliation soon (after an Allocate)."""

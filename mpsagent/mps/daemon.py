@@ -122,6 +122,12 @@ class DaemonSupervisor:
 
     # --- ceilings -------------------------------------------------------------------------------------------
 
+    def want_ceilings(self, ceilings: Ceilings) -> None:
+        """The ceilings the live grants need, known before the daemon runs: it starts (or keeps an adopted daemon)
+        at these instead of the safe ones for unknown grants. Applies nothing itself."""
+        self._wanted = ceilings
+        self._ceilings_known = True
+
     async def set_ceilings(self, ceilings: Ceilings, *, verify: bool = False) -> None:
         """Make the daemon hold `ceilings` (defaults and running servers); raises DaemonError when it cannot.
 

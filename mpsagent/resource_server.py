@@ -1,0 +1,151 @@
+"""One resource's server: its allocator (and ledger), inventory, MPS daemon supervisor, gRPC servicer and plugin
+endpoint, built whole before anything runs, and one task that runs the daemon supervisor, then the endpoint.
+
+Every path that needs the daemon to hold the ledger's ceilings (an Allocate, a PreStartContainer, a
+reconciliation) goes through `hold_caps`: a daemon that cannot hold them is the same failure for all three, raised
+to an RPC (which answers UNAVAILABLE and changes nothing) and logged for a reconciliation (which has no caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+
+from mpsagent.allocation import Allocation, ResourceAllocator
+from mpsagent.config import Settings
+from mpsagent.devices import gpu_of
+from mpsagent.errors import DaemonError
+from mpsagent.gpu.port import GpuSource
+from mpsagent.inventory import Inventory
+from mpsagent.kubelet.plugin import PluginEndpoint
+from mpsagent.kubelet.servicer import DevicePluginServicer, RpcTimer
+from mpsagent.logs import get_logger
+from mpsagent.mps.daemon import DaemonSupervisor
+from mpsagent.plan import ResourcePlan
+from mpsagent.status import DaemonView, ResourceView
+
+log = get_logger("mpsagent.resource_server")
+
+MAX_LOGGED_GRANTS = 5
+
+
+class ResourceServer:
+    def __init__(
+        self,
+        *,
+        plan: ResourcePlan,
+        shm_directory: Path,
+        settings: Settings,
+        gpu_source: GpuSource,
+        rpc_timer: RpcTimer | None,
+        reconcile_soon: Callable[[], None],
+    ) -> None:
+        """`reconcile_soon`: called after each answered Allocate, to have the kubelet's listing read soon."""
+        self.plan = plan
+        self.allocator = ResourceAllocator(plan, shm_directory)
+        self.inventory = Inventory(plan)
+        self.daemon = DaemonSupervisor(
+            resource=plan,
+            inventory=self.inventory,
+            gpu_source=gpu_source,
+            control_bin=settings.mps_control_bin,
+            on_exit=settings.mps_on_exit,
+            initial_ceilings=None,
+            owner=settings.mps_daemon,
+            probe_interval_s=settings.probe_interval_s,
+        )
+        self._reconcile_soon = reconcile_soon
+        servicer = DevicePluginServicer(
+            self.allocator,
+            self.inventory,
+            pre_start_required=plan.enforce_caps,
+            hold_caps=self.hold_caps,
+            on_granted=self._on_granted,
+            rpc_timer=rpc_timer,
+        )
+        self.endpoint = PluginEndpoint(
+            resource_name=plan.name,
+            servicer=servicer,
+            kubelet_socket=settings.kubelet_socket,
+            pre_start_required=plan.enforce_caps,
+        )
+        self._running = False
+        self._log = log.bind(resource=plan.name)
+
+    def grants_known(self) -> None:
+        """The kubelet's listing is in the ledger (before the daemon starts): the daemon starts, or keeps an
+        adopted daemon, at the ledger's ceilings instead of the safe ones for unknown grants."""
+        self.daemon.want_ceilings(self.allocator.ceilings())
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The daemon supervisor (reports once the daemon holds its ceilings), then the endpoint; reports started
+        once the endpoint serves."""
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.daemon.run)
+            self._running = True
+            await tg.start(self.endpoint.run)
+            task_status.started()
+
+    async def hold_caps(self, *, verify: bool = False) -> None:
+        """Make the daemon hold the ceilings the ledger's live grants need (`verify`: read back even ceilings it is
+        believed to hold); raises DaemonError when it cannot."""
+        await self.daemon.set_ceilings(self.allocator.ceilings(), verify=verify)
+
+    async def hold_ledger_ceilings(self) -> None:
+        """After a reconciliation changed the ledger: as `hold_caps`, logged instead of raised (a daemon that is
+        down takes the ceilings when it is back; before the daemon runs, `grants_known` does this)."""
+        if not self._running:
+            return
+        try:
+            await self.hold_caps()
+        except DaemonError as exc:
+            self._log.error("mps daemon caps not changed", reason=str(exc))
+
+    def view(self) -> ResourceView:
+        daemon = self.daemon
+        statistics = self.endpoint.statistics()
+        return ResourceView(
+            allocator=self.allocator,
+            inventory=self.inventory,
+            daemon=DaemonView(
+                pid=daemon.pid,
+                up=daemon.up,
+                ceilings=daemon.ceilings,
+                restarts=daemon.restarts,
+                restart_attempts=daemon.restart_attempts,
+                multi_user=daemon.multi_user,
+                cap_tamper=daemon.cap_tamper_count,
+                last_cap_tamper=daemon.last_cap_tamper,
+                front_end_failure=daemon.front_end_failure,
+            ),
+            registered=self.endpoint.registered,
+            registrations=statistics.registrations,
+            registration_failures=statistics.registration_failures,
+        )
+
+    def _on_granted(self, allocations: Sequence[Allocation]) -> None:
+        for allocation in allocations:
+            grant = allocation.record.grant
+            self._log.info(
+                "granted",
+                grant=grant.grant_id,
+                kind=grant.kind.value,
+                share=grant.share.describe(),
+                replicas=len(grant.replica_ids),
+                gpus=sorted({gpu_of(r) for r in grant.replica_ids}),
+            )
+            ended = allocation.record.ended
+            if ended:
+                # One line per Allocate however many grants it ends: a full grant can end hundreds at once.
+                self._log.warning(
+                    "replicas granted again while believed live",
+                    grant=grant.grant_id,
+                    earlier_grants=[g.grant_id for g in ended[:MAX_LOGGED_GRANTS]],
+                    earlier_grant_count=len(ended),
+                    containers=sorted({str(g.owner) for g in ended if g.owner})[:MAX_LOGGED_GRANTS],
+                    replicas=len(grant.superseded_ids),
+                )
+        self._reconcile_soon()
