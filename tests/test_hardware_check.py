@@ -216,6 +216,10 @@ def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path)
     assert json.loads(observed(report, "units-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16384M"
     assert all(status[p] == "skipped (no GPU)" for p in PROBES)
     assert status["other-gpu"] == "skipped (needs 2 GPUs)" and "registered-two-gpus" not in status
+    assert report["facts"]["plan"]["ceilings"]["untilGrantsKnown"] == [  # --once's ceilings, read as they are now
+        "set_default_active_thread_percentage 25",
+        "set_default_device_pinned_mem_limit 0 35840M",
+    ]
     for check in ("compute-mode-before", "compute-mode-serving", "compute-mode-restored"):
         assert status[check] == "skipped (no GPU)"
     passing = ["capped-envs", "full-envs", "proportional-envs", "units-envs", "nothing-left"]
