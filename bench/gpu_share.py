@@ -161,7 +161,7 @@ class Row:
     per_client: list[dict[str, Any]] = field(default_factory=list)
 
     def tflops(self, result: dict[str, Any]) -> float:
-        return 2 * self.n**3 * result["steps"] / result["seconds"] / 1e12
+        return 2 * self.n**3 * int(result["steps"]) / float(result["seconds"]) / 1e12
 
     def cells(self) -> list[str]:
         rates = [round(self.tflops(r), 1) for r in self.per_client]

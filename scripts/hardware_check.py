@@ -630,13 +630,13 @@ class HardwareCheck:
         ids = self.start_run(TWO_GPUS, 2 * REPLICAS)
         held = [i for i in ids if i.startswith(gpus[0]["uuid"] + "::")]
         envs = self.allocate(held, "two-gpus", "main")
-        expected = {"CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe", "NVIDIA_VISIBLE_DEVICES": gpus[0]["uuid"]}
+        whole_gpu0 = {"CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe", "NVIDIA_VISIBLE_DEVICES": gpus[0]["uuid"]}
         self.report.add(
             "two-gpus-envs",
             f"GPUs 0 and 1, Allocate the {REPLICAS} replicas of GPU 0: the container's environment (no caps)",
-            _text(expected),
+            _text(whole_gpu0),
             envs,
-            envs == expected,
+            envs == whole_gpu0,
         )
         whole_gpu1 = memory_read_back(gpus[1]["memoryBytes"] // MIB)
         self.daemon_reads("two-gpus", "after the GPU 0 Allocate (no grant holds GPU 1)", "100.0", whole_gpu1, ordinal=1)
