@@ -81,14 +81,17 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 
 
-def _config(grants: str | None, resource: str) -> str:
-    grants_line = f"\n    grants: {grants}" if grants else ""  # the main run keeps the default (equal)
+def _config(*, grants: str | None, name: str, devices: str, size: str) -> str:
+    """One resource on `devices`; `size` is its `replicas: N` or `memoryUnit: Q`; no `grants`: the default."""
+    grants_line = f"\n    grants: {grants}" if grants else ""
     return f"""version: v1
 sharing:
   mps:
     failRequestsGreaterThanOne: false{grants_line}
     resources:
-    - {resource}
+    - name: {name}
+      devices: {devices}
+      {size}
 """
 
 
@@ -101,17 +104,21 @@ class AgentRun:
     config: str
 
 
-MAIN = AgentRun("main", RESOURCE, _config(None, f"name: gpu\n      devices: [0]\n      replicas: {REPLICAS}"))
+MAIN = AgentRun("main", RESOURCE, _config(grants=None, name="gpu", devices="[0]", size=f"replicas: {REPLICAS}"))
 PROPORTIONAL = AgentRun(
-    "proportional", RESOURCE, _config("proportional", f"name: gpu\n      devices: [0]\n      replicas: {REPLICAS}")
+    "proportional",
+    RESOURCE,
+    _config(grants="proportional", name="gpu", devices="[0]", size=f"replicas: {REPLICAS}"),
 )
 UNITS = AgentRun(
     "units",
     UNIT_RESOURCE,
-    _config("proportional", f"name: gpu-mem\n      devices: [0]\n      memoryUnit: {UNIT_GIB}Gi"),
+    _config(grants="proportional", name="gpu-mem", devices="[0]", size=f"memoryUnit: {UNIT_GIB}Gi"),
 )
 TWO_GPUS = AgentRun(
-    "two-gpus", RESOURCE, _config("proportional", f"name: gpu\n      devices: [0, 1]\n      replicas: {REPLICAS}")
+    "two-gpus",
+    RESOURCE,
+    _config(grants="proportional", name="gpu", devices="[0, 1]", size=f"replicas: {REPLICAS}"),
 )
 
 
