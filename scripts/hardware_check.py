@@ -2,9 +2,18 @@
 """The hardware check: proves on a real GPU what the test suite cannot (see docs/hardware-check.md).
 
 It starts the agent as a real process (GPUs through NVML) against the test suite's fake kubelet and fake
-pod-resources server, makes one capped and then one full grant through `Allocate`, reads the MPS control
-daemon's defaults back, runs CUDA clients that allocate GPU memory under each grant, stops the agent, and writes
-`DIR/hardware-check.json` and `DIR/hardware-check.md` (a table to paste into docs/hardware-check.md).
+pod-resources server, makes grants through `Allocate`, reads the MPS control daemon's defaults (the ceilings)
+back, runs CUDA clients that allocate GPU memory under each grant's environment, stops the agent, and writes
+`DIR/hardware-check.json` and `DIR/hardware-check.md` (a table to paste into docs/hardware-check.md). The agent
+is started once per configuration:
+- main (`grants: equal`, GPU 0 as 4 replicas): 1 replica is capped at 1/4 (50 % fails, 20 % fits), all 4 are
+  the whole GPU (50 % fits);
+- proportional (`grants: proportional`, 4 replicas): 2 of 4 are half the GPU: 45 % fits, 55 % fails, also with
+  the cap variables unset (the daemon's ceiling holds);
+- units (`memoryUnit: 8Gi`): 2 units are 16 GiB: 15 GiB fits, 17 GiB fails;
+- two GPUs (only with 2 or more): a container granted the whole GPU 0 of a resource on GPUs 0 and 1; its client,
+  without CUDA_VISIBLE_DEVICES, lists the devices it sees through MPS and allocates 1 GiB on GPU 1. Recorded, not
+  judged: on the host no container runtime hides GPU 1's device node.
 Exit status: 0 when every check that ran passed, 1 otherwise, 2 on bad usage.
 
 On the GPU node, as root, from the repository root (about a minute; needs the NVIDIA driver, which brings
@@ -58,22 +67,59 @@ if str(ROOT) not in sys.path:
 from tests.processes import alive, processes_using  # noqa: E402
 
 RESOURCE = "nvidia.com/gpu"
+UNIT_RESOURCE = "nvidia.com/gpu-mem"
 REPLICAS = 4
 MIB = 1024 * 1024
+GIB = 1024 * MIB
+UNIT_GIB = 8
+UNITS_GRANTED = 2
 PROBE_PREFIX = "HWC-PROBE "
 WORK_MARKER_ENV = "MPSAGENT_HWC_WORK_DIR"
 SKIPPED_NO_GPU = "skipped (no GPU)"
+SKIPPED_ONE_GPU = "skipped (needs 2 GPUs)"
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
-CONFIG = f"""version: v1
+
+
+def _config(*, grants: str | None, name: str, devices: str, size: str) -> str:
+    """One resource on `devices`; `size` is its `replicas: N` or `memoryUnit: Q`; no `grants`: the default."""
+    grants_line = f"\n    grants: {grants}" if grants else ""
+    return f"""version: v1
 sharing:
   mps:
-    failRequestsGreaterThanOne: false
+    failRequestsGreaterThanOne: false{grants_line}
     resources:
-    - name: gpu
-      devices: [0]
-      replicas: {REPLICAS}
+    - name: {name}
+      devices: {devices}
+      {size}
 """
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """One start of the agent: its name in check IDs and log files, the resource it serves, its configuration."""
+
+    name: str
+    resource: str
+    config: str
+
+
+MAIN = AgentRun("main", RESOURCE, _config(grants=None, name="gpu", devices="[0]", size=f"replicas: {REPLICAS}"))
+PROPORTIONAL = AgentRun(
+    "proportional",
+    RESOURCE,
+    _config(grants="proportional", name="gpu", devices="[0]", size=f"replicas: {REPLICAS}"),
+)
+UNITS = AgentRun(
+    "units",
+    UNIT_RESOURCE,
+    _config(grants="proportional", name="gpu-mem", devices="[0]", size=f"memoryUnit: {UNIT_GIB}Gi"),
+)
+TWO_GPUS = AgentRun(
+    "two-gpus",
+    RESOURCE,
+    _config(grants="proportional", name="gpu", devices="[0, 1]", size=f"replicas: {REPLICAS}"),
+)
 
 
 # --- the CUDA client (`--probe`): standard library only, run in a child process ----------------------------
@@ -96,7 +142,9 @@ class _DriverApi:
         ptr = ctypes.POINTER
         self._declare("cuInit", [c_uint])
         self._declare("cuDriverGetVersion", [ptr(c_int)])
+        self._declare("cuDeviceGetCount", [ptr(c_int)])
         self._declare("cuDeviceGet", [ptr(c_int), c_int])
+        self._declare("cuDeviceGetUuid", [ctypes.c_char_p, c_int])
         self._declare("cuDeviceGetName", [ctypes.c_char_p, c_int, c_int])
         self._declare("cuDeviceTotalMem_v2", [ptr(c_size_t), c_int])
         self._declare("cuDeviceGetAttribute", [ptr(c_int), c_int, c_int])
@@ -133,8 +181,29 @@ class _DriverApi:
             raise CudaCallError(name, code, self.error_name(code))
 
 
-def _probe_driver(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
-    """Allocate `nbytes` with cuMemAlloc on device 0's primary context; returns what frees it again."""
+def _uuid_text(raw: bytes) -> str:
+    hex_ = raw.hex()
+    return f"GPU-{hex_[:8]}-{hex_[8:12]}-{hex_[12:16]}-{hex_[16:20]}-{hex_[20:32]}"
+
+
+def _driver_devices(api: _DriverApi) -> list[dict[str, Any]]:
+    """Every device this client sees (through MPS: the server's devices, as the client's environment filters them)."""
+    count = ctypes.c_int()
+    api.call("cuDeviceGetCount", ctypes.byref(count))
+    devices = []
+    for ordinal in range(count.value):
+        device = ctypes.c_int()
+        api.call("cuDeviceGet", ctypes.byref(device), ordinal)
+        name = ctypes.create_string_buffer(256)
+        api.call("cuDeviceGetName", name, 256, device)
+        uuid = ctypes.create_string_buffer(16)
+        api.call("cuDeviceGetUuid", uuid, device)
+        devices.append({"ordinal": ordinal, "name": name.value.decode(errors="replace"), "uuid": _uuid_text(uuid.raw)})
+    return devices
+
+
+def _probe_driver(nbytes: int, ordinal: int, result: dict[str, Any]) -> Callable[[], None]:
+    """Allocate `nbytes` with cuMemAlloc on device `ordinal`'s primary context; returns what frees it again."""
     try:
         api = _DriverApi()
     except (OSError, AttributeError) as exc:
@@ -146,8 +215,9 @@ def _probe_driver(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
     api.call("cuDriverGetVersion", ctypes.byref(version))
     result["cudaDriverVersion"] = version.value
     result["stage"] = "device"
+    result["devices"] = _driver_devices(api)
     device = ctypes.c_int()
-    api.call("cuDeviceGet", ctypes.byref(device), 0)
+    api.call("cuDeviceGet", ctypes.byref(device), ordinal)
     name = ctypes.create_string_buffer(256)
     api.call("cuDeviceGetName", name, 256, device)
     result["device"] = name.value.decode(errors="replace")
@@ -178,20 +248,25 @@ def _probe_driver(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
     return free_it
 
 
-def _probe_torch(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
+def _probe_torch(nbytes: int, ordinal: int, result: dict[str, Any]) -> Callable[[], None]:
     result["stage"] = "load"
     import torch  # noqa: PLC0415 - optional, only in the child
 
     result["stage"] = "init"
     if not torch.cuda.is_available():
         raise RuntimeError("torch.cuda.is_available() is False")
-    properties = torch.cuda.get_device_properties(0)
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        seen = torch.cuda.get_device_properties(index)
+        devices.append({"ordinal": index, "name": seen.name, "uuid": f"GPU-{getattr(seen, 'uuid', '?')}"})
+    result["devices"] = devices
+    properties = torch.cuda.get_device_properties(ordinal)
     result.update(device=properties.name, total=properties.total_memory, smCount=properties.multi_processor_count)
     result["stage"] = "context"
-    free, total = torch.cuda.mem_get_info(0)
+    free, total = torch.cuda.mem_get_info(ordinal)
     result["memGetInfo"] = {"free": free, "total": total}
     result["stage"] = "alloc"
-    tensor = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    tensor = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{ordinal}")
     result["stage"] = "memset"
     tensor.zero_()
     torch.cuda.synchronize()
@@ -199,12 +274,14 @@ def _probe_torch(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
     return holder.clear
 
 
-def _probe_cupy(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
+def _probe_cupy(nbytes: int, ordinal: int, result: dict[str, Any]) -> Callable[[], None]:
     result["stage"] = "load"
     import cupy  # noqa: PLC0415 - optional, only in the child
 
     result["stage"] = "device"
-    device = cupy.cuda.Device(0)
+    result["devices"] = [{"ordinal": i} for i in range(cupy.cuda.runtime.getDeviceCount())]
+    device = cupy.cuda.Device(ordinal)
+    device.use()
     result["smCount"] = device.attributes.get("MultiProcessorCount")
     result["stage"] = "context"
     free, total = device.mem_info
@@ -218,7 +295,7 @@ def _probe_cupy(nbytes: int, result: dict[str, Any]) -> Callable[[], None]:
     return holder.clear
 
 
-PROBES: dict[str, Callable[[int, dict[str, Any]], Callable[[], None]]] = {
+PROBES: dict[str, Callable[[int, int, dict[str, Any]], Callable[[], None]]] = {
     "driver": _probe_driver,
     "torch": _probe_torch,
     "cupy": _probe_cupy,
@@ -236,14 +313,14 @@ def _hold_expired(*_: object) -> None:
     raise TimeoutError("held long enough")
 
 
-def probe_main(nbytes: int, backend: str, hold_s: float) -> int:
+def probe_main(nbytes: int, ordinal: int, backend: str, hold_s: float) -> int:
     """Print one line `HWC-PROBE {"ok": ..., "error": ..., "bytes": n, "total": ...}`; with `hold_s`, keep the
     allocation (and the MPS connection) until stdin closes or `hold_s` passes, so the parent can look at it."""
     result: dict[str, Any] = {"backend": backend, "ok": False, "oom": False, "error": None, "stage": "start"}
-    result.update(bytes=nbytes, total=None, device=None, smCount=None, memGetInfo=None)
+    result.update(bytes=nbytes, ordinal=ordinal, total=None, device=None, devices=None, smCount=None, memGetInfo=None)
     release: Callable[[], None] | None = None
     try:
-        release = PROBES[backend](nbytes, result)
+        release = PROBES[backend](nbytes, ordinal, result)
         result["ok"] = True
         result["stage"] = "done"
     except Exception as exc:
@@ -392,14 +469,15 @@ class HardwareCheck:
         self.report = Report(mode="dry run (node snapshot, no GPU)" if self.dry_run else "hardware")
         self.work = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
         self.mps_root = self.work / "mps"
-        self.pipe = self.mps_root / RESOURCE / "pipe"
+        self.run = MAIN
+        self.runs: list[AgentRun] = []
         self.mps_control = shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control"
         self.agent: subprocess.Popen[bytes] | None = None
-        self.agent_log = self.work / "agent.log"
         self.kubelet: Any = None
         self.pod_resources: Any = None
         self.plugin: Any = None
         self.children: list[subprocess.Popen[bytes]] = []
+        self.plugins_before: list[Any] = []
         self.daemon_pid: int | None = None
         self.server_pids: set[int] = set()
         self.compute_mode_before: str | None = None
@@ -409,30 +487,37 @@ class HardwareCheck:
         self.report.facts["host"] = platform.node()
         self.report.facts["python"] = sys.version.split()[0]
 
+    @property
+    def pipe(self) -> Path:
+        return self.mps_root / self.run.resource / "pipe"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.work / _log_name("agent", self.run)
+
     # -- the steps ----------------------------------------------------------------------------------------------
 
     def execute(self) -> None:
         self.preflight()
         plan = self.plan()
         gpu = next(g for g in plan["gpus"] if g["index"] == 0)
-        full_mib = gpu["memoryBytes"] // MIB
-        capped_mib = gpu["memoryBytes"] // REPLICAS // MIB
         self.report.facts.update(gpu=gpu, driverVersion=plan.get("driverVersion"))
         self.report.facts["summary"] = (
             f"{gpu['name']} ({gpu['memoryBytes'] / 1024**3:.1f} GiB), driver {plan.get('driverVersion')}, "
             f"mpsagent from {ROOT}"
         )
         self.start_fakes()
-        self.start_agent()
-        self.wait_registered()
-        ids = sorted(device[0] for device in self.plugin.latest())
-        self.report.add(
-            "registered",
-            "agent registers and lists the replicas",
-            f"{REPLICAS} replicas of {RESOURCE}",
-            f"{len(ids)} replicas: {', '.join(ids)}",
-            len(ids) == REPLICAS,
-        )
+        self.main_run(gpu)
+        self.proportional_run(gpu)
+        self.memory_unit_run(gpu)
+        self.two_gpu_run(sorted(plan["gpus"], key=lambda g: int(g["index"])))
+        self.finish()
+
+    def main_run(self, gpu: dict[str, Any]) -> None:
+        """`grants: equal` (the default): one replica is capped at 1/4, all four are the whole GPU."""
+        full_mib = gpu["memoryBytes"] // MIB
+        capped_mib = gpu["memoryBytes"] // REPLICAS // MIB
+        ids = self.start_run(MAIN, REPLICAS)
         self.compute_mode("compute-mode-serving", "compute mode while the agent serves", "Exclusive_Process")
         self.daemon_reads("start", "no grant yet", "100.0", memory_read_back(full_mib))
 
@@ -455,13 +540,8 @@ class HardwareCheck:
         self.cap_mode_metric("capped")
         half, fifth = gpu["memoryBytes"] // 2, gpu["memoryBytes"] // 5
         self.probe("probe-a", "capped client allocates 50 %", envs, half, expect_ok=False)
-        uncapped_env = {
-            k: v
-            for k, v in envs.items()
-            if k not in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-        }
         self.probe(
-            "probe-b", "capped client without its cap variables allocates 50 %", uncapped_env, half, expect_ok=False
+            "probe-b", "capped client without its cap variables allocates 50 %", _uncapped(envs), half, expect_ok=False
         )
         self.probe("probe-c", "capped client allocates 20 %", envs, fifth, expect_ok=True, observe="capped")
 
@@ -482,6 +562,137 @@ class HardwareCheck:
             self.server_values("server-values-after-full-allocate", "running MPS server after the full Allocate")
         self.probe("probe-d", "full-grant client allocates 50 %", envs, half, expect_ok=True, observe="full")
         self.stop_agent()
+
+    def proportional_run(self, gpu: dict[str, Any]) -> None:
+        """`grants: proportional`: 2 of 4 replicas are half the GPU, and the daemon's ceiling holds half."""
+        ids = self.start_run(PROPORTIONAL, REPLICAS)
+        half_mib = gpu["memoryBytes"] * 2 // REPLICAS // MIB
+        envs = self.allocate(ids[:2], "proportional", "main")
+        expected = {
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={half_mib}M",
+            "CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe",
+            "NVIDIA_VISIBLE_DEVICES": gpu["uuid"],
+        }
+        self.report.add(
+            "proportional-envs",
+            f"grants: proportional, Allocate 2 of {REPLICAS} replicas: the container's environment",
+            _text(expected),
+            envs,
+            envs == expected,
+        )
+        self.daemon_reads("proportional", "after the 2/4 Allocate (the ceilings)", "50.0", memory_read_back(half_mib))
+        memory = gpu["memoryBytes"]
+        self.probe("probe-e", "2/4 client allocates 45 %", envs, memory * 45 // 100, expect_ok=True)
+        self.probe("probe-f", "2/4 client allocates 55 %", envs, memory * 55 // 100, expect_ok=False)
+        self.probe(
+            "probe-g",
+            "2/4 client without its cap variables allocates 55 %",
+            _uncapped(envs),
+            memory * 55 // 100,
+            expect_ok=False,
+        )
+        self.stop_agent()
+
+    def memory_unit_run(self, gpu: dict[str, Any]) -> None:
+        """A memory-unit resource: 2 units of 8Gi are exactly 16 GiB, whatever the GPU."""
+        units = gpu["memoryBytes"] // (UNIT_GIB * GIB)
+        if units < UNITS_GRANTED + 1:
+            self.report.skip("units-envs", "memory units: Allocate 2 units", "", f"skipped (GPU has {units} units)")
+            return
+        ids = self.start_run(UNITS, units)
+        granted_mib = UNITS_GRANTED * UNIT_GIB * 1024
+        envs = self.allocate(ids[:UNITS_GRANTED], "units", "main")
+        expected = {
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 * UNITS_GRANTED // units)),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={granted_mib}M",
+            "CUDA_MPS_PIPE_DIRECTORY": f"/mps/{UNIT_RESOURCE}/pipe",
+            "NVIDIA_VISIBLE_DEVICES": gpu["uuid"],
+        }
+        self.report.add(
+            "units-envs",
+            f"memoryUnit {UNIT_GIB}Gi, Allocate {UNITS_GRANTED} of {units} units: the container's environment",
+            _text(expected),
+            envs,
+            envs == expected,
+        )
+        self.daemon_reads(
+            "units",
+            f"after the {UNITS_GRANTED}-unit Allocate (the ceilings)",
+            f"{max(1, 100 * UNITS_GRANTED // units):.1f}",
+            memory_read_back(granted_mib),
+        )
+        self.probe("probe-h", f"{UNITS_GRANTED}-unit client allocates", envs, 15 * GIB, expect_ok=True)
+        self.probe("probe-i", f"{UNITS_GRANTED}-unit client allocates", envs, 17 * GIB, expect_ok=False)
+        self.stop_agent()
+
+    def two_gpu_run(self, gpus: list[dict[str, Any]]) -> None:
+        """A container holding GPU 0 whole, on a daemon that serves GPUs 0 and 1: what its client sees through MPS,
+        and whether it can allocate on GPU 1. Recorded, not judged: on the host no container runtime hides the
+        other GPU's device node, so this is what MPS alone allows."""
+        step = "client holding GPU 0 (whole) sees through MPS, allocates 1 GiB on the GPU it does not hold"
+        if len(gpus) < 2:
+            self.report.skip("other-gpu", step, "recorded", SKIPPED_ONE_GPU)
+            return
+        ids = self.start_run(TWO_GPUS, 2 * REPLICAS)
+        held = [i for i in ids if i.startswith(gpus[0]["uuid"] + "::")]
+        envs = self.allocate(held, "two-gpus", "main")
+        whole_gpu0 = {"CUDA_MPS_PIPE_DIRECTORY": f"/mps/{RESOURCE}/pipe", "NVIDIA_VISIBLE_DEVICES": gpus[0]["uuid"]}
+        self.report.add(
+            "two-gpus-envs",
+            f"GPUs 0 and 1, Allocate the {REPLICAS} replicas of GPU 0: the container's environment (no caps)",
+            _text(whole_gpu0),
+            envs,
+            envs == whole_gpu0,
+        )
+        whole_gpu1 = memory_read_back(gpus[1]["memoryBytes"] // MIB)
+        self.daemon_reads("two-gpus", "after the GPU 0 Allocate (no grant holds GPU 1)", "100.0", whole_gpu1, ordinal=1)
+        expected = f"recorded (GPU 1 is {gpus[1]['uuid']})"
+        if self.dry_run:
+            self.report.skip("other-gpu", step, expected)
+        else:
+
+            def record(result: dict[str, Any]) -> bool:
+                self.report.add("other-gpu", step, expected, _other_gpu_seen(result), None)
+                return True
+
+            self.run_probe("other-gpu", step, expected, envs, GIB, judge=record, ordinal=1, visible=None)
+        self.stop_agent()
+
+    def start_run(self, run: AgentRun, expected_ids: int) -> list[str]:
+        """Start the agent with `run`'s configuration (the kubelet lists no container yet) until it registers."""
+        self.run = run
+        self.runs.append(run)
+        self.daemon_pid = None
+        self.pod_resources.set_containers()
+        (self.work / _log_name("config", run, ".yaml")).write_text(run.config)
+        self.start_agent()
+        self.wait_registered()
+        ids = sorted(device[0] for device in self.plugin.latest())
+        self.report.add(
+            _check_id("registered", run),
+            f"agent registers and lists the device IDs ({run.name})",
+            f"{expected_ids} IDs of {run.resource}",
+            f"{len(ids)} IDs: {', '.join(ids)}",
+            len(ids) == expected_ids,
+        )
+        return ids
+
+    def finish(self) -> None:
+        if self.dry_run:
+            self.report.skip("compute-mode-restored", "compute mode after the agent stopped", "Default")
+        else:
+            before = self.compute_mode_before or "Default"
+            self.compute_mode("compute-mode-restored", "compute mode after the agent stopped", before)
+        wait_until(lambda: not processes_using(self.work), 10)
+        left = processes_using(self.work)
+        self.report.add(
+            "nothing-left",
+            "no process of this run is left (agent, daemon, servers, clients)",
+            "none",
+            f"PIDs {left}" if left else "none",
+            not left,
+        )
 
     def preflight(self) -> None:
         if self.dry_run:
@@ -515,7 +726,7 @@ class HardwareCheck:
         gpus = ["--node-snapshot", str(self.args.dry_run_snapshot)] if self.dry_run else []
         return [
             "--config-file",
-            str(self.work / "config.yaml"),
+            str(self.work / _log_name("config", self.run, ".yaml")),
             "--mps-root",
             str(self.mps_root),
             "--nfd-features-file",
@@ -529,7 +740,7 @@ class HardwareCheck:
         return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path, WORK_MARKER_ENV: str(self.work)}
 
     def plan(self) -> dict[str, Any]:
-        (self.work / "config.yaml").write_text(CONFIG)
+        (self.work / _log_name("config", MAIN, ".yaml")).write_text(MAIN.config)
         argv = [sys.executable, "-m", "mpsagent", "--once", "--output", "json", *self.common_args()]
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=self.agent_env(), check=False
@@ -538,7 +749,7 @@ class HardwareCheck:
             raise RuntimeError(f"`mpsagent --once` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         plan: dict[str, Any] = json.loads(done.stdout)
         resource = plan["resources"][0]
-        self.report.facts["plan"] = {"capModes": resource.get("capModes"), "computeMode": resource.get("computeMode")}
+        self.report.facts["plan"] = {"ceilings": resource.get("ceilings"), "computeMode": resource.get("computeMode")}
         return plan
 
     def start_fakes(self) -> None:
@@ -569,6 +780,7 @@ class HardwareCheck:
             "127.0.0.1:0",
         ]
         say("starting the agent: " + " ".join(argv[1:]))
+        self.plugins_before = list(self.kubelet.plugins)
         with self.agent_log.open("wb") as log:
             self.agent = subprocess.Popen(
                 argv,
@@ -592,13 +804,16 @@ class HardwareCheck:
 
     def wait_registered(self) -> None:
         assert self.agent is not None
+        earlier = len(self.plugins_before)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.agent.poll() is not None:
                 raise RuntimeError(
                     f"the agent exited {self.agent.returncode} before registering:\n{tail(self.agent_log)}"
                 )
-            matching = [p for p in list(self.kubelet.plugins) if p.request.resource_name == RESOURCE and p.updates]
+            # Only this start's registration: an earlier agent may have served the same resource.
+            plugins = list(self.kubelet.plugins)[earlier:]
+            matching = [p for p in plugins if p.request.resource_name == self.run.resource and p.updates]
             if matching:
                 self.plugin = matching[-1]
                 break
@@ -606,8 +821,8 @@ class HardwareCheck:
         else:
             raise RuntimeError(f"the agent did not register within 60 s:\n{tail(self.agent_log)}")
         with contextlib.suppress(OSError, ValueError, KeyError):
-            self.daemon_pid = int(json.loads((self.mps_root / RESOURCE / "daemon.json").read_text())["pid"])
-        self.report.facts["daemonPid"] = self.daemon_pid
+            self.daemon_pid = int(json.loads((self.mps_root / self.run.resource / "daemon.json").read_text())["pid"])
+        self.report.facts[_check_id("daemonPid", self.run)] = self.daemon_pid
 
     def allocate(self, ids: list[str], pod: str, container: str) -> dict[str, str]:
         from tests.kubelet.podresources import ListedContainer  # noqa: PLC0415
@@ -619,7 +834,7 @@ class HardwareCheck:
         mounts = [{"container": m.container_path, "host": m.host_path} for m in response.mounts]
         self.report.facts[f"allocate-{pod}"] = {"ids": ids, "envs": envs, "mounts": mounts}
         # As the kubelet does once the pod runs: pod-resources lists the container with its devices.
-        self.pod_resources.set_containers(ListedContainer("hwc", pod, container, RESOURCE, tuple(ids)))
+        self.pod_resources.set_containers(ListedContainer("hwc", pod, container, self.run.resource, tuple(ids)))
         return envs
 
     def control(self, command: str) -> str:
@@ -639,7 +854,7 @@ class HardwareCheck:
             return f"<{type(exc).__name__}: {exc}>"
         return done.stdout.strip() or done.stderr.strip()
 
-    def daemon_reads(self, phase: str, when: str, threads: str, memory: str) -> None:
+    def daemon_reads(self, phase: str, when: str, threads: str, memory: str, ordinal: int = 0) -> None:
         observed = self.control("get_default_active_thread_percentage")
         self.report.add(
             f"daemon-threads-{phase}",
@@ -648,10 +863,10 @@ class HardwareCheck:
             observed,
             observed == threads,
         )
-        observed = self.control("get_default_device_pinned_mem_limit 0")
+        observed = self.control(f"get_default_device_pinned_mem_limit {ordinal}")
         self.report.add(
             f"daemon-memory-{phase}",
-            f"daemon default pinned memory limit of GPU 0, {when}",
+            f"daemon default pinned memory limit of GPU {ordinal}, {when}",
             memory,
             observed,
             observed == memory,
@@ -740,6 +955,8 @@ class HardwareCheck:
     def probe(
         self, id_: str, step: str, envs: dict[str, str], nbytes: int, *, expect_ok: bool, observe: str | None = None
     ) -> None:
+        """A client with the grant's environment allocates `nbytes` on GPU 0: a pass when it succeeds, or fails with
+        out-of-memory, as expected; with `observe`, the daemon and the agent are looked at while it holds."""
         expected = "succeeds" if expect_ok else "fails: out of memory"
         step = f"{step} ({nbytes / 1024**3:.1f} GiB)"
         if self.dry_run:
@@ -747,15 +964,42 @@ class HardwareCheck:
             if observe:
                 self.observe(observe)
             return
+
+        def judge(result: dict[str, Any]) -> bool:
+            ok = bool(result["ok"] if expect_ok else (not result["ok"] and result["oom"]))
+            self.report.add(id_, step, expected, _probe_seen(result), ok)
+            if observe:
+                self.observe(observe)  # the client still holds its memory and its connection to the server
+            return ok
+
+        self.run_probe(id_, step, expected, envs, nbytes, judge=judge)
+
+    def run_probe(
+        self,
+        id_: str,
+        step: str,
+        expected: str,
+        envs: dict[str, str],
+        nbytes: int,
+        *,
+        judge: Callable[[dict[str, Any]], bool],
+        ordinal: int = 0,
+        visible: str | None = "0",
+    ) -> None:
+        """Start a CUDA client with the grant's `envs` that allocates `nbytes` on device `ordinal` and holds them
+        while `judge` reports its answer (False: keep its stderr and the MPS logs). `visible` is its
+        CUDA_VISIBLE_DEVICES (None: unset, every device the MPS server offers)."""
         remaining = self.deadline - time.monotonic()
         if remaining < 10:
             self.report.add(id_, step, expected, "not run: the time budget (--budget-seconds) is spent", False)
             return
         env = {**os.environ, **envs}
         # No container here, so no mount: the client reaches the daemon through the host's pipe directory (the
-        # one a container sees at /mps/nvidia.com/gpu/pipe), and shares the host's /dev/shm with the server.
+        # one a container sees at /mps/<resource>/pipe), and shares the host's /dev/shm with the server.
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe)
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         for variable in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
             if variable not in envs:
                 env.pop(variable, None)
@@ -765,6 +1009,8 @@ class HardwareCheck:
             str(Path(__file__).resolve()),
             "--probe",
             str(nbytes),
+            "--probe-device",
+            str(ordinal),
             "--probe-backend",
             self.backend,
             "--hold",
@@ -789,22 +1035,14 @@ class HardwareCheck:
                 self.report.add(id_, step, expected, observed, False)
                 return
             self.report.facts[id_] = result
-            seen = (
-                f"{'allocated' if result['ok'] else 'failed'}"
-                + (f" at {result['stage']}: {result['error']}" if result["error"] else "")
-                + f"; client sees total {_gib(result.get('total'))}, "
-                + f"cuMemGetInfo {_mem_info(result.get('memGetInfo'))}, {result.get('smCount')} SMs"
-            )
-            ok = result["ok"] if expect_ok else (not result["ok"] and result["oom"])
-            self.report.add(id_, step, expected, seen, ok)
-            if observe:
-                self.observe(observe)  # the client still holds its memory and its connection to the server
+            ok = judge(result)
         finally:
             self.end_child(child)
         if not ok:
             self.report.facts[f"{id_}-stderr"] = tail(stderr_path, 20)
             self.report.facts[f"{id_}-mps-logs"] = {
-                name: tail(self.mps_root / RESOURCE / "log" / name, 20) for name in ("control.log", "server.log")
+                name: tail(self.mps_root / self.run.resource / "log" / name, 20)
+                for name in ("control.log", "server.log")
             }
 
     def read_probe_line(self, child: subprocess.Popen[bytes], timeout: float) -> dict[str, Any] | None:
@@ -847,33 +1085,28 @@ class HardwareCheck:
             code: int | None = self.agent.wait(30)
         except subprocess.TimeoutExpired:
             code = None
-        self.report.add("agent-exit", "SIGTERM: the agent stops", "exit status 0", f"exit status {code}", code == 0)
+        self.report.add(
+            _check_id("agent-exit", self.run),
+            f"SIGTERM: the agent stops ({self.run.name})",
+            "exit status 0",
+            f"exit status {code}",
+            code == 0,
+        )
         daemon_gone = self.daemon_pid is not None and wait_until(lambda: not alive(self.daemon_pid or 0), 10)
         servers_gone = wait_until(lambda: not any(alive(pid) for pid in self.server_pids), 10)
-        record = self.mps_root / RESOURCE / "daemon.json"
+        record = self.mps_root / self.run.resource / "daemon.json"
         self.report.add(
-            "daemon-quit",
-            "--mps-on-exit quit: the daemon (and its servers) quit",
+            _check_id("daemon-quit", self.run),
+            f"--mps-on-exit quit: the daemon (and its servers) quit ({self.run.name})",
             "daemon and servers gone, daemon.json removed",
             f"daemon {self.daemon_pid} {'gone' if daemon_gone else 'STILL RUNNING'}, "
             f"servers {sorted(self.server_pids)} {'gone' if servers_gone else 'STILL RUNNING'}, "
             f"daemon.json {'present' if record.exists() else 'removed'}",
             bool(daemon_gone and servers_gone and not record.exists()),
         )
-        if self.dry_run:
-            self.report.skip("compute-mode-restored", "compute mode after the agent stopped", "Default")
-        else:
-            before = self.compute_mode_before or "Default"
-            self.compute_mode("compute-mode-restored", "compute mode after the agent stopped", before)
-        wait_until(lambda: not processes_using(self.work), 10)
-        left = processes_using(self.work)
-        self.report.add(
-            "nothing-left",
-            "no process of this run is left (agent, daemon, servers, clients)",
-            "none",
-            f"PIDs {left}" if left else "none",
-            not left,
-        )
+        if code is None:
+            self.children.append(self.agent)  # still running: the cleanup ends its process group
+        self.agent = None
 
     # -- cleanup, on every exit path ----------------------------------------------------------------------------
 
@@ -918,15 +1151,48 @@ class HardwareCheck:
                     fake.stop()
 
     def keep_logs(self, out: Path) -> None:
-        for source, name in (
-            (self.agent_log, "agent.log"),
-            (self.mps_root / RESOURCE / "log" / "control.log", "mps-control.log"),
-            (self.mps_root / RESOURCE / "log" / "server.log", "mps-server.log"),
-        ):
-            with contextlib.suppress(OSError):
-                shutil.copyfile(source, out / name)
+        for run in self.runs:
+            log = self.mps_root / run.resource / "log"
+            for source, name in (
+                (self.work / _log_name("agent", run), _log_name("agent", run)),
+                (log / "control.log", _log_name("mps-control", run)),
+                (log / "server.log", _log_name("mps-server", run)),
+            ):
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(source, out / name)
         if not self.args.keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _log_name(stem: str, run: AgentRun, suffix: str = ".log") -> str:
+    return f"{stem}{suffix}" if run is MAIN else f"{stem}-{run.name}{suffix}"
+
+
+def _check_id(stem: str, run: AgentRun) -> str:
+    """The main run keeps the check IDs it always had; later runs add their name."""
+    return stem if run is MAIN else f"{stem}-{run.name}"
+
+
+def _uncapped(envs: dict[str, str]) -> dict[str, str]:
+    """A container's environment without its cap variables: what a container that unsets them runs with."""
+    caps = ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    return {name: value for name, value in envs.items() if name not in caps}
+
+
+def _probe_seen(result: dict[str, Any]) -> str:
+    return (
+        f"{'allocated' if result['ok'] else 'failed'}"
+        + (f" at {result['stage']}: {result['error']}" if result["error"] else "")
+        + f"; client sees total {_gib(result.get('total'))}, "
+        + f"cuMemGetInfo {_mem_info(result.get('memGetInfo'))}, {result.get('smCount')} SMs"
+    )
+
+
+def _other_gpu_seen(result: dict[str, Any]) -> str:
+    devices = result.get("devices") or []
+    listed = "; ".join(f"{d.get('ordinal')}: {d.get('uuid', '?')}" for d in devices) or "none listed"
+    allocated = "allocated 1 GiB on device 1" if result["ok"] else f"no allocation on device 1 ({result['error']})"
+    return f"{len(devices)} device(s) seen: {listed}; {allocated}"
 
 
 def _gib(value: object) -> str:
@@ -957,6 +1223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-seconds", type=float, default=150.0, help="no CUDA client starts after this long")
     parser.add_argument("--keep-work", action="store_true", help="keep the /tmp/hwc-* work directory")
     parser.add_argument("--probe", type=int, metavar="BYTES", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-device", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--hold", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe is None and args.out is None:
@@ -969,7 +1236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.probe is not None:
-        return probe_main(args.probe, args.probe_backend, args.hold)
+        return probe_main(args.probe, args.probe_device, args.probe_backend, args.hold)
     if args.dry_run_snapshot is not None and not args.dry_run_snapshot.is_file():
         print(f"hardware_check: error: no snapshot at {args.dry_run_snapshot}", file=sys.stderr)
         return 2

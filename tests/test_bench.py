@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.plot import plot
-from tests.conftest import ROOT
+from tests.conftest import ROOT, small_node
+from tests.fakes.nvml.build import fake_nvml_env
 from tests.processes import processes_using
 
 QUICK_TIMEOUT_S = 150
@@ -133,3 +134,91 @@ def test_quick_bench_reports_every_metric_and_leaves_nothing_running(short_dir: 
     if importlib.util.find_spec("matplotlib") is not None:
         plot(doc, tmp_path / "latency.png")
         assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+# --- bench/gpu_share.py: the sharing bench, without a GPU ------------------------------------------------------
+
+GPU_SHARE = ROOT / "bench" / "gpu_share.py"
+FAKE_TORCH = ROOT / "tests" / "fakes" / "cuda_torch"
+GIB = 1024**3
+QUARTER = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=35840M"}
+HALF = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=71680M"}
+
+
+def run_gpu_share(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(GPU_SHARE), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def test_gpu_share_dry_run_prints_the_plan_and_the_caps_each_client_gets(short_dir: Path) -> None:
+    plan = run_gpu_share("--dry-run", env={**os.environ, "GPU_SHARE_TEST": str(short_dir)})
+    assert plan.returncode == 0, plan.stderr
+    for row in ("| E | one client, no MPS | none | no |", "| P3 | one 2-of-4 client next to two 1-of-4 clients"):
+        assert row in plan.stdout
+    assert "grants: proportional" in plan.stdout and "36 s of measuring" in plan.stdout
+
+    node = small_node(short_dir / "node.json", gpus=1, memory_bytes=140 * GIB)
+    done = run_gpu_share(
+        "--dry-run", "--node-snapshot", str(node), env={**os.environ, "GPU_SHARE_TEST": str(short_dir)}
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    caps = {
+        line.split(": ", 1)[0]: line.split(": ", 1)[1]
+        for line in done.stdout.splitlines()
+        if line.startswith(("M1: ", "M4: ", "P2: ", "P3: "))
+    }
+    assert caps["M1"] == json.dumps([QUARTER]) + "; daemon threads 25.0, memory 35G"
+    assert caps["M4"] == json.dumps([QUARTER] * 4) + "; daemon threads 25.0, memory 35G"
+    assert caps["P2"] == json.dumps([HALF]) + "; daemon threads 50.0, memory 70G"
+    # Next to two quarter grants the half grant keeps its caps, and the daemon's ceilings are the largest share.
+    assert caps["P3"] == json.dumps([HALF, QUARTER, QUARTER]) + "; daemon threads 50.0, memory 70G"
+    assert processes_using(short_dir) == []
+
+
+def test_gpu_share_runs_every_case_against_fake_nvml_and_a_stand_in_torch(
+    short_dir: Path, fake_nvml_library: Path
+) -> None:
+    """The whole GPU path: the agent on a fake NVML, clients on a stand-in torch whose SM count follows the thread
+    cap (tests/fakes/cuda_torch), all released together; the table and the JSON have every run and size."""
+    nvml_config = short_dir / "nvml.json"
+    gpu = {"uuid": "GPU-0000c0de-0000-0000-0000-000000000000", "name": "Fake H200", "memoryTotal": 140 * GIB}
+    nvml_config.write_text(json.dumps({"gpus": [gpu | {"major": 9, "minor": 0}]}))
+    env = fake_nvml_env(fake_nvml_library, nvml_config, short_dir / "nvml-state.json")
+    env["PYTHONPATH"] = os.pathsep.join((str(ROOT), str(FAKE_TORCH)))
+    env["GPU_SHARE_TEST"] = str(short_dir)
+    out = short_dir / "out"
+    done = run_gpu_share("--sizes", "256,512", "--seconds", "0.5", "--out", str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((out / "gpu-share.json").read_text())
+    assert [(r["run"], r["n"]) for r in rows] == [
+        (run, n) for run in ("E", "T", "M1", "M4", "P2", "P3") for n in (256, 512)
+    ]
+    seen = {r["run"]: [c["sms"] for c in r["clients"]] for r in rows}
+    assert seen == {"E": [132], "T": [132] * 4, "M1": [33], "M4": [33] * 4, "P2": [66], "P3": [66, 33, 33]}
+    p3 = next(r for r in rows if r["run"] == "P3" and r["n"] == 512)
+    half, quarter = p3["clients"][0]["stepTimes"]["p50Ms"], p3["clients"][1]["stepTimes"]["p50Ms"]
+    assert half < quarter  # the 2/4 client's steps are shorter: it has twice the SMs
+    table = (out / "gpu-share.md").read_text()
+    assert table.startswith("| run | n | clients | grants | aggregate TFLOP/s |") and table in done.stdout
+    assert "| P3 | 512 | 3 | 2/4, 1/4, 1/4 |" in table
+    assert "daemon threads 50.0, memory 70G" in done.stderr
+    assert processes_using(short_dir) == []
+    assert json.loads((short_dir / "nvml-state.json").read_text())["computeModes"] == {gpu["uuid"]: 0}
+
+
+def test_gpu_share_refuses_without_torch_and_bad_sizes(short_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    missing = run_gpu_share("--client-python", sys.executable, env=env)
+    if importlib.util.find_spec("torch") is None:
+        assert missing.returncode == 2
+        assert "has no PyTorch with CUDA (the clients need it): pass --client-python" in missing.stderr
+    bad = run_gpu_share("--sizes", "1024,x", env=env)
+    assert bad.returncode == 2 and "--sizes: not a comma-separated list of integers: '1024,x'" in bad.stderr
+    assert "Traceback" not in missing.stderr + bad.stderr

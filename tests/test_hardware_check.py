@@ -21,15 +21,17 @@ from tests.processes import processes_using
 SCRIPT = ROOT / "scripts" / "hardware_check.py"
 GIB = 1024**3
 HWC_GPU = "GPU-0000c0de-0000-0000-0000-000000000000"
+HWC_GPU_1 = "GPU-0000c0de-0000-0000-0000-000000000001"
 
 if shutil.which("nvidia-cuda-mps-control") is None:
     if os.environ.get("CI"):
         raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
     pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
 
-# A stand-in for the driver's libcuda.so.1 with the calls the probe makes. Like a client under MPS, it may
-# allocate no more than the smaller of its own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and the control daemon's default
-# limit for device 0 (asked of the real nvidia-cuda-mps-control through CUDA_MPS_PIPE_DIRECTORY).
+# A stand-in for the driver's libcuda.so.1 with the calls the probe makes. FAKE_CUDA_DEVICES devices (1 unless
+# set; CUDA_VISIBLE_DEVICES, when set, counts its entries instead). Like a client under MPS, it may allocate on
+# device d no more than the smaller of its own CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for d and the control daemon's
+# default limit for d (asked of the real nvidia-cuda-mps-control through CUDA_MPS_PIPE_DIRECTORY).
 FAKE_LIBCUDA = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,33 +40,51 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef void *CUcontext;
-static int context_token, retained;
+static int context_tokens[8], retained[8];
 static size_t allocated;
 static const CUdeviceptr BASE = 0x7f0000000000ull;
 static size_t total(void) {
     const char *s = getenv("FAKE_CUDA_TOTAL_BYTES");
     return s ? strtoull(s, NULL, 10) : (size_t)16 << 30;
 }
-static size_t parse_limit(const char *text) {  /* "4096M", "4G", "0=4096M" */
-    const char *eq = strchr(text, '=');
+static int count(void) {
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES"), *devices = getenv("FAKE_CUDA_DEVICES");
+    int n = devices ? atoi(devices) : 1;
+    if (visible) {
+        int listed = *visible ? 1 : 0;
+        for (const char *c = visible; *c; c++) listed += *c == ',';
+        if (listed < n) n = listed;
+    }
+    return n < 8 ? n : 8;
+}
+static size_t parse_size(const char *text) {  /* "4096M", "4G", "4096" */
     char *end;
-    unsigned long long n = strtoull(eq ? eq + 1 : text, &end, 10);
-    if (end == (eq ? eq + 1 : text)) return (size_t)-1;
+    unsigned long long n = strtoull(text, &end, 10);
+    if (end == text) return (size_t)-1;
     if (*end == 'G') return (size_t)n << 30;
     if (*end == 'M') return (size_t)n << 20;
     if (*end == 'K') return (size_t)n << 10;
     return (size_t)n;
 }
-static size_t limit(void) {
+static size_t parse_limit(const char *text, int device) {  /* "4G" (every device) or "0=4096M,1=2G" */
+    if (!strchr(text, '=')) return parse_size(text);
+    for (const char *entry = text; entry; entry = strchr(entry, ',') ? strchr(entry, ',') + 1 : NULL)
+        if (atoi(entry) == device) return parse_size(strchr(entry, '=') + 1);
+    return (size_t)-1;
+}
+static size_t limit(int device) {
     size_t result = (size_t)-1;
     const char *own = getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
-    if (own) result = parse_limit(own);
+    if (own) result = parse_limit(own, device);
     if (getenv("CUDA_MPS_PIPE_DIRECTORY")) {
-        FILE *f = popen("echo get_default_device_pinned_mem_limit 0 | nvidia-cuda-mps-control", "r");
+        char command[96];
+        snprintf(command, sizeof command,
+                 "echo get_default_device_pinned_mem_limit %d | nvidia-cuda-mps-control", device);
+        FILE *f = popen(command, "r");
         char line[128] = {0};
         if (f) {
             if (fgets(line, sizeof line, f)) {
-                size_t daemon = parse_limit(line);
+                size_t daemon = parse_size(line);
                 if (daemon < result) result = daemon;
             }
             pclose(f);
@@ -72,20 +92,33 @@ static size_t limit(void) {
     }
     return result;
 }
+static int current = -1;
 CUresult cuInit(unsigned int flags) { return flags == 0 ? 0 : 1; }
 CUresult cuDriverGetVersion(int *v) { *v = 12040; return 0; }
-CUresult cuDeviceGet(CUdevice *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
-CUresult cuDeviceGetName(char *name, int len, CUdevice d) { snprintf(name, len, "Fake GPU"); return d ? 101 : 0; }
-CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { *bytes = total(); return d ? 101 : 0; }
-CUresult cuDeviceGetAttribute(int *v, int attribute, CUdevice d) { *v = attribute == 16 ? 40 : 0; return d ? 101 : 0; }
-CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { *c = &context_token; retained++; return d ? 101 : 0; }
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { retained--; return d ? 101 : 0; }
-CUresult cuCtxSetCurrent(CUcontext c) { return c == &context_token ? 0 : 201; }
+CUresult cuDeviceGetCount(int *n) { *n = count(); return 0; }
+static CUresult known(CUdevice d) { return d < 0 || d >= count() ? 101 : 0; }
+CUresult cuDeviceGet(CUdevice *d, int ordinal) { *d = ordinal; return known(ordinal); }
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) { snprintf(name, len, "Fake GPU"); return known(d); }
+CUresult cuDeviceGetUuid(char *uuid, CUdevice d) { memset(uuid, 0, 16); uuid[15] = (char)d; return known(d); }
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { *bytes = total(); return known(d); }
+CUresult cuDeviceGetAttribute(int *v, int attribute, CUdevice d) { *v = attribute == 16 ? 40 : 0; return known(d); }
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) {
+    if (known(d)) return 101;
+    *c = &context_tokens[d]; retained[d]++; return 0;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { if (known(d)) return 101; retained[d]--; return 0; }
+CUresult cuCtxSetCurrent(CUcontext c) {
+    for (int d = 0; d < 8; d++) if (c == &context_tokens[d]) { current = d; return 0; }
+    return 201;
+}
 CUresult cuCtxSynchronize(void) { return 0; }
-CUresult cuMemGetInfo_v2(size_t *free, size_t *t) { *t = total(); *free = limit() < *t ? limit() : *t; return 0; }
+CUresult cuMemGetInfo_v2(size_t *free, size_t *t) {
+    if (current < 0) return 201;
+    *t = total(); *free = limit(current) < *t ? limit(current) : *t; return 0;
+}
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
-    if (!retained) return 201;
-    if (n > limit() || n > total()) return 2;
+    if (current < 0 || !retained[current]) return 201;
+    if (n > limit(current) || n > total()) return 2;
     *p = BASE; allocated = n; return 0;
 }
 CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char c, size_t n) { return p == BASE && n == allocated ? 0 : 1; }
@@ -153,8 +186,10 @@ def observed(report: dict, check_id: str) -> str:
     return next(c["observed"] for c in report["checks"] if c["id"] == check_id)
 
 
-DAEMON_CHECKS = [f"daemon-{what}-{phase}" for what in ("threads", "memory") for phase in ("start", "capped", "full")]
-PROBES = ["probe-a", "probe-b", "probe-c", "probe-d"]
+PHASES = ("start", "capped", "full", "proportional", "units")
+DAEMON_CHECKS = [f"daemon-{what}-{phase}" for what in ("threads", "memory") for phase in PHASES]
+PROBES = ["probe-a", "probe-b", "probe-c", "probe-d", "probe-e", "probe-f", "probe-g", "probe-h", "probe-i"]
+AGENT_RUNS = ("registered", "agent-exit", "daemon-quit")
 
 
 def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path) -> None:
@@ -163,7 +198,7 @@ def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path)
     done, report = run_script(
         out,
         "--dry-run-snapshot",
-        str(small_node(short_dir / "node.json", gpus=1)),
+        str(small_node(short_dir / "node.json", gpus=1, memory_bytes=140 * GIB)),
         env={**os.environ, "HWC_TEST_MARKER": str(short_dir)},
     )
     elapsed = time.monotonic() - started
@@ -174,12 +209,22 @@ def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path)
     assert "| # | step | expected | observed | result |" in done.stdout
     status = results(report)
     assert all(status[c] == "pass" for c in DAEMON_CHECKS)
-    assert [observed(report, f"daemon-threads-{p}") for p in ("start", "capped", "full")] == ["100.0", "25.0", "100.0"]
-    assert [observed(report, f"daemon-memory-{p}") for p in ("start", "capped", "full")] == ["16G", "4G", "16G"]
+    # equal: 1/4 then all; proportional: 2/4 is half; memory units: 2 of 17 units of 8 GiB are 16 GiB.
+    assert [observed(report, f"daemon-threads-{p}") for p in PHASES] == ["100.0", "25.0", "100.0", "50.0", "11.0"]
+    assert [observed(report, f"daemon-memory-{p}") for p in PHASES] == ["140G", "35G", "140G", "70G", "16G"]
+    assert json.loads(observed(report, "proportional-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=71680M"
+    assert json.loads(observed(report, "units-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16384M"
     assert all(status[p] == "skipped (no GPU)" for p in PROBES)
+    assert status["other-gpu"] == "skipped (needs 2 GPUs)" and "registered-two-gpus" not in status
+    assert report["facts"]["plan"]["ceilings"]["untilGrantsKnown"] == [  # --once's ceilings, read as they are now
+        "set_default_active_thread_percentage 25",
+        "set_default_device_pinned_mem_limit 0 35840M",
+    ]
     for check in ("compute-mode-before", "compute-mode-serving", "compute-mode-restored"):
         assert status[check] == "skipped (no GPU)"
-    for check in ("registered", "capped-envs", "full-envs", "agent-exit", "daemon-quit", "nothing-left"):
+    passing = ["capped-envs", "full-envs", "proportional-envs", "units-envs", "nothing-left"]
+    passing += [f"{check}{run}" for check in AGENT_RUNS for run in ("", "-proportional", "-units")]
+    for check in passing:
         assert status[check] == "pass", check
     assert (out / "agent.log").exists()
     work = Path(report["facts"]["workDir"])
@@ -231,6 +276,9 @@ def test_driver_probe_reports_out_of_memory_and_success_through_ctypes(short_dir
         "error": None,
     }
     assert "CUDA_ERROR_OUT_OF_MEMORY" in refused["error"]
+    assert refused["devices"] == [
+        {"ordinal": 0, "name": "Fake GPU", "uuid": "GPU-00000000-0000-0000-0000-000000000000"}
+    ]
     granted = probe(28 * GIB, env)
     assert granted["ok"] is True and granted["error"] is None and granted["stage"] == "done"
     assert granted["memGetInfo"] == {"free": 35840 * 2**20, "total": 140 * GIB}
@@ -244,7 +292,7 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
     lib = build_fake_libcuda(short_dir / "cuda")
     nvml_config = short_dir / "nvml.json"
     gpu = {"uuid": HWC_GPU, "name": "Fake H200", "memoryTotal": 140 * GIB, "major": 9, "minor": 0}
-    nvml_config.write_text(json.dumps({"gpus": [gpu]}))
+    nvml_config.write_text(json.dumps({"gpus": [gpu, gpu | {"uuid": HWC_GPU_1}]}))
     state = short_dir / "nvml-state.json"
     bin_dir = short_dir / "bin"
     bin_dir.mkdir()
@@ -255,6 +303,7 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
     env["LD_LIBRARY_PATH"] = f"{lib}{os.pathsep}{env['LD_LIBRARY_PATH']}"
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     env["FAKE_CUDA_TOTAL_BYTES"] = str(140 * GIB)
+    env["FAKE_CUDA_DEVICES"] = "2"
     env["HWC_TEST_MARKER"] = str(short_dir)
 
     out = short_dir / "out"
@@ -269,5 +318,16 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
         report, "probe-b"
     )
     assert report["facts"]["probe-d"]["ok"] is True
-    assert json.loads(state.read_text())["computeModes"] == {HWC_GPU: 0}
+    # 2 of 4 under grants: proportional: 45 % fits under the 70G ceiling, 55 % does not, nor without the variables.
+    assert observed(report, "daemon-memory-proportional") == "70G"
+    assert [report["facts"][p]["ok"] for p in ("probe-e", "probe-f", "probe-g")] == [True, False, False]
+    # 2 units of 8Gi: 15 GiB fits, 17 GiB does not.
+    assert observed(report, "daemon-memory-units") == "16G"
+    assert [report["facts"][p]["ok"] for p in ("probe-h", "probe-i")] == [True, False]
+    # Two GPUs: what a client holding GPU 0 sees is recorded (the stand-in hides nothing, as the host does not).
+    assert status["other-gpu"] == "info" and status["two-gpus-envs"] == "pass"
+    assert observed(report, "other-gpu").startswith("2 device(s) seen: 0: GPU-00000000-0000-0000-0000-000000000000; 1:")
+    assert observed(report, "other-gpu").endswith("allocated 1 GiB on device 1")
+    assert report["facts"]["other-gpu"]["ordinal"] == 1
+    assert json.loads(state.read_text())["computeModes"] == {HWC_GPU: 0, HWC_GPU_1: 0}  # both back to Default
     assert processes_using(short_dir) == [] and processes_using(Path(report["facts"]["workDir"])) == []
