@@ -9,6 +9,7 @@ import json
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 from contextlib import suppress
@@ -18,6 +19,7 @@ SLOW_HEAD = b"GET /metrics HTTP/1.1\r\nHost: mpsagent\r\n"
 """What a slow client sends at once; then header bytes, one at a time, never the blank line that ends the head."""
 SLOW_DRIBBLE = b"X-Slow: a header that never ends"
 FLOOD_TICK_S = 1.0
+CONNECT_TIMEOUT_S = 0.5
 """How often the flood re-opens what the server closed and sends each slow client its next byte."""
 
 
@@ -29,15 +31,14 @@ def closed_by_peer(sock: socket.socket) -> bool:
     """Whether the server closed this connection (without answering: an answer counts as not closed)."""
     if sock.fileno() < 0:
         return True
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
+    readable = select.poll()
+    readable.register(sock, select.POLLIN)
+    if not readable.poll(0):
         return False
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
     except OSError:
-        return True
+        return True  # reset
 
 
 def dribble() -> itertools.cycle[int]:
@@ -47,15 +48,16 @@ def dribble() -> itertools.cycle[int]:
 @dataclass
 class FloodStatistics:
     connections: int = 0
-    """Connections opened, all told."""
+    """Connections established, all told."""
     closed_by_server: int = 0
     failed_connects: int = 0
-    most_open: int = 0
+    most_held: int = 0
     """The most connections the flood held open at once."""
 
 
 class Flood:
-    """Keeps `idle` connections that send nothing and `slow` ones that send a byte of their head every tick."""
+    """Keeps `idle` connections that send nothing and `slow` ones that send a byte of their head every tick,
+    re-opening each one the server closes at the next tick."""
 
     def __init__(self, address: tuple[str, int], idle: int, slow: int) -> None:
         self._address = address
@@ -64,21 +66,25 @@ class Flood:
         self._bytes = dribble()
         self.statistics = FloodStatistics()
 
-    def _open_missing(self) -> None:
+    def _connect_missing(self) -> None:
+        """One connection after the other, each established before the next, as the server's kernel takes them."""
         for kind, target in self._targets.items():
-            missing = target - sum(1 for k in self._open.values() if k == kind)
-            for _ in range(missing):
+            for _ in range(target - sum(1 for k in self._open.values() if k == kind)):
                 try:
-                    sock = connect(self._address)
-                    if kind == "slow":
-                        sock.sendall(SLOW_HEAD)
+                    sock = connect(self._address, timeout=CONNECT_TIMEOUT_S)
                 except OSError:
-                    self.statistics.failed_connects += 1
+                    self.statistics.failed_connects += 1  # the server's backlog is full: again at the next tick
                     continue
+                # Closed with a reset, not a FIN: a FIN that the server's kernel does not take at once is sent
+                # again for half a minute, and its connection may reach the server after the flood has stopped.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.setblocking(False)
+                if kind == "slow":
+                    with suppress(OSError):
+                        sock.send(SLOW_HEAD)
                 self._open[sock] = kind
                 self.statistics.connections += 1
-        self.statistics.most_open = max(self.statistics.most_open, len(self._open))
+        self.statistics.most_held = max(self.statistics.most_held, len(self._open))
 
     def _forget_closed(self) -> None:
         for sock in [s for s in self._open if closed_by_peer(s)]:
@@ -98,7 +104,7 @@ class Flood:
         try:
             while time.monotonic() < until:
                 self._forget_closed()
-                self._open_missing()
+                self._connect_missing()
                 self._dribble()
                 time.sleep(FLOOD_TICK_S)
         finally:
