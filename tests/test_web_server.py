@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager, suppress
@@ -104,6 +105,35 @@ def test_blocking_answers_run_in_bounded_threads_and_never_hold_up_the_others() 
                 wait_for(lambda s=sock: s.recv(64, socket.MSG_PEEK).startswith(b"HTTP/1.1 200 OK"), 5, "answered")
         for sock in (*slow, idle):
             sock.close()
+
+
+def test_a_refused_client_that_keeps_sending_neither_holds_the_server_nor_its_connection() -> None:
+    limits = HttpLimits(head_bytes=1024, deadline_s=30)
+    with running(lambda _: OK, limits) as (server, address), connect(address, timeout=10) as streamer:
+        streamer.sendall(b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 2048)  # refused: 431
+        started = time.monotonic()
+        cut_off_after: list[float] = []
+
+        def stream() -> None:
+            chunk = b"a" * 65536
+            with suppress(OSError):  # the server's reset
+                while time.monotonic() - started < 5:
+                    streamer.send(chunk)
+                return
+            cut_off_after.append(time.monotonic() - started)
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        answered = []
+        while streaming.is_alive():
+            begun = time.monotonic()
+            assert request(address).endswith(b"ok\n")
+            answered.append(time.monotonic() - begun)
+        streaming.join()
+        # Closed after its answer and a moment to read it (REFUSAL_LINGER_S), not when the client chose to stop.
+        assert cut_off_after and cut_off_after[0] < 3, cut_off_after
+        assert max(answered) < 0.5, answered
+        wait_for(lambda: server.statistics().open == 0, 5, "every connection closed")
 
 
 def test_an_answer_that_fails_is_a_500_and_the_server_goes_on() -> None:

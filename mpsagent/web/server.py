@@ -1,6 +1,6 @@
 """A small HTTP/1.1 server that no client can hold open, for the web endpoint (`web.endpoint`, which owns the
-routes): one request per connection, at most `HttpLimits.connections` connections (a new one closes the one that
-has waited longest for its client), a request head that must arrive whole within `request_timeout_s` and an
+routes): one request per connection, at most `HttpLimits.connections` connections (a new one closes the oldest
+one, unless a worker thread is answering it), a request head that must arrive whole within `request_timeout_s` and an
 exchange that ends within `deadline_s`. It runs on an event loop of its own in one thread, so that no client
 touches the agent's loop; answers that may block run in at most `threads` worker threads.
 """
@@ -38,7 +38,7 @@ CLOSED_LOG_INTERVAL_S = 60.0
 class HttpLimits:
     connections: int = 64
     """Open connections at most. Probes and scrapes need a few; a new connection beyond this closes the oldest
-    one that is waiting for its client."""
+    one that is not in a worker thread."""
     request_timeout_s: float = 5.0
     """From the connection to the end of its request head: idle clients and dribbled heads end here."""
     deadline_s: float = 10.0
@@ -323,11 +323,10 @@ async def _refuse(sock: socket.socket, refusal: BadRequest) -> None:
     sock.shutdown(socket.SHUT_WR)
     with anyio.move_on_after(REFUSAL_LINGER_S):
         while True:
-            try:
+            await anyio.wait_readable(sock)  # each round waits: a client that streams cannot hold the loop
+            with suppress(BlockingIOError):
                 if not sock.recv(65536):
                     return
-            except BlockingIOError:
-                await anyio.wait_readable(sock)
 
 
 async def _send_all(sock: socket.socket, data: bytes) -> None:
