@@ -330,7 +330,13 @@ def test_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("old", "new"),
-    [("KillMode=process", "KillMode=sometimes"), ("Type=notify", "Typ=notify"), ("[Service]", "[Servic]")],
+    [
+        ("KillMode=process", "KillMode=sometimes"),
+        ("Type=notify", "Typ=notify"),
+        ("[Service]", "[Servic]"),
+        ("OOMScoreAdjust=-997", "OOMScoreAdjust=-2000"),
+        ("LimitNOFILE=65536", "LimitNOFILE=lots"),
+    ],
 )
 def test_systemd_verify_catches_a_broken_unit(tmp_path: Path, old: str, new: str) -> None:
     units = our_units()
@@ -360,6 +366,21 @@ def test_systemd_unit_keeps_mps_across_restarts_and_notifies() -> None:
     assert service["Service.BindPaths"] == [f"{MPS_ROOT}/shm:/dev/shm"]
     assert f"{SHM_MOUNT.name}" in service["Unit.Requires"][0].split()
     assert SHM_MOUNT.name in service["Unit.After"][0].split()
+
+
+def test_systemd_unit_has_descriptors_to_spare_and_keeps_the_oom_killer_off_the_daemon() -> None:
+    service = unit_settings(UNIT)
+    # systemd's default soft limit (1,024) is what idle HTTP clients once exhausted.
+    assert service["Service.LimitNOFILE"] == ["65536"]
+    # A node-critical pod's adjustment, below every ordinary pod; the kubelet's own (-999) stays lower. The daemon
+    # and its servers inherit it.
+    assert service["Service.OOMScoreAdjust"] == ["-997"]
+    assert service["Service.OOMPolicy"] == ["continue"]
+    # Sandboxing the daemon inherits and that would take from it the GPUs' device nodes, the driver's set-uid
+    # helper for non-root pods, or the agent's NFD directory under /etc.
+    for directive in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "NoNewPrivileges"):
+        assert f"Service.{directive}" not in service, directive
+    assert "Service.ProtectSystem" not in service
 
 
 def test_systemd_shm_mount_is_a_tmpfs_at_the_mps_root() -> None:

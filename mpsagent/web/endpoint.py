@@ -1,0 +1,110 @@
+"""The HTTP endpoint: `/metrics`, `/healthz` and `/readyz`, served by `web.server` (bounded connections and
+deadlines, a thread and event loop of its own), owned by one task of the supervisor.
+
+`/healthz` answers 200 while the event loop keeps publishing (a stuck loop, or a dead supervisor, stops it);
+`/readyz` answers 200 once every resource is registered with the kubelet and its MPS daemon is up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from functools import partial
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from prometheus_client import make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mpsagent.errors import MpsAgentError
+from mpsagent.logs import get_logger
+from mpsagent.metrics import AgentMetrics
+from mpsagent.status import readiness_problems
+from mpsagent.web.server import HTTP_LIMITS, Blocking, HttpLimits, HttpServer, Request, Response, listen
+
+log = get_logger(__name__)
+
+STALE_AFTER_S = 10.0
+
+
+class WebEndpoint:
+    def __init__(self, address: tuple[str, int], metrics: AgentMetrics, limits: HttpLimits = HTTP_LIMITS) -> None:
+        self._address = address
+        self.metrics = metrics
+        self._metrics_app = make_wsgi_app(metrics.registry)
+        self._heartbeat = time.monotonic()
+        self._server = HttpServer(self._answer, limits)
+        metrics.registry.register(_HttpCollector(self._server))
+
+    def publish(self, document: dict[str, Any]) -> None:
+        """Called by the event loop: the state scrapes and probes read, and proof that the loop is alive."""
+        self.metrics.document = document
+        self._heartbeat = time.monotonic()
+
+    def _answer(self, request: Request) -> Response | Blocking:
+        """On the server's loop: cheap answers at once; a scrape (collectors, NVML) in a worker thread."""
+        if request.path == "/metrics":
+            return Blocking(partial(self._scrape, request))
+        if request.path == "/healthz":
+            age = time.monotonic() - self._heartbeat
+            ok, text = age < STALE_AFTER_S, f"event loop last seen {age:.1f}s ago"
+        elif request.path == "/readyz":
+            problems = readiness_problems(self.metrics.document)
+            ok, text = not problems, "\n".join(problems) or "ready"
+        else:
+            return Response.text(HTTPStatus.NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n")
+        return Response.text(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, text + "\n")
+
+    def _scrape(self, request: Request) -> Response:
+        """prometheus_client's own WSGI application: its content negotiation, gzip and `name[]` filter."""
+        environ = {
+            "REQUEST_METHOD": request.method,
+            "PATH_INFO": request.path,
+            "QUERY_STRING": request.query,
+            **{"HTTP_" + name.upper().replace("-", "_"): value for name, value in request.headers.items()},
+        }
+        started: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+            started.append((status, headers))
+
+        body: Iterable[bytes] = self._metrics_app(environ, start_response)
+        (status, headers), content = started[0], b"".join(body)
+        return Response(status, tuple(headers), content)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        host, port = self._address
+        try:
+            listener = listen(self._address)
+        except OSError as exc:
+            raise MpsAgentError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another --metrics-address"
+            ) from exc
+        log.info("http endpoint serving", address=f"{host}:{listener.getsockname()[1]}")
+        await self._server.run(listener, task_status=task_status)
+
+
+class _HttpCollector(Collector):
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        statistics = self._server.statistics()
+        yield GaugeMetricFamily(
+            "mpsagent_http_connections", "Open connections to this HTTP endpoint", value=statistics.open
+        )
+        closed = CounterMetricFamily(
+            "mpsagent_http_connections_closed",
+            "Connections the HTTP endpoint closed before answering: cap (a newer one needed the slot), "
+            "request_timeout (no whole request in time), deadline (the answer not taken in time)",
+            labels=["reason"],
+        )
+        for reason, count in statistics.closed.items():
+            closed.add_metric([reason], count)
+        yield closed
