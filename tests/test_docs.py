@@ -92,6 +92,7 @@ def exported_families() -> set[str]:
 
     from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
     from mpsagent.status import starting_document  # noqa: PLC0415
+    from mpsagent.web import WebEndpoint  # noqa: PLC0415
 
     metrics = AgentMetrics(
         starting=starting_document(["nvidia.com/gpu"]),
@@ -99,6 +100,7 @@ def exported_families() -> set[str]:
         gpu_source=_NoProcesses(),  # type: ignore[arg-type]
         proc_root=ROOT,
     )
+    WebEndpoint(("127.0.0.1", 0), metrics)  # registers the endpoint's own connection metrics
     text = generate_latest(metrics.registry).decode()
     families = set()
     for name in re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE):

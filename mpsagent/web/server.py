@@ -222,6 +222,7 @@ class HttpServer:
             tg.cancel_scope.cancel()
 
     async def _accept(self, listener: socket.socket, threads: anyio.CapacityLimiter, tg: TaskGroup) -> None:
+        failing = False
         while True:
             await anyio.wait_readable(listener)
             try:
@@ -229,9 +230,12 @@ class HttpServer:
             except BlockingIOError:
                 continue  # the client left before we took it
             except OSError as exc:
-                log.warning("http connection not accepted", reason=exc.strerror or str(exc))
+                if not failing:  # once per episode: out of descriptors, this would repeat ten times a second
+                    log.warning("http connection not accepted", reason=exc.strerror or str(exc))
+                failing = True
                 await anyio.sleep(ACCEPT_RETRY_S)
                 continue
+            failing = False
             sock.setblocking(False)
             if len(self._open) >= self._limits.connections:
                 await self._close_oldest()
