@@ -33,9 +33,11 @@ def resource_status(short_dir: Path) -> dict[str, object]:
     return json.loads((short_dir / "mps" / "status.json").read_text())["resources"][0]
 
 
-def with_grants(short_dir: Path, count: int) -> dict[str, object] | None:
+def with_grants(short_dir: Path, count: int, *, owned: bool = False) -> dict[str, object] | None:
+    """The resource's status once it shows `count` grants (`owned`: each with its container)."""
     res = resource_status(short_dir)
-    return res if len(res["grants"]) == count else None
+    grants = res["grants"]
+    return res if len(grants) == count and (not owned or all(g["container"] for g in grants)) else None
 
 
 def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
@@ -81,7 +83,12 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
         75,
     )
 
-    # The 2/4 container is gone: once the kubelet has not listed it for the grace period, its ceiling goes with it.
+    # The kubelet lists the three containers; then the 2/4 one is gone: once the kubelet has not listed it for the
+    # grace period, its ceiling goes with it. (Unlisted from the start, its grace would count from its grant.)
+    pod_resources.set_containers(
+        listed("quarter", ids(GPU0, 0)), listed("half", ids(GPU0, 1, 2)), listed("whole", ids(GPU1, 0, 1, 2, 3))
+    )
+    wait_for(lambda: with_grants(short_dir, 3, owned=True), 10, "the three grants owned by their containers")
     pod_resources.set_containers(listed("quarter", ids(GPU0, 0)), listed("whole", ids(GPU1, 0, 1, 2, 3)))
     gone_at = time.monotonic()
     agent.wait_log("grant released: its container is gone", timeout=3 * GRACE_S)
