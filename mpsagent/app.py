@@ -26,7 +26,7 @@ from mpsagent.kubelet.guard import NodeGuard
 from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
 from mpsagent.logs import get_logger
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
-from mpsagent.nfd import remove_features, write_features
+from mpsagent.nfd import node_labels, remove_features, write_features
 from mpsagent.plan import NodePlan
 from mpsagent.publisher import StatePublisher, feed_watchdog
 from mpsagent.resource_server import ResourceServer
@@ -71,8 +71,9 @@ def _write_node_labels(settings: Settings, plan: NodePlan) -> None:
     if path is None:
         return
     try:
-        if write_features(path, plan.labels):
-            log.info("node labels written for node-feature-discovery", path=str(path), labels=len(plan.labels))
+        labels = node_labels(plan.gpus, plan.resources)
+        if write_features(path, labels):
+            log.info("node labels written for node-feature-discovery", path=str(path), labels=len(labels))
     except FileNotFoundError:
         log.warning(
             "node labels not written: the node-feature-discovery features directory is missing",
