@@ -19,7 +19,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from mpsagent.errors import MpsAgentError
+from mpsagent.errors import HostError
 from mpsagent.logs import get_logger
 from mpsagent.metrics import AgentMetrics
 from mpsagent.status import readiness_problems
@@ -74,7 +74,7 @@ class WebEndpoint:
         try:
             server = make_server(host, port, self._app, server_class=server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            raise MpsAgentError(
+            raise HostError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another --metrics-address"
             ) from exc
         thread = threading.Thread(target=server.serve_forever, name="mpsagent-http", daemon=True)
