@@ -1,10 +1,11 @@
 """The supervisor: one task group owns every long-lived task of the agent.
 
-Start order: the node guard (one agent per resource and GPU of the node), then per resource: lock, directories;
-the kubelet's listing into each resource's ledger; then each resource's server (`resource_server`: MPS daemon up
-and holding its ceilings, then the plugin endpoint). Any task's failure, or SIGTERM, SIGINT or SIGHUP,
-cancels the group; each task cleans up in its own `finally` within a bounded time. The last log line names the
-stop reason.
+Start order: the node guard (one agent per resource and GPU of the node), the directories under the MPS root,
+each resource's locks; each resource's server (`resource_server`) built whole, and the kubelet's listing read into
+its ledger; then, in the group: the HTTP endpoint, the node labels, the GPU health monitor, each resource's server
+(MPS daemon up and holding its ceilings, then the plugin endpoint), the reconciler and the state publisher. Any
+task's failure, or SIGTERM, SIGINT or SIGHUP, cancels the group; each task cleans up in its own `finally` within a
+bounded time. The last log line names the stop reason.
 """
 
 from __future__ import annotations
