@@ -126,6 +126,8 @@ def cap_differences(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DaemonLaunch:
+    """How a control daemon is started: its command line, and what its environment adds to the inherited one."""
+
     argv: tuple[str, ...]
     env: dict[str, str]
     unset: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
