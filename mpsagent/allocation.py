@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsagent.container import ContainerGrant, container_grant
 from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.errors import RequestError, shown
 from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
-from mpsagent.plan import ContainerGrant, ResourcePlan, container_grant
+from mpsagent.plan import ResourcePlan
 from mpsagent.reconcile import Holding, ReconcileResult, reconcile
 from mpsagent.shares import Ceilings, ClientLimit, Share
 

@@ -1,10 +1,11 @@
 """The supervisor: one task group owns every long-lived task of the agent.
 
-Start order: the node guard (one agent per resource and GPU of the node), then per resource: lock, directories;
-the kubelet's listing into each resource's ledger; then each resource's server (`resource_server`: MPS daemon up
-and holding its ceilings, then the plugin endpoint). Any task's failure, or SIGTERM, SIGINT or SIGHUP,
-cancels the group; each task cleans up in its own `finally` within a bounded time. The last log line names the
-stop reason.
+Start order: the node guard (one agent per resource and GPU of the node), the directories under the MPS root,
+each resource's locks; each resource's server (`resource_server`) built whole, and the kubelet's listing read into
+its ledger; then, in the group: the HTTP endpoint, the node labels, the GPU health monitor, each resource's server
+(MPS daemon up and holding its ceilings, then the plugin endpoint), the reconciler and the state publisher. Any
+task's failure, or SIGTERM, SIGINT or SIGHUP, cancels the group; each task cleans up in its own `finally` within a
+bounded time. The last log line names the stop reason.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mpsagent.kubelet.guard import NodeGuard
 from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
 from mpsagent.logs import get_logger
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
-from mpsagent.nfd import remove_features, write_features
+from mpsagent.nfd import node_labels, remove_features, write_features
 from mpsagent.plan import NodePlan
 from mpsagent.publisher import StatePublisher, feed_watchdog
 from mpsagent.resource_server import ResourceServer
@@ -71,8 +72,9 @@ def _write_node_labels(settings: Settings, plan: NodePlan) -> None:
     if path is None:
         return
     try:
-        if write_features(path, plan.labels):
-            log.info("node labels written for node-feature-discovery", path=str(path), labels=len(plan.labels))
+        labels = node_labels(plan.gpus, plan.resources)
+        if write_features(path, labels):
+            log.info("node labels written for node-feature-discovery", path=str(path), labels=len(labels))
     except FileNotFoundError:
         log.warning(
             "node labels not written: the node-feature-discovery features directory is missing",

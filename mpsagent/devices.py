@@ -101,14 +101,6 @@ def gpu_of(replica_id: ReplicaId) -> GpuUuid:
     return GpuUuid(replica_id.rpartition(REPLICA_SEPARATOR)[0])
 
 
-def parse_replica_id(replica_id: str) -> tuple[GpuUuid, int] | None:
-    """Split `<uuid>::<i>`; None when the text is not of that form."""
-    uuid, sep, index = replica_id.rpartition(REPLICA_SEPARATOR)
-    if not sep or not uuid or not index.isascii() or not index.isdigit():
-        return None
-    return GpuUuid(uuid), int(index)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeGpus:
     """The node's GPUs in host-index order, and where they were read from."""

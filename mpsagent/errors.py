@@ -5,7 +5,9 @@ MpsAgentError                 base, never raised itself
 ├── ConfigError               bad configuration file or plan (exit 2); carries the key path
 ├── FileReadError             a file to read is missing, not a regular file, too large or unreadable
 ├── DocumentError             a YAML/JSON text is malformed or too big to expand (aliases, nesting, numbers)
-├── GpuDiscoveryError         NVML or the node snapshot could not describe the GPUs (exit 1, or 2 for a bad file)
+├── GpuDiscoveryError         NVML could not describe the GPUs (exit 1)
+│   ├── GpuHealthError        NVML's event wait failed: the GPUs' health cannot be known
+│   └── SnapshotError         a node snapshot file is unreadable or malformed (exit 2)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 ├── AgentLockedError          another agent already serves a resource (exit 1)
 ├── HostError                 the node refuses what the agent needs: a directory it cannot create or trust, a file

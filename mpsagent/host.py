@@ -1,6 +1,6 @@
 """What several parts of the agent ask of the host in the same way: whether a process lives, reading a file that
-must be a small regular file, replacing a file so that no reader ever sees it half-written, and a lock file that
-names its holder."""
+must be a small regular file, opening a private file never through a link, replacing a file so that no reader ever
+sees it half-written, and a lock file that names its holder."""
 
 from __future__ import annotations
 

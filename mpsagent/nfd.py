@@ -1,4 +1,5 @@
-"""The node labels as a node-feature-discovery local feature file: `key=value` lines, written atomically.
+"""The node labels (those NVIDIA's GPU feature discovery would set for the plan) as a node-feature-discovery
+local feature file: `key=value` lines, written atomically.
 
 NFD's worker reads every file in its `features.d` directory and labels the node with them. The directory is
 NFD's: when it is absent (NFD not installed), the agent says so and writes nothing.
@@ -6,16 +7,35 @@ NFD's: when it is absent (NFD not installed), the agent says so and writes nothi
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from mpsagent.devices import Gpu
 from mpsagent.host import FileRefusedError, FileTooLargeError, read_regular_file, write_atomically
 from mpsagent.logs import get_logger
+from mpsagent.plan import ResourcePlan
 
 log = get_logger(__name__)
 FILE_MODE = 0o644  # NFD's worker may run as another user
 WHAT = "the node-feature-discovery file"
+_LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> dict[str, str]:
+    """The labels the NVIDIA GPU feature discovery would set for this plan (first resource decides replicas)."""
+    first = resources[0]
+    product = _LABEL_VALUE_UNSAFE.sub("", gpus[0].name.replace(" ", "-")) if gpus else "unknown"
+    if not first.renamed:
+        product = f"{product}-SHARED"
+    return {
+        "nvidia.com/gpu.count": str(len(gpus)),
+        "nvidia.com/gpu.product": product[:63].strip("-_."),
+        "nvidia.com/gpu.replicas": str(first.replicas),
+        "nvidia.com/gpu.sharing-strategy": "mps",
+        "nvidia.com/mps.capable": "true",
+    }
 
 
 def features_text(labels: Mapping[str, str]) -> str:

@@ -1,15 +1,14 @@
-"""The plan: config + GPUs -> what is advertised, what each daemon is told, and what a grant gets.
+"""The plan: config + GPUs -> the resources to advertise, each with its GPUs, device IDs, paths and share model.
 
-Pure functions only. `Allocate`, the daemon supervisor and `--once` all call these, so the dry run shows exactly
-what the running agent does.
+Pure functions only. What follows from a resource's plan has a home of its own: a grant's environment in
+`container`, the daemon's commands and start in `mps.commands`, the node labels in `nfd`. `Allocate`, the daemon
+supervisor and `--once` all start from this plan, so the dry run shows exactly what the running agent does.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from mpsagent.config import (
     MAX_REPLICAS_BEFORE_VOLTA,
@@ -20,24 +19,15 @@ from mpsagent.config import (
     ResourceSpec,
     SharingConfig,
 )
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id, gpu_of
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
 from mpsagent.errors import ConfigError, shown
 from mpsagent.shares import (
     MAX_CLIENTS_PER_GPU,
     MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
-    Ceilings,
     GpuSlots,
-    Share,
     ShareModel,
 )
 
-CONTAINER_MPS_ROOT = PurePosixPath("/mps")
-CONTAINER_SHM = PurePosixPath("/dev/shm")
-ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
-ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
-CDI_KIND = "nvidia.com/gpu"
 MAX_MEMORY_UNITS_PER_GPU = 256
 """What a memory-unit resource may advertise per GPU (1 GiB units of a 141 GiB GPU are 140): bounds the device
 list the kubelet is sent and every request over it, as `replicas` (at most 48) does."""
@@ -60,7 +50,6 @@ class ResourcePlan:
     device_list_strategy: DeviceListStrategy
     device_id_strategy: DeviceIdStrategy
     allocation_policy: AllocationPolicy
-    ordinals: dict[GpuUuid, int] = field(compare=False)
     shares: ShareModel = field(compare=False)
     multi_user: MultiUser = MultiUser.AUTO
     memory_unit_bytes: int | None = None
@@ -78,10 +67,6 @@ class ResourcePlan:
         return self.directory / "log"
 
     @property
-    def container_pipe_directory(self) -> PurePosixPath:
-        return CONTAINER_MPS_ROOT / self.name / "pipe"
-
-    @property
     def visible_devices(self) -> str:
         """CUDA_VISIBLE_DEVICES for the daemon: the resource's GPUs, so that it numbers them from 0."""
         return ",".join(gpu.uuid for gpu in self.gpus)
@@ -93,34 +78,11 @@ class NodePlan:
     gpu_source: str
     gpus: tuple[Gpu, ...]
     resources: tuple[ResourcePlan, ...]
-    labels: dict[str, str]
     mps_root: Path
 
     @property
     def shm_directory(self) -> Path:
         return self.mps_root / "shm"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Mount:
-    container_path: str
-    host_path: str
-    read_only: bool = False
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ContainerGrant:
-    """What one container is given: its replicas, its share of each GPU, and its environment."""
-
-    replica_ids: tuple[ReplicaId, ...]
-    share: Share
-    envs: dict[str, str]
-    mounts: tuple[Mount, ...]
-    cdi_devices: tuple[str, ...]
-
-    @property
-    def full(self) -> bool:
-        return self.share.full
 
 
 # --- building the plan ------------------------------------------------------------------------------------
@@ -247,219 +209,15 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 device_list_strategy=sharing.device_list_strategy,
                 device_id_strategy=sharing.device_id_strategy,
                 allocation_policy=sharing.allocation_policy,
-                ordinals={gpu.uuid: ordinal for ordinal, gpu in enumerate(gpus)},
                 shares=_share_model(spec, sharing, gpus, ids),
                 multi_user=sharing.multi_user,
                 memory_unit_bytes=spec.memory_unit_bytes,
             )
         )
-    shared = tuple(resources)
     return NodePlan(
         driver_version=node.driver_version,
         gpu_source=node.source,
         gpus=node.gpus,
-        resources=shared,
-        labels=node_labels(node.gpus, shared),
+        resources=tuple(resources),
         mps_root=mps_root,
-    )
-
-
-_LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> dict[str, str]:
-    """The labels the NVIDIA GPU feature discovery would set for this plan (first resource decides replicas)."""
-    first = resources[0]
-    product = _LABEL_VALUE_UNSAFE.sub("", gpus[0].name.replace(" ", "-")) if gpus else "unknown"
-    if not first.renamed:
-        product = f"{product}-SHARED"
-    return {
-        "nvidia.com/gpu.count": str(len(gpus)),
-        "nvidia.com/gpu.product": product[:63].strip("-_."),
-        "nvidia.com/gpu.replicas": str(first.replicas),
-        "nvidia.com/gpu.sharing-strategy": "mps",
-        "nvidia.com/mps.capable": "true",
-    }
-
-
-# --- caps ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ControlStep:
-    """One control command, the `get_` command that reads its value back, and the reply that means it held;
-    `server` is the running MPS server it is about, None for the daemon's defaults."""
-
-    command: str
-    read_back: str
-    expected: str
-    server: int | None = None
-
-
-def memory_read_back(mib: int) -> str:
-    """How the control daemon prints a pinned-memory limit: whole GiB (rounded down) from 1 GiB up, else MiB."""
-    return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
-
-
-def daemon_default_steps(ceilings: Ceilings) -> tuple[ControlStep, ...]:
-    """The control commands that set the daemon's defaults (its hard ceilings), with read-backs."""
-    percentage = ceilings.thread_percentage
-    return (
-        ControlStep(
-            command=f"set_default_active_thread_percentage {percentage}",
-            read_back="get_default_active_thread_percentage",
-            expected=f"{percentage:.1f}",
-        ),
-        *(
-            ControlStep(
-                command=f"set_default_device_pinned_mem_limit {ordinal} {mib}M",
-                read_back=f"get_default_device_pinned_mem_limit {ordinal}",
-                expected=memory_read_back(mib),
-            )
-            for ordinal, mib in enumerate(ceilings.memory_mib)
-        ),
-    )
-
-
-def daemon_default_commands(ceilings: Ceilings) -> tuple[str, ...]:
-    return tuple(step.command for step in daemon_default_steps(ceilings))
-
-
-def running_server_steps(ceilings: Ceilings, server_pid: int) -> tuple[ControlStep, ...]:
-    """Bring an already-running MPS server to the ceilings (defaults only apply to servers started later)."""
-    percentage = ceilings.thread_percentage
-    return (
-        ControlStep(
-            command=f"set_active_thread_percentage {server_pid} {percentage}",
-            read_back=f"get_active_thread_percentage {server_pid}",
-            expected=f"{percentage:.1f}",
-            server=server_pid,
-        ),
-        *(
-            ControlStep(
-                command=f"set_device_pinned_mem_limit {server_pid} {ordinal} {mib}M",
-                read_back=f"get_device_pinned_mem_limit {server_pid} {ordinal}",
-                expected=memory_read_back(mib),
-                server=server_pid,
-            )
-            for ordinal, mib in enumerate(ceilings.memory_mib)
-        ),
-    )
-
-
-def running_server_commands(ceilings: Ceilings, server_pid: int) -> tuple[str, ...]:
-    return tuple(step.command for step in running_server_steps(ceilings, server_pid))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CapDifference:
-    """A value the daemon holds other than the one its ceilings need: someone with the control socket (every
-    client container has it) changed it behind the agent."""
-
-    step: ControlStep
-    found: str | None
-    """What the read-back printed; None: nothing, which means no limit at all."""
-
-    def describe(self) -> str:
-        found = "nothing (no limit)" if self.found is None else self.found
-        return f"`{self.step.read_back}` reads {found}, expected {self.step.expected}"
-
-
-def cap_differences(
-    defaults: Sequence[ControlStep],
-    default_values: Sequence[str | None],
-    servers: Sequence[Sequence[ControlStep]] = (),
-    server_values: Sequence[str | None] = (),
-) -> tuple[CapDifference, ...]:
-    """Where the daemon's values differ from the steps' expected ones. `server_values` follows `servers`, flat.
-
-    A default that reads nothing is a difference (the agent always sets every one). A server that answers none of
-    its values is not ready (starting, or gone since it was listed): it is read again on the next round.
-    """
-    found = [
-        CapDifference(step=step, found=value)
-        for step, value in zip(defaults, default_values, strict=True)
-        if value != step.expected
-    ]
-    values = iter(server_values)
-    for steps in servers:
-        read = [next(values) for _ in steps]
-        if any(value is not None for value in read):
-            found += [
-                CapDifference(step=step, found=value)
-                for step, value in zip(steps, read, strict=True)
-                if value != step.expected
-            ]
-    return tuple(found)
-
-
-# --- grants -------------------------------------------------------------------------------------------------
-
-
-def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
-    if resource.device_id_strategy is DeviceIdStrategy.INDEX:
-        return ",".join(str(gpu.index) for gpu in gpus)
-    return ",".join(gpu.uuid for gpu in gpus)
-
-
-def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
-    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
-    share = resource.shares.share_of(replica_ids)
-    granted = {gpu_of(replica) for replica in replica_ids}
-    gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
-    envs = {ENV_PIPE_DIRECTORY: str(resource.container_pipe_directory)}
-    cdi: tuple[str, ...] = ()
-    if resource.device_list_strategy is DeviceListStrategy.CDI_CRI:
-        cdi = tuple(f"{CDI_KIND}={gpu.uuid}" for gpu in gpus)
-    else:
-        envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
-    if not share.full:
-        envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
-        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in enumerate(share.env_memory_mib))
-    mounts = (
-        Mount(container_path=str(resource.container_pipe_directory), host_path=str(resource.pipe_directory)),
-        Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
-    )
-    return ContainerGrant(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)
-
-
-# --- the daemon ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DaemonLaunch:
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    unset: tuple[str, ...] = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
-    """Inherited variables the daemon must not see: it must not be able to speak for the agent to systemd."""
-
-    def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
-        return {k: v for k, v in inherited.items() if k not in self.unset} | self.env
-
-
-def multi_user_server(resource: ResourcePlan, offered: bool | None, control_bin: str) -> bool:
-    """Whether the daemon runs one MPS server for every user (`-M`): without it, a client of another user than
-    the running server's waits until every client of that server has left. `offered`: whether the binary's `-h`
-    lists the option (None: it could not be asked; starting it will say why)."""
-    if resource.multi_user is MultiUser.OFF:
-        return False
-    if resource.multi_user is MultiUser.ON and offered is False:
-        raise ConfigError(
-            "sharing.mps.multiUser",
-            f"is true, but `{control_bin} -h` does not list --multiuser-server (driver 580's control binary has "
-            "it, 535's does not); use auto (multi-user where offered) or false, or a control binary that offers it",
-        )
-    return resource.multi_user is MultiUser.ON or bool(offered)
-
-
-def daemon_launch(resource: ResourcePlan, control_bin: str, *, multi_user: bool) -> DaemonLaunch:
-    """How the resource's control daemon is started: in the foreground (so the agent sees it exit at once), for
-    the resource's GPUs only, with one server for every user when `multi_user`."""
-    return DaemonLaunch(
-        argv=(control_bin, "-f", *(("-M",) if multi_user else ())),
-        env={
-            "CUDA_VISIBLE_DEVICES": resource.visible_devices,
-            "CUDA_MPS_PIPE_DIRECTORY": str(resource.pipe_directory),
-            "CUDA_MPS_LOG_DIRECTORY": str(resource.log_directory),
-        },
     )

@@ -8,13 +8,9 @@ from typing import Any
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import ReplicaId, gpu_of
 from mpsagent.errors import RequestError
-from mpsagent.plan import (
-    NodePlan,
-    ResourcePlan,
-    daemon_default_commands,
-    daemon_launch,
-    multi_user_server,
-)
+from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
+from mpsagent.nfd import node_labels
+from mpsagent.plan import NodePlan, ResourcePlan
 
 EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
 
@@ -124,7 +120,7 @@ def plan_report(
             for gpu in plan.gpus
         ],
         "resources": resources,
-        "labels": plan.labels,
+        "labels": node_labels(plan.gpus, plan.resources),
     }
 
 

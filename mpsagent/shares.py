@@ -1,7 +1,8 @@
 """Shares: how much of each GPU a grant gets, the caps that say so, and the daemon ceilings of a set of live grants.
 
-Pure and synchronous. The plan builds one `ShareModel` per resource; allocation, the ledger, reconciliation, the
-daemon supervisor and keeper, `--once`, `--status` and metrics all ask it, so a share is decided in one place.
+Pure and synchronous. The plan builds one `ShareModel` per resource; a container's grant (`container`), allocation,
+the ledger, reconciliation, the daemon supervisor and keeper, `--once`, `--status` and metrics all ask it, so a
+share is decided in one place.
 
 A grant holding `k` of the `N` IDs of GPU `g` (replicas, or memory units) has the share `k/N` of `g`:
 - memory cap on `g`: `floor(memory_g * k / N)` in MiB (memory units: exactly `k * unit`);

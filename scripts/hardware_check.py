@@ -421,8 +421,8 @@ def say(message: str) -> None:
 
 
 def memory_read_back(mib: int) -> str:
-    """How the control daemon prints a pinned-memory limit (the agent's own rule, from mpsagent.plan)."""
-    from mpsagent.plan import memory_read_back as rule  # noqa: PLC0415 - the repository is on sys.path by now
+    """How the control daemon prints a pinned-memory limit (the agent's own rule, from mpsagent.mps.commands)."""
+    from mpsagent.mps.commands import memory_read_back as rule  # noqa: PLC0415 - the repository is on sys.path by now
 
     return rule(mib)
 

@@ -43,7 +43,7 @@ def test_the_event_check_catches_a_new_event(tmp_path: Path) -> None:
 
 
 def test_every_node_label_is_documented() -> None:
-    from mpsagent.plan import node_labels  # noqa: PLC0415
+    from mpsagent.nfd import node_labels  # noqa: PLC0415
 
     labels = set(node_labels((), (_resource(),)))
     text = (DOCS / "operations.md").read_text() + (DOCS / "migrating.md").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mpsagent.config import check_config, parse_config
-from mpsagent.errors import AgentLockedError, MpsAgentError
+from mpsagent.errors import AgentLockedError, HostError
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.host import PidLock
 from mpsagent.kubelet.guard import NodeGuard
@@ -44,7 +44,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_not_followed(tmp_path: Path) 
     target.write_text("keep me")
     (tmp_path / "mpsagent-locks").mkdir(mode=0o700)
     (tmp_path / "mpsagent-locks" / "resource-nvidia.com_gpu.lock").symlink_to(target)
-    with pytest.raises(MpsAgentError, match=r"the node lock .*resource-nvidia.com_gpu.lock is a symbolic link"):
+    with pytest.raises(HostError, match=r"the node lock .*resource-nvidia.com_gpu.lock is a symbolic link"):
         NodeGuard(tmp_path, resources(tmp_path)).acquire()
     assert target.read_text() == "keep me"
 
@@ -58,7 +58,7 @@ def test_a_lock_directory_that_is_a_link_or_open_to_others_is_refused(tmp_path: 
     else:
         directory.mkdir()
         directory.chmod(0o777)
-    with pytest.raises(MpsAgentError, match="is not a directory of this agent's user that only it can write"):
+    with pytest.raises(HostError, match="is not a directory of this agent's user that only it can write"):
         NodeGuard(tmp_path, resources(tmp_path)).acquire()
 
 

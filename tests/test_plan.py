@@ -1,4 +1,5 @@
-"""The plan: device selection, per-GPU checks, caps, container grants and node labels."""
+"""The plan and what follows from it: device selection, per-GPU checks, the daemon's commands (`mps.commands`),
+container grants (`container`) and node labels (`nfd`)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,19 @@ from pathlib import Path
 import pytest
 
 from mpsagent.config import DeviceIdStrategy, DeviceListStrategy, SharingConfig, check_config, parse_config
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
-from mpsagent.errors import ConfigError
-from mpsagent.plan import (
+from mpsagent.container import (
     ENV_PINNED_MEM_LIMIT,
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
     ENV_VISIBLE_DEVICES,
-    NodePlan,
-    ResourcePlan,
-    build_plan,
     container_grant,
-    daemon_default_commands,
-    daemon_launch,
-    node_labels,
+    container_pipe_directory,
 )
+from mpsagent.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.errors import ConfigError
+from mpsagent.mps.commands import daemon_default_commands, daemon_launch
+from mpsagent.nfd import node_labels
+from mpsagent.plan import NodePlan, ResourcePlan, build_plan
 from mpsagent.shares import Ceilings, GrantKind
 
 GIB = 1024**3
@@ -123,7 +122,7 @@ def test_device_selectors(devices: str | None, indices: list[int]) -> None:
     entry = "{name: gpu, replicas: 2" + (f", devices: {devices}" if devices is not None else "") + "}"
     resource = only_resource(t4_node(4), entry)
     assert [g.index for g in resource.gpus] == indices
-    assert resource.ordinals == {uuid(i): ordinal for ordinal, i in enumerate(indices)}
+    assert {g.uuid: g.ordinal for g in resource.shares.gpus} == {uuid(i): o for o, i in enumerate(indices)}
     assert resource.device_ids == tuple(format_replica_id(uuid(i), r) for i in indices for r in range(2))
 
 
@@ -267,7 +266,7 @@ def test_two_resources_split_eight_gpus() -> None:
     assert (low.name, high.name) == ("nvidia.com/low", "nvidia.com/high")
     assert high.config_path == "sharing.mps.resources[1]"
     # The second daemon sees only GPUs 4..7, numbered from 0: its ordinals are 0..3, not the host indices.
-    assert high.ordinals == {uuid(4): 0, uuid(5): 1, uuid(6): 2, uuid(7): 3}
+    assert {g.uuid: g.ordinal for g in high.shares.gpus} == {uuid(4): 0, uuid(5): 1, uuid(6): 2, uuid(7): 3}
     assert len(high.shares.smallest_caps().memory_mib) == 4
     assert daemon_default_commands(high.shares.smallest_caps())[1:] == tuple(
         f"set_default_device_pinned_mem_limit {o} 40779M" for o in range(4)
@@ -485,14 +484,13 @@ def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
 )
 def test_labels_for_four_t4s(mps: str, product: str) -> None:
     result = plan(t4_node(4), "{name: nvidia.com/gpu, replicas: 4}", mps=mps)
-    assert result.labels == {
+    assert node_labels(result.gpus, result.resources) == {
         "nvidia.com/gpu.count": "4",
         "nvidia.com/gpu.product": product,
         "nvidia.com/gpu.replicas": "4",
         "nvidia.com/gpu.sharing-strategy": "mps",
         "nvidia.com/mps.capable": "true",
     }
-    assert result.labels == node_labels(result.gpus, result.resources)
     assert sum(len(r.device_ids) for r in result.resources) == 16
 
 
@@ -506,13 +504,14 @@ def test_labels_for_four_t4s(mps: str, product: str) -> None:
 )
 def test_product_label_is_a_valid_label_value(name: str, product: str) -> None:
     result = plan(node(gpu(0, name=name)), "{name: gpu, replicas: 2}")
-    assert result.labels["nvidia.com/gpu.product"] == product
+    assert node_labels(result.gpus, result.resources)["nvidia.com/gpu.product"] == product
 
 
 def test_labels_count_every_gpu_and_take_replicas_from_the_first_resource() -> None:
     result = plan(t4_node(8), *SPLIT)
-    assert result.labels["nvidia.com/gpu.count"] == "8"
-    assert result.labels["nvidia.com/gpu.replicas"] == "4"
+    labels = node_labels(result.gpus, result.resources)
+    assert labels["nvidia.com/gpu.count"] == "8"
+    assert labels["nvidia.com/gpu.replicas"] == "4"
 
 
 def test_node_plan_paths() -> None:
@@ -520,6 +519,6 @@ def test_node_plan_paths() -> None:
     (resource,) = result.resources
     assert result.shm_directory == Path("/run/nvidia/mps/shm")
     assert resource.directory == Path("/run/nvidia/mps/nvidia.com/gpu")
-    assert str(resource.container_pipe_directory) == "/mps/nvidia.com/gpu/pipe"
+    assert str(container_pipe_directory(resource)) == "/mps/nvidia.com/gpu/pipe"
     assert result.driver_version == "550.54.15"
     assert result.gpu_source == "test"

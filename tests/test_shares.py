@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.config import check_config, parse_config
+from mpsagent.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
 from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.errors import ConfigError, RequestError
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
-from mpsagent.plan import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES, ResourcePlan, build_plan
+from mpsagent.plan import ResourcePlan, build_plan
 from mpsagent.shares import Ceilings, GrantKind
 
 GIB = 1024**3

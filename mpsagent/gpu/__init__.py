@@ -1,1 +1,1 @@
-"""The GPU adapters: NVML, node snapshot files, and the port they both satisfy."""
+"""The GPU adapters: NVML, node snapshot files, the port they both satisfy, and the health monitor."""

@@ -53,7 +53,6 @@ class GpuHealthMonitor:
         self._tracker = GpuHealthTracker(uuids, recovery_s)
         self._probe_interval_s = probe_interval(recovery_s)
         self._clock = clock
-        self.events_seen = 0
 
     def unhealthy(self) -> dict[GpuUuid, str]:
         return self._tracker.unhealthy()
@@ -115,7 +114,6 @@ class GpuHealthMonitor:
         while True:
             event = await anyio.to_thread.run_sync(watch.wait, WAIT_SLICE_MS)
             if event is not None:
-                self.events_seen += 1
                 self._handle(event)
 
     def _handle(self, event: XidEvent) -> None:

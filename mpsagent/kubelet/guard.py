@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from mpsagent.errors import AgentLockedError, MpsAgentError
+from mpsagent.errors import AgentLockedError, HostError
 from mpsagent.host import FileRefusedError, PidLock
 from mpsagent.plan import ResourcePlan
 
@@ -35,12 +35,12 @@ def _lock_directory(kubelet_directory: Path) -> Path:
         directory.mkdir(mode=LOCK_DIRECTORY_MODE, exist_ok=True)
         found = directory.lstat()
     except OSError as exc:
-        raise MpsAgentError(
+        raise HostError(
             f"cannot create the lock directory {directory} ({exc.strerror}); the kubelet's device-plugin directory "
             "must be writable by the agent (check --kubelet-socket)"
         ) from exc
     if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid() or found.st_mode & 0o022:
-        raise MpsAgentError(
+        raise HostError(
             f"{directory} is not a directory of this agent's user that only it can write (owner UID {found.st_uid}, "
             f"mode {stat.filemode(found.st_mode)}); remove it and start the agent again"
         )
@@ -76,9 +76,9 @@ class NodeGuard:
         try:
             holder = lock.acquire()
         except FileRefusedError as exc:
-            raise MpsAgentError(f"{exc}; remove it and start again") from exc
+            raise HostError(f"{exc}; remove it and start again") from exc
         except OSError as exc:
-            raise MpsAgentError(f"cannot take the lock {path} ({exc.strerror}); remove it and start again") from exc
+            raise HostError(f"cannot take the lock {path} ({exc.strerror}); remove it and start again") from exc
         if holder is not None:
             raise AgentLockedError(
                 f"another mpsagent (PID {holder}) already {what} on this node (lock {path}); "

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 
 from mpsagent.errors import ControlRunError, DaemonCommandError
-from mpsagent.plan import ControlStep
+from mpsagent.mps.commands import ControlStep
 
 COMMAND_TIMEOUT_S = 5.0
 _SAFE_COMMAND = re.compile(r"[a-z_]+( [A-Za-z0-9.=,-]+)*")

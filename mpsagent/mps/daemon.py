@@ -29,18 +29,18 @@ from mpsagent.gpu.port import ComputeMode, GpuSource
 from mpsagent.host import pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
-from mpsagent.mps.control import ControlChannel
-from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
-from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
-from mpsagent.plan import (
+from mpsagent.mps.commands import (
     CapDifference,
-    ResourcePlan,
     cap_differences,
     daemon_default_steps,
     running_server_commands,
     running_server_steps,
 )
+from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
+from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
+from mpsagent.plan import ResourcePlan
 from mpsagent.shares import Ceilings
 
 log = get_logger(__name__)

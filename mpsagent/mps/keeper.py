@@ -19,11 +19,12 @@ from anyio.abc import Process, TaskStatus
 from mpsagent.errors import ControlRunError, DaemonError
 from mpsagent.host import pid_alive
 from mpsagent.logs import get_logger
+from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, stop_process, wait_answering
 from mpsagent.mps.state import StateFile, daemon_state
-from mpsagent.plan import ResourcePlan, daemon_default_steps
+from mpsagent.plan import ResourcePlan
 
 log = get_logger(__name__)
 

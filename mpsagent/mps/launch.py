@@ -14,9 +14,10 @@ from structlog.stdlib import BoundLogger
 from mpsagent.config import MultiUser
 from mpsagent.errors import DaemonError
 from mpsagent.host import FileRefusedError, open_private_file
+from mpsagent.mps.commands import daemon_launch, multi_user_server
 from mpsagent.mps.control import ControlChannel, offers_multi_user
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
-from mpsagent.plan import ResourcePlan, daemon_launch, multi_user_server
+from mpsagent.plan import ResourcePlan
 
 START_TIMEOUT_S = 10.0
 CONTROL_LOG = "control.log"

@@ -19,7 +19,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mpsagent.errors import MpsAgentError
+from mpsagent.errors import HostError
 from mpsagent.logs import get_logger
 from mpsagent.metrics import AgentMetrics
 from mpsagent.status import readiness_problems
@@ -80,7 +80,7 @@ class WebEndpoint:
         try:
             listener = listen(self._address)
         except OSError as exc:
-            raise MpsAgentError(
+            raise HostError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another --metrics-address"
             ) from exc
         log.info("http endpoint serving", address=f"{host}:{listener.getsockname()[1]}")

@@ -1,0 +1,77 @@
+"""What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
+devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_grant`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from mpsagent.config import DeviceIdStrategy, DeviceListStrategy
+from mpsagent.devices import Gpu, ReplicaId, gpu_of
+from mpsagent.plan import ResourcePlan
+from mpsagent.shares import Share
+
+CONTAINER_MPS_ROOT = PurePosixPath("/mps")
+CONTAINER_SHM = PurePosixPath("/dev/shm")
+ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+CDI_KIND = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContainerGrant:
+    """What one container is given: its replicas, its share of each GPU, and its environment."""
+
+    replica_ids: tuple[ReplicaId, ...]
+    share: Share
+    envs: dict[str, str]
+    mounts: tuple[Mount, ...]
+    cdi_devices: tuple[str, ...]
+
+    @property
+    def full(self) -> bool:
+        return self.share.full
+
+
+def container_pipe_directory(resource: ResourcePlan) -> PurePosixPath:
+    """Where the resource's pipe directory is mounted in a container (the daemon's sockets)."""
+    return CONTAINER_MPS_ROOT / resource.name / "pipe"
+
+
+def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
+    if resource.device_id_strategy is DeviceIdStrategy.INDEX:
+        return ",".join(str(gpu.index) for gpu in gpus)
+    return ",".join(gpu.uuid for gpu in gpus)
+
+
+def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
+    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
+    share = resource.shares.share_of(replica_ids)
+    granted = {gpu_of(replica) for replica in replica_ids}
+    gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
+    pipe_directory = container_pipe_directory(resource)
+    envs = {ENV_PIPE_DIRECTORY: str(pipe_directory)}
+    cdi: tuple[str, ...] = ()
+    if resource.device_list_strategy is DeviceListStrategy.CDI_CRI:
+        cdi = tuple(f"{CDI_KIND}={gpu.uuid}" for gpu in gpus)
+    else:
+        envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
+    if not share.full:
+        envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
+        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in enumerate(share.env_memory_mib))
+    mounts = (
+        Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
+        Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
+    )
+    return ContainerGrant(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)
