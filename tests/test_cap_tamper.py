@@ -14,13 +14,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mpsagent.config import MpsOnExit, SharingConfig, check_config, parse_config
+from mpsagent.config import SharingConfig, check_config, parse_config
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.plan import CapDifference, ControlStep, build_plan, cap_differences, running_server_steps
+from mpsagent.settings import MpsOnExit
 from tests.conftest import EXAMPLES, ROOT, AgentLauncher, small_node
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.test_daemon import REAL_BIN, control, pipe_of, start

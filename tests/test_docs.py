@@ -51,7 +51,7 @@ def test_every_node_label_is_documented() -> None:
 
 
 def _resource():  # type: ignore[no-untyped-def]
-    from mpsagent.config import resolve_settings  # noqa: PLC0415
+    from mpsagent.settings import resolve_settings  # noqa: PLC0415
     from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
     from mpsagent.plan import build_plan  # noqa: PLC0415
 
@@ -115,7 +115,7 @@ def test_the_metrics_table_lists_exactly_the_exported_metrics() -> None:
 
 def resolved_defaults() -> dict[str, str]:
     """Each environment variable's default as the agent resolves it with nothing set, as the tables write it."""
-    from mpsagent.config import resolve_settings  # noqa: PLC0415
+    from mpsagent.settings import resolve_settings  # noqa: PLC0415
 
     settings = resolve_settings({"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml")}, environ={})
     values: dict[str, object] = {
