@@ -76,7 +76,8 @@ class Flags(_Strict, frozen=True):
     mig_strategy: str | None = None
     mps_root: str | None = None
     plugin: PluginFlags | None = None
-    # The agent's own settings, for operators who keep everything in one file.
+    # The agent's own settings, for operators who keep everything in one file: each is the key of an entry of
+    # settings.py's table (tests/test_settings.py checks that the two agree).
     kubelet_socket: str | None = None
     log_format: str | None = None
     log_level: str | None = None
@@ -116,7 +117,8 @@ class ConfigFile(_Strict, frozen=True):
     imex: Imex | None = None
 
 
-_IGNORED_FLAG_KEYS = {
+# NVIDIA `flags` keys accepted and reported as ignored; every other agent key under `flags` is a setting's.
+IGNORED_FLAG_KEYS = {
     "fail_on_init_error": "flags.failOnInitError",
     "nvidia_driver_root": "flags.nvidiaDriverRoot",
     "nvidia_dev_root": "flags.nvidiaDevRoot",
@@ -443,7 +445,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
                 f"{spec.path}.name", f"`{spec.advertised_name}` is already advertised by {seen[spec.advertised_name]}"
             )
         seen[spec.advertised_name] = spec.path
-    ignored = [key for attr, key in _IGNORED_FLAG_KEYS.items() if getattr(flags, attr) is not None]
+    ignored = [key for attr, key in IGNORED_FLAG_KEYS.items() if getattr(flags, attr) is not None]
     ignored += [key for attr, key in _IGNORED_PLUGIN_KEYS.items() if getattr(plugin, attr) is not None]
     ignored += [key for key in ("resources", "imex") if getattr(config, key) is not None]
     return SharingConfig(
