@@ -54,9 +54,6 @@ class LogLevel(enum.StrEnum):
     ERROR = "error"
 
 
-LOG_LEVELS = tuple(LogLevel)
-
-
 class MpsOnExit(enum.StrEnum):
     KEEP = "keep"
     QUIT = "quit"
@@ -98,6 +95,7 @@ class XidPolicy:
 
 T = TypeVar("T")
 _FILE_ATTRIBUTES = {info.encode_name: info.name for info in msgspec.structs.fields(Flags)}
+_SETTING = "setting"  # the metadata key of a `Settings` field's table entry
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,9 +200,6 @@ def setting(
     if required:
         return cast("T", field(metadata={_SETTING: entry}))
     return cast("T", field(default=default, metadata={_SETTING: entry}))
-
-
-_SETTING = "setting"
 
 
 def value_text(value: object) -> str:
@@ -408,13 +403,13 @@ class Settings:
         choices=tuple(LogFormat),
         help="console on a terminal, JSON lines otherwise (auto), or either",
     )
-    log_level: str = setting(
+    log_level: LogLevel = setting(
         flag="--log-level",
         env="LOG_LEVEL",
         key="logLevel",
-        parse=_text,
-        default=LogLevel.INFO.value,
-        choices=LOG_LEVELS,
+        parse=LogLevel,
+        default=LogLevel.INFO,
+        choices=tuple(LogLevel),
         help="the least severe events logged",
     )
     # Not settings: what the config file says, the run mode (plain flags in cli.py), and the Xid variables.
