@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from mpsagent.config import MpsDaemonOwner, MpsOnExit, Settings
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import MpsAgentError
 from mpsagent.gpu.monitor import GpuHealthMonitor
@@ -31,6 +30,7 @@ from mpsagent.nfd import node_labels, remove_features, write_features
 from mpsagent.plan import NodePlan
 from mpsagent.publisher import StatePublisher, feed_watchdog
 from mpsagent.resource_server import ResourceServer
+from mpsagent.settings import MpsDaemonOwner, MpsOnExit, Settings
 from mpsagent.status import starting_document
 from mpsagent.systemd import SystemdNotifier
 

@@ -1,4 +1,4 @@
-"""The command line: flags, their environment variables, and what each run mode does with them."""
+"""The command line: the settings' flags (from the table in settings.py), the run modes, and what each does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import anyio
 
 from mpsagent import __version__
-from mpsagent.config import LOG_LEVELS, Settings, resolve_settings, status_mps_root
 from mpsagent.devices import NodeGpus
 from mpsagent.errors import (
     AgentLockedError,
@@ -26,6 +25,7 @@ from mpsagent.logs import configure_logging, get_logger
 from mpsagent.mps.control import offers_multi_user
 from mpsagent.plan import NodePlan, build_plan
 from mpsagent.report import plan_report, render_json, render_text
+from mpsagent.settings import SETTINGS, Settings, resolve_settings, status_mps_root
 from mpsagent.status import read_status, render_status_text
 
 EXIT_OK = 0
@@ -43,74 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=None,
     )
     add = parser.add_argument
-    add("--config-file", metavar="FILE", help="NVIDIA device plugin v1 config, YAML or JSON [env CONFIG_FILE]")
-    add(
-        "--kubelet-socket",
-        metavar="PATH",
-        help="kubelet registration socket [env KUBELET_SOCKET; default /var/lib/kubelet/device-plugins/kubelet.sock]",
-    )
-    add("--mps-root", metavar="DIR", help="MPS pipe, log and shm directories [env MPS_ROOT; default /run/nvidia/mps]")
-    add(
-        "--mps-control-bin",
-        metavar="PATH",
-        help="nvidia-cuda-mps-control to run [env MPS_CONTROL_BIN; default from PATH]",
-    )
-    add(
-        "--mps-on-exit",
-        choices=("keep", "quit"),
-        help="leave the MPS daemons running on exit (keep, default) or quit them [env MPS_ON_EXIT]",
-    )
-    add(
-        "--mps-daemon",
-        choices=("agent", "host"),
-        help="who starts the MPS control daemons: the agent (agent, default; systemd) or `mpsagent --daemon-host` "
-        "in a container of its own, whose daemons outlive the agent's container (host; Kubernetes) [env MPS_DAEMON]",
-    )
-    add(
-        "--node-snapshot",
-        metavar="FILE",
-        help="take the GPUs from a YAML/JSON snapshot or `nvidia-smi -q -x` output instead of NVML [env NODE_SNAPSHOT]",
-    )
-    add(
-        "--pod-resources-socket",
-        metavar="PATH",
-        help="kubelet pod-resources socket, to reconcile grants [env POD_RESOURCES_SOCKET; "
-        "default /var/lib/kubelet/pod-resources/kubelet.sock]",
-    )
-    add(
-        "--reconcile-grace-seconds",
-        metavar="S",
-        help="free a grant only after its container has been unlisted this long [env RECONCILE_GRACE_SECONDS; "
-        "default 60]",
-    )
-    add(
-        "--health-recovery-seconds",
-        metavar="S",
-        help="a failed GPU is healthy again after answering NVML without a critical Xid this long "
-        "[env HEALTH_RECOVERY_SECONDS; default 60]",
-    )
-    add(
-        "--probe-interval-seconds",
-        metavar="S",
-        help="read the MPS daemon's caps back (and restore any that changed) this often, 1 to 60 "
-        "[env PROBE_INTERVAL_SECONDS; default 3]",
-    )
-    add(
-        "--nfd-features-file",
-        metavar="PATH",
-        help="write the node labels there for node-feature-discovery; empty: do not [env NFD_FEATURES_FILE; "
-        "default /etc/kubernetes/node-feature-discovery/features.d/mpsagent]",
-    )
-    add(
-        "--metrics-address",
-        metavar="HOST:PORT",
-        help="serve /metrics, /healthz and /readyz over HTTP there; empty: off [env METRICS_ADDRESS; default off]",
-    )
-    add(
-        "--proc-root",
-        metavar="DIR",
-        help="the host's /proc, to map GPU processes to containers [env PROC_ROOT; default /proc]",
-    )
+    for entry in SETTINGS.values():
+        add(
+            entry.flag,
+            metavar=entry.metavar,
+            choices=entry.choices or None,
+            type=str.lower if entry.choices else str,
+            help=entry.help_text(),
+        )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
     add(
         "--status",
@@ -126,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         "agent started with --mps-daemon host",
     )
     add("--output", choices=("text", "json"), help="--once and --status output format (default text)")
-    add("--log-format", choices=("auto", "json", "console"), help="[env LOG_FORMAT; default auto]")
-    add("--log-level", choices=LOG_LEVELS, type=str.lower, help="[env LOG_LEVEL; default info]")
     add("--version", action="version", version=f"mpsagent {__version__}")
     return parser
 

@@ -1,17 +1,15 @@
-"""The configuration: the NVIDIA device plugin's `v1` config file, plus the agent's own settings.
+"""The config file: the NVIDIA device plugin's `v1` schema, with the agent's own keys under `flags`.
 
-The only module that reads files or the environment for configuration. `load_config` parses and checks the
-file's shape; checks that need the GPUs (device references, replica limits) live in `plan.build_plan`.
-`resolve_settings` applies the precedence flag > environment variable > config `flags` > default.
+`load_config` parses and checks the file's shape; checks that need the GPUs (device references, replica limits)
+live in `plan.build_plan`. The agent's settings (flags, environment, precedence) are `settings.py`'s, which reads
+the `flags` keys of its table from `Flags`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -22,22 +20,7 @@ from mpsagent.documents import load_yaml
 from mpsagent.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
 from mpsagent.host import read_input_file
 
-DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
-DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
-DEFAULT_MPS_CONTROL_BIN = "nvidia-cuda-mps-control"
-DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
-DEFAULT_RECONCILE_GRACE_S = 60.0
-# The kubelet lists a container a moment after its Allocate; below this, a grant could be released before then.
-MIN_RECONCILE_GRACE_S = 10.0
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; NVIDIA's largest examples are a few KiB
-DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
-DEFAULT_PROC_ROOT = Path("/proc")
-DEFAULT_HEALTH_RECOVERY_S = 60.0
-DEFAULT_PROBE_INTERVAL_S = 3.0
-# Below 1 s the rounds cost more than they protect; above 60 s a lifted cap would last too long.
-PROBE_INTERVAL_BOUNDS_S = (1.0, 60.0)
-# Application errors: the GPU stays healthy (the NVIDIA device plugin's list).
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
 MAX_REPLICAS = 48
 MAX_REPLICAS_BEFORE_VOLTA = 16
@@ -93,7 +76,8 @@ class Flags(_Strict, frozen=True):
     mig_strategy: str | None = None
     mps_root: str | None = None
     plugin: PluginFlags | None = None
-    # The agent's own settings, for operators who keep everything in one file.
+    # The agent's own settings, for operators who keep everything in one file: each is the key of an entry of
+    # settings.py's table (tests/test_settings.py checks that the two agree).
     kubelet_socket: str | None = None
     log_format: str | None = None
     log_level: str | None = None
@@ -133,7 +117,8 @@ class ConfigFile(_Strict, frozen=True):
     imex: Imex | None = None
 
 
-_IGNORED_FLAG_KEYS = {
+# NVIDIA `flags` keys accepted and reported as ignored; every other agent key under `flags` is a setting's.
+IGNORED_FLAG_KEYS = {
     "fail_on_init_error": "flags.failOnInitError",
     "nvidia_driver_root": "flags.nvidiaDriverRoot",
     "nvidia_dev_root": "flags.nvidiaDevRoot",
@@ -167,25 +152,6 @@ class AllocationPolicy(enum.StrEnum):
     PACKED = "packed"
 
 
-class LogFormat(enum.StrEnum):
-    AUTO = "auto"
-    JSON = "json"
-    CONSOLE = "console"
-
-
-class MpsOnExit(enum.StrEnum):
-    KEEP = "keep"
-    QUIT = "quit"
-
-
-class MpsDaemonOwner(enum.StrEnum):
-    """Who starts the MPS control daemons: the agent itself (a host process under systemd, where they outlive it),
-    or `mpsagent --daemon-host` in a container of its own (Kubernetes: the daemons outlive the agent's container)."""
-
-    AGENT = "agent"
-    HOST = "host"
-
-
 class GrantRule(enum.StrEnum):
     """`sharing.mps.grants`: how a grant's caps follow the replicas it holds. Proportional: k of a GPU's N IDs are
     k/N of that GPU; equal: the NVIDIA device plugin's rule (every replica of the resource: no caps; anything else:
@@ -202,9 +168,6 @@ class MultiUser(enum.StrEnum):
     AUTO = "auto"
     ON = "true"
     OFF = "false"
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,57 +200,6 @@ class SharingConfig:
     # Accepted as the NVIDIA plugin accepts them, but worth a warning (a missing `version`).
     warnings: tuple[str, ...] = ()
     grants: GrantRule = GrantRule.PROPORTIONAL
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class XidPolicy:
-    """Which NVML critical Xids make a GPU unhealthy, from DP_DISABLE_HEALTHCHECKS and DP_ENABLE_HEALTHCHECKS.
-
-    As in the NVIDIA device plugin: the application Xids are ignored; DISABLE adds Xids to ignore (`all` or
-    `xids` ignores every Xid); ENABLE names Xids that count even so (`all` makes every Xid count).
-    """
-
-    ignored: frozenset[int] = APPLICATION_XIDS
-    ignore_all: bool = False
-    enabled: frozenset[int] = frozenset()
-    enable_all: bool = False
-
-    def is_critical(self, xid: int) -> bool:
-        if self.enable_all or xid in self.enabled:
-            return True
-        return not self.ignore_all and xid not in self.ignored
-
-    @property
-    def watching(self) -> bool:
-        """False when no Xid can ever count: the event watch is not started at all."""
-        return self.enable_all or bool(self.enabled) or not self.ignore_all
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Settings:
-    """Everything the agent runs with, after precedence is applied."""
-
-    config_file: Path
-    sharing: SharingConfig
-    kubelet_socket: Path
-    mps_root: Path
-    mps_control_bin: str
-    mps_on_exit: MpsOnExit
-    node_snapshot: Path | None
-    once: bool
-    output: Literal["text", "json"]
-    log_format: LogFormat
-    log_level: str
-    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET
-    reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
-    health_recovery_s: float = DEFAULT_HEALTH_RECOVERY_S
-    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
-    xid_policy: XidPolicy = XidPolicy()
-    nfd_features_file: Path | None = DEFAULT_NFD_FEATURES_FILE
-    metrics_address: tuple[str, int] | None = None
-    proc_root: Path = DEFAULT_PROC_ROOT
-    mps_daemon: MpsDaemonOwner = MpsDaemonOwner.AGENT
-    daemon_host: bool = False
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -533,7 +445,7 @@ def check_config(config: ConfigFile) -> SharingConfig:
                 f"{spec.path}.name", f"`{spec.advertised_name}` is already advertised by {seen[spec.advertised_name]}"
             )
         seen[spec.advertised_name] = spec.path
-    ignored = [key for attr, key in _IGNORED_FLAG_KEYS.items() if getattr(flags, attr) is not None]
+    ignored = [key for attr, key in IGNORED_FLAG_KEYS.items() if getattr(flags, attr) is not None]
     ignored += [key for attr, key in _IGNORED_PLUGIN_KEYS.items() if getattr(plugin, attr) is not None]
     ignored += [key for key in ("resources", "imex") if getattr(config, key) is not None]
     return SharingConfig(
@@ -561,230 +473,3 @@ class _MigStrategy(enum.StrEnum):
     NONE = "none"
     SINGLE = "single"
     MIXED = "mixed"
-
-
-# --- precedence -------------------------------------------------------------------------------------------
-
-_ENV = {
-    "config_file": "CONFIG_FILE",
-    "kubelet_socket": "KUBELET_SOCKET",
-    "mps_root": "MPS_ROOT",
-    "mps_control_bin": "MPS_CONTROL_BIN",
-    "mps_on_exit": "MPS_ON_EXIT",
-    "mps_daemon": "MPS_DAEMON",
-    "node_snapshot": "NODE_SNAPSHOT",
-    "log_format": "LOG_FORMAT",
-    "log_level": "LOG_LEVEL",
-    "pod_resources_socket": "POD_RESOURCES_SOCKET",
-    "reconcile_grace_seconds": "RECONCILE_GRACE_SECONDS",
-    "health_recovery_seconds": "HEALTH_RECOVERY_SECONDS",
-    "probe_interval_seconds": "PROBE_INTERVAL_SECONDS",
-    "nfd_features_file": "NFD_FEATURES_FILE",
-    "metrics_address": "METRICS_ADDRESS",
-    "proc_root": "PROC_ROOT",
-}
-DISABLE_HEALTHCHECKS_ENV = "DP_DISABLE_HEALTHCHECKS"
-ENABLE_HEALTHCHECKS_ENV = "DP_ENABLE_HEALTHCHECKS"
-MAX_SECONDS = 86400.0
-
-
-def _pick(name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None) -> str | None:
-    if cli.get(name) is not None:
-        return str(cli[name])
-    env = environ.get(_ENV[name])
-    if env:
-        return env
-    return from_file
-
-
-def _setting(name: str) -> str:
-    """How a message names a setting: by its flag, its environment variable and its config file key."""
-    return f"--{name.replace('_', '-')} (env {_ENV[name]}, config flags.{_camel(name)})"
-
-
-def _choice(
-    name: str,
-    cli: Mapping[str, Any],
-    environ: Mapping[str, str],
-    from_file: str | None,
-    *,
-    choices: Sequence[str],
-    default: str,
-) -> str:
-    chosen = _pick(name, cli, environ, from_file)
-    if chosen is None:
-        return default
-    if chosen.lower() not in choices:
-        raise UsageError(f"{_setting(name)} must be one of {', '.join(choices)}; not `{shown(chosen)}`")
-    return chosen.lower()
-
-
-def _seconds(
-    name: str,
-    cli: Mapping[str, Any],
-    environ: Mapping[str, str],
-    from_file: float | None,
-    bounds: tuple[float, float] = (0.0, MAX_SECONDS),
-) -> float | None:
-    chosen = _pick(name, cli, environ, None if from_file is None else str(from_file))
-    if chosen is None:
-        return None
-    try:
-        value = float(chosen)
-    except ValueError:
-        value = -1.0
-    low, high = bounds
-    if not low <= value <= high:
-        raise UsageError(
-            f"{_setting(name)} must be a number of seconds from {low:g} to {high:g}, not `{shown(chosen)}`"
-        )
-    return value
-
-
-def _address(chosen: str | None) -> tuple[str, int] | None:
-    """`HOST:PORT` (`[v6]:PORT`, or `:PORT` for every address); unset or empty means off."""
-    if not chosen:
-        return None
-    host, sep, port = str(chosen).rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536 or " " in host:
-        raise UsageError(
-            f"--metrics-address (env METRICS_ADDRESS, config flags.metricsAddress) must be HOST:PORT, for example "
-            f"0.0.0.0:9402, or empty to turn the endpoint off; not `{shown(chosen)}`"
-        )
-    return host or "0.0.0.0", int(port)  # `:PORT` means every address
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
-def _xid_list(variable: str, text: str) -> tuple[frozenset[int], bool]:
-    """Xids of a DP_*_HEALTHCHECKS value, and whether it says `all` (or `xids`)."""
-    xids: set[int] = set()
-    for item in (part.strip().lower() for part in text.split(",")):
-        if item in ("all", "xids"):
-            return frozenset(), True
-        if not item:
-            continue
-        if not item.isascii() or not item.isdigit():
-            raise UsageError(
-                f"{variable}: `{shown(item)}` is not an Xid; use a comma-separated list of Xid numbers, `xids` or `all`"
-            )
-        xids.add(int(item))
-    return frozenset(xids), False
-
-
-def xid_policy(environ: Mapping[str, str]) -> XidPolicy:
-    disabled, ignore_all = _xid_list(DISABLE_HEALTHCHECKS_ENV, environ.get(DISABLE_HEALTHCHECKS_ENV, ""))
-    enabled, enable_all = _xid_list(ENABLE_HEALTHCHECKS_ENV, environ.get(ENABLE_HEALTHCHECKS_ENV, ""))
-    return XidPolicy(ignored=APPLICATION_XIDS | disabled, ignore_all=ignore_all, enabled=enabled, enable_all=enable_all)
-
-
-def _pick_switchable(
-    name: str, cli: Mapping[str, Any], environ: Mapping[str, str], from_file: str | None
-) -> str | None:
-    """Like `_pick`, for a setting that an explicitly empty value turns off: "" is a choice, None is unset."""
-    for chosen in (cli.get(name), environ.get(_ENV[name]), from_file):
-        if chosen is not None:
-            return str(chosen)
-    return None
-
-
-def _mps_root(chosen: str | None) -> Path:
-    """Absolute: Allocate hands paths under it to the kubelet, which resolves them on the host, not here."""
-    if chosen and not Path(chosen).is_absolute():
-        raise UsageError(
-            "--mps-root (env MPS_ROOT, config flags.mpsRoot) must be an absolute path: the kubelet mounts it into "
-            f"containers from the host; not `{chosen}`"
-        )
-    return Path(chosen) if chosen else DEFAULT_MPS_ROOT
-
-
-def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
-    chosen = _pick("config_file", cli, environ, None)
-    if not chosen:
-        raise UsageError(
-            "no configuration given: pass --config-file (or set CONFIG_FILE) with a file that configures "
-            "sharing.mps.resources"
-        )
-    return Path(chosen)
-
-
-def status_mps_root(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
-    """The MPS root `--status` reads: flag, environment, the config file's `flags.mpsRoot` if one is named, default."""
-    environ = os.environ if environ is None else environ
-    chosen = _pick("mps_root", cli, environ, None)
-    if chosen:
-        return Path(chosen)
-    if _pick("config_file", cli, environ, None):
-        flags = load_config(config_file_path(cli, environ)).flags
-        if flags is not None and flags.mps_root:
-            return Path(flags.mps_root)
-    return DEFAULT_MPS_ROOT
-
-
-def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the config file and apply precedence: flag, then environment variable, then file `flags`, then default.
-
-    `cli` holds the parsed command-line flags, None for those not given.
-    """
-    environ = os.environ if environ is None else environ
-    path = config_file_path(cli, environ)
-    config = load_config(path)
-    sharing = check_config(config)
-    flags = config.flags or Flags()
-    log_level = _choice("log_level", cli, environ, flags.log_level, choices=LOG_LEVELS, default="info")
-    log_format = LogFormat(
-        _choice("log_format", cli, environ, flags.log_format, choices=tuple(LogFormat), default=LogFormat.AUTO)
-    )
-    mps_on_exit = MpsOnExit(
-        _choice("mps_on_exit", cli, environ, flags.mps_on_exit, choices=tuple(MpsOnExit), default=MpsOnExit.KEEP)
-    )
-    mps_daemon = MpsDaemonOwner(
-        _choice(
-            "mps_daemon", cli, environ, flags.mps_daemon, choices=tuple(MpsDaemonOwner), default=MpsDaemonOwner.AGENT
-        )
-    )
-    if mps_daemon is MpsDaemonOwner.HOST and mps_on_exit is MpsOnExit.QUIT:
-        raise UsageError(
-            "--mps-on-exit quit needs --mps-daemon agent: with --mps-daemon host the daemon host owns the MPS "
-            "daemons and stops them itself"
-        )
-    snapshot = _pick("node_snapshot", cli, environ, None)
-    grace = _seconds(
-        "reconcile_grace_seconds",
-        cli,
-        environ,
-        flags.reconcile_grace_seconds,
-        bounds=(MIN_RECONCILE_GRACE_S, MAX_SECONDS),
-    )
-    recovery = _seconds("health_recovery_seconds", cli, environ, flags.health_recovery_seconds)
-    probe = _seconds("probe_interval_seconds", cli, environ, flags.probe_interval_seconds, PROBE_INTERVAL_BOUNDS_S)
-    nfd_file = _pick_switchable("nfd_features_file", cli, environ, flags.nfd_features_file)
-    return Settings(
-        config_file=path,
-        sharing=sharing,
-        kubelet_socket=Path(_pick("kubelet_socket", cli, environ, flags.kubelet_socket) or DEFAULT_KUBELET_SOCKET),
-        mps_root=_mps_root(_pick("mps_root", cli, environ, flags.mps_root)),
-        mps_control_bin=_pick("mps_control_bin", cli, environ, flags.mps_control_bin) or DEFAULT_MPS_CONTROL_BIN,
-        mps_on_exit=mps_on_exit,
-        mps_daemon=mps_daemon,
-        daemon_host=bool(cli.get("daemon_host")),
-        node_snapshot=Path(snapshot) if snapshot else None,
-        once=bool(cli.get("once")),
-        output=cli.get("output") or "text",
-        log_format=log_format,
-        log_level=log_level,
-        pod_resources_socket=Path(
-            _pick("pod_resources_socket", cli, environ, flags.pod_resources_socket) or DEFAULT_POD_RESOURCES_SOCKET
-        ),
-        reconcile_grace_s=DEFAULT_RECONCILE_GRACE_S if grace is None else grace,
-        health_recovery_s=DEFAULT_HEALTH_RECOVERY_S if recovery is None else recovery,
-        probe_interval_s=DEFAULT_PROBE_INTERVAL_S if probe is None else probe,
-        xid_policy=xid_policy(environ),
-        nfd_features_file=DEFAULT_NFD_FEATURES_FILE if nfd_file is None else (Path(nfd_file) if nfd_file else None),
-        metrics_address=_address(_pick_switchable("metrics_address", cli, environ, flags.metrics_address)),
-        proc_root=Path(_pick("proc_root", cli, environ, flags.proc_root) or DEFAULT_PROC_ROOT),
-    )

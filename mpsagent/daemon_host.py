@@ -11,12 +11,12 @@ from contextlib import ExitStack
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.config import Settings
 from mpsagent.errors import MpsAgentError
 from mpsagent.logs import get_logger
 from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.plan import NodePlan
+from mpsagent.settings import Settings
 
 log = get_logger("mpsagent.daemon_host")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from mpsagent.config import LogFormat
+from mpsagent.settings import LogFormat
 
 
 def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info") -> None:

@@ -15,7 +15,6 @@ import anyio
 from anyio.abc import TaskStatus
 
 from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.config import Settings
 from mpsagent.devices import gpu_of
 from mpsagent.errors import DaemonError
 from mpsagent.gpu.port import GpuSource
@@ -25,6 +24,7 @@ from mpsagent.kubelet.servicer import DevicePluginServicer, RpcTimer
 from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.plan import ResourcePlan
+from mpsagent.settings import Settings
 from mpsagent.status import DaemonView, ResourceView
 
 log = get_logger("mpsagent.resource_server")

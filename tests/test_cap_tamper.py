@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mpsagent.config import MpsOnExit, SharingConfig, check_config, parse_config
+from mpsagent.config import SharingConfig, check_config, parse_config
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.mps.commands import CapDifference, ControlStep, cap_differences, running_server_steps
@@ -22,6 +22,7 @@ from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.plan import build_plan
+from mpsagent.settings import MpsOnExit
 from tests.conftest import EXAMPLES, ROOT, AgentLauncher, small_node
 from tests.kubelet.fake import FakeKubelet, wait_for
 from tests.test_daemon import REAL_BIN, control, pipe_of, start

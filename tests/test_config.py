@@ -13,17 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpsagent.config import (
-    DEFAULT_KUBELET_SOCKET,
-    DEFAULT_MPS_ROOT,
     AllocationPolicy,
     DeviceIdStrategy,
     DeviceListStrategy,
     SharingConfig,
     check_config,
     parse_config,
-    resolve_settings,
 )
 from mpsagent.errors import ConfigError, UsageError
+from mpsagent.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT, resolve_settings
 
 # --- helpers ------------------------------------------------------------------------------------------------
 

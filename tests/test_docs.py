@@ -7,8 +7,13 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from mpsagent.settings import SETTINGS
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
@@ -51,9 +56,9 @@ def test_every_node_label_is_documented() -> None:
 
 
 def _resource():  # type: ignore[no-untyped-def]
-    from mpsagent.config import resolve_settings  # noqa: PLC0415
     from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
     from mpsagent.plan import build_plan  # noqa: PLC0415
+    from mpsagent.settings import resolve_settings  # noqa: PLC0415
 
     settings = resolve_settings(
         {"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml"), "node_snapshot": None}, environ={}
@@ -69,15 +74,99 @@ def help_variables() -> set[str]:
     return set(re.findall(r"\[env\s+([A-Z_]+)", done.stdout))
 
 
-def table_variables(text: str) -> set[str]:
-    """Environment variables in the second column of a Markdown flag table."""
-    return set(re.findall(r"^\| `--(?:[^|\\]|\\.)*\| `([A-Z_]+)` \|", text, re.MULTILINE))
+def test_help_names_every_setting_s_environment_variable() -> None:
+    assert help_variables() == {entry.env for entry in SETTINGS.values()}
 
 
-def test_flag_tables_name_exactly_the_agents_environment_variables() -> None:
-    variables = help_variables()
-    assert table_variables((ROOT / "README.md").read_text()) == variables
-    assert table_variables((DOCS / "configuration.md").read_text()) == variables
+# Flags that choose what a run does rather than how the agent runs: plain argparse entries, in no settings table.
+MODE_FLAGS = {"--once", "--status", "--daemon-host", "--output", "--version"}
+
+
+@dataclass(frozen=True)
+class DocumentedSetting:
+    env: str
+    key: str
+    default: str
+    nvidia: str | None
+
+
+def documented_settings(text: str, columns: Sequence[str]) -> tuple[dict[str, DocumentedSetting], set[str]]:
+    """The settings a Markdown flag table documents, by flag, and the flags of its rows without a variable.
+
+    `columns` names the table's columns (`flag`, `env`, `key`, `default`, `nvidia`; others ignored). A default is
+    written first in its cell, as `value` or (words); what follows explains it.
+    """
+    rows: dict[str, DocumentedSetting] = {}
+    modes: set[str] = set()
+    for line in text.splitlines():
+        cells = dict(zip(columns, (cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]), strict=False))
+        flags = re.findall(r"`(--[a-z-]+)", cells.get("flag", ""))
+        if not line.startswith("| `--") or not flags:
+            continue
+        if not cells.get("env"):
+            modes.update(flags)
+            continue
+        default = re.match(r"`[^`]*`|\([^)]*\)", cells.get("default", ""))
+        rows[flags[0]] = DocumentedSetting(
+            env=cells["env"].strip("`"),
+            key=cells.get("key", "").strip("`"),
+            default=default.group(0) if default else cells.get("default", ""),
+            nvidia=cells.get("nvidia"),
+        )
+    return rows, modes
+
+
+def table_settings(*, with_keys: bool) -> dict[str, DocumentedSetting]:
+    """What a flag table must say about each setting, from the table of settings."""
+    return {
+        entry.flag: DocumentedSetting(
+            env=entry.env,
+            key=(entry.key or "") if with_keys else "",
+            default=entry.documented_default,
+            nvidia=entry.nvidia if with_keys else None,
+        )
+        for entry in SETTINGS.values()
+    }
+
+
+README_COLUMNS = ("flag", "env", "default", "note")
+CONFIGURATION_COLUMNS = ("flag", "env", "key", "default", "nvidia")
+
+
+def test_the_readme_lists_exactly_the_settings_with_their_defaults() -> None:
+    rows, modes = documented_settings((ROOT / "README.md").read_text(), README_COLUMNS)
+    assert rows == table_settings(with_keys=False)
+    assert modes == MODE_FLAGS
+
+
+def test_the_configuration_page_lists_exactly_the_settings_with_their_keys_and_defaults() -> None:
+    rows, modes = documented_settings((DOCS / "configuration.md").read_text(), CONFIGURATION_COLUMNS)
+    assert rows == table_settings(with_keys=True)
+    assert modes <= MODE_FLAGS
+
+
+@pytest.mark.parametrize(
+    ("drift", "changed"),
+    [
+        pytest.param(("| `MPS_ON_EXIT` | `keep` |", "| `MPS_ON_EXIT` | `quit` |"), "--mps-on-exit", id="default"),
+        pytest.param(("| `PROC_ROOT` |", "| `HOST_PROC` |"), "--proc-root", id="variable"),
+        pytest.param(("| `--proc-root DIR` |", "| `--host-proc DIR` |"), "--proc-root", id="flag"),
+        pytest.param(("| `--once` | |", "| `--soon` | `SOON` | `1` | |\n| `--once` | |"), "--soon", id="extra row"),
+    ],
+)
+def test_the_settings_check_catches_a_drifted_readme(drift: tuple[str, str], changed: str) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert drift[0] in readme
+    rows, _ = documented_settings(readme.replace(*drift), README_COLUMNS)
+    expected = table_settings(with_keys=False)
+    assert rows != expected
+    assert rows.get(changed) != expected.get(changed)
+
+
+def test_the_settings_check_catches_a_drifted_key() -> None:
+    page = (DOCS / "configuration.md").read_text().replace("| `logLevel` |", "| `loglevel` |")
+    rows, _ = documented_settings(page, CONFIGURATION_COLUMNS)
+    assert rows["--log-level"].key == "loglevel" != SETTINGS["log_level"].key
 
 
 class _NoProcesses:
@@ -113,51 +202,3 @@ def test_the_metrics_table_lists_exactly_the_exported_metrics() -> None:
     exported = {name for name in exported_families() if name.startswith("mpsagent_")}
     assert sorted(documented - exported) == [], "documented but not exported"
     assert sorted(exported - documented) == [], "exported but not in docs/metrics.md"
-
-
-def resolved_defaults() -> dict[str, str]:
-    """Each environment variable's default as the agent resolves it with nothing set, as the tables write it."""
-    from mpsagent.config import resolve_settings  # noqa: PLC0415
-
-    settings = resolve_settings({"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml")}, environ={})
-    values: dict[str, object] = {
-        "KUBELET_SOCKET": settings.kubelet_socket,
-        "MPS_ROOT": settings.mps_root,
-        "MPS_CONTROL_BIN": settings.mps_control_bin,
-        "MPS_ON_EXIT": settings.mps_on_exit.value,
-        "MPS_DAEMON": settings.mps_daemon.value,
-        "POD_RESOURCES_SOCKET": settings.pod_resources_socket,
-        "RECONCILE_GRACE_SECONDS": f"{settings.reconcile_grace_s:g}",
-        "HEALTH_RECOVERY_SECONDS": f"{settings.health_recovery_s:g}",
-        "PROBE_INTERVAL_SECONDS": f"{settings.probe_interval_s:g}",
-        "NFD_FEATURES_FILE": settings.nfd_features_file,
-        "PROC_ROOT": settings.proc_root,
-        "LOG_FORMAT": settings.log_format.value,
-        "LOG_LEVEL": settings.log_level,
-    }
-    assert settings.metrics_address is None and settings.node_snapshot is None  # documented as off / NVML
-    return {variable: str(value) for variable, value in values.items()}
-
-
-def table_defaults(text: str, column: int) -> dict[str, str]:
-    """The first backticked value of the default column, by environment variable, of a Markdown flag table."""
-    defaults = {}
-    for line in text.splitlines():
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
-        variable = re.fullmatch(r"`([A-Z_]+)`", cells[1]) if len(cells) > column else None
-        value = re.match(r"`([^`]+)`", cells[column]) if variable else None
-        if variable and value:
-            defaults[variable.group(1)] = value.group(1)
-    return defaults
-
-
-def test_flag_tables_state_the_defaults_the_agent_uses() -> None:
-    defaults = resolved_defaults()
-    assert table_defaults((ROOT / "README.md").read_text(), 2) == defaults
-    assert table_defaults((DOCS / "configuration.md").read_text(), 3) == defaults
-
-
-def test_the_defaults_check_catches_a_drifted_default() -> None:
-    readme = (ROOT / "README.md").read_text().replace("| `MPS_ON_EXIT` | `keep` |", "| `MPS_ON_EXIT` | `quit` |")
-    assert table_defaults(readme, 2)["MPS_ON_EXIT"] == "quit"
-    assert table_defaults(readme, 2) != resolved_defaults()

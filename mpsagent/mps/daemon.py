@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.config import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
 from mpsagent.devices import GpuUuid
 from mpsagent.errors import ControlRunError, DaemonCommandError, DaemonError, GpuDiscoveryError
 from mpsagent.gpu.port import ComputeMode, GpuSource
@@ -41,6 +40,7 @@ from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import ResourcePlan
+from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
 from mpsagent.shares import Ceilings
 
 log = get_logger(__name__)
