@@ -23,6 +23,7 @@ from mpsagent.errors import MpsAgentError
 from mpsagent.logs import get_logger
 from mpsagent.metrics import AgentMetrics
 from mpsagent.status import readiness_problems
+from mpsagent.status_document import StatusDocument
 
 log = get_logger(__name__)
 
@@ -47,7 +48,7 @@ class WebEndpoint:
         self.metrics_app = make_wsgi_app(metrics.registry)
         self._heartbeat = time.monotonic()
 
-    def publish(self, document: dict[str, Any]) -> None:
+    def publish(self, document: StatusDocument) -> None:
         """Called by the event loop: the state scrapes and probes read, and proof that the loop is alive."""
         self.metrics.document = document
         self._heartbeat = time.monotonic()

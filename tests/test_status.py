@@ -3,9 +3,11 @@ in-process, with the clocks fixed."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from mpsagent import cli
@@ -19,9 +21,13 @@ from mpsagent.status import (
     STATUS_FILE,
     DaemonView,
     ResourceView,
+    readiness_problems,
+    starting_document,
     status_document,
+    summary,
     write_status,
 )
+from mpsagent.status_document import PodResourcesStatus
 
 GOLDEN = Path(__file__).parent / "golden"
 WALL = 1_764_547_200.0  # 2025-12-01T00:00:00Z
@@ -116,12 +122,9 @@ def write_serving_status(root: Path) -> None:
         version="1.2.3",
         pid=2**22 + 1,  # above any default pid_max: not a running process
         tasks=17,
-        pod_resources={
-            "socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
-            "available": True,
-            "answers": 40,
-            "failures": 3,
-        },
+        pod_resources=PodResourcesStatus(
+            socket="/var/lib/kubelet/pod-resources/kubelet.sock", available=True, answers=40, failures=3
+        ),
         unhealthy_gpus={uuid(1): "Xid 79 (fallen off the bus)"},
         resources=serving_views(),
     )
@@ -144,3 +147,135 @@ def test_status_prints_what_it_printed_before_the_document_was_typed(
     write_serving_status(tmp_path)
     assert cli.run(["--status", "--mps-root", str(tmp_path), "--output", output.replace("txt", "text")]) == 0
     assert capsys.readouterr().out == (GOLDEN / f"status-printed.{output}").read_text()
+
+
+FIRST_AGENTS_FILE = """{
+ "version": "0.1.0",
+ "pid": 4194305,
+ "podResources": {"socket": "/var/lib/kubelet/pod-resources/kubelet.sock", "available": false},
+ "unhealthyGpus": {},
+ "resources": [
+  {
+   "name": "nvidia.com/gpu",
+   "registered": true,
+   "replicas": 4,
+   "healthy": 4,
+   "daemon": {"pid": 77, "up": true, "capMode": "full", "restarts": 0},
+   "grants": [
+    {"id": 1, "kind": "full", "container": null, "adopted": false, "grantedAt": "2025-11-30T23:59:00Z",
+     "unlistedSince": null, "deviceIds": ["GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0"]}
+   ]
+  }
+ ]
+}
+"""
+
+
+def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upgrade replaces the binary before the agent: `--status` then reads the older agent's file. What that
+    file lacks reads as not known (user mode, write time) or as none (grants' shares, GPU ceilings, counters)."""
+    (tmp_path / STATUS_FILE).write_text(FIRST_AGENTS_FILE)
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "mpsagent 0.1.0 (pid 4194305), written ? -- NOT RUNNING: this is its last state",
+        "pod-resources: NOT answering (/var/lib/kubelet/pod-resources/kubelet.sock)",
+        "",
+        "nvidia.com/gpu: 4/4 replicas healthy, registered with the kubelet",
+        "  mps daemon: up, pid 77, caps full, 0 restarts, user mode unknown (adopted from an older agent)",
+        "  grants: 1",
+        "    #1 full   container not yet known: GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
+    ]
+    assert cli.run(["--status", "--mps-root", str(tmp_path), "--output", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    resource = printed["resources"][0]
+    assert (printed["tasks"], printed["writtenAt"], resource["registrations"], resource["gpus"]) == (0, None, 0, {})
+    assert resource["daemon"]["multiUser"] is None
+    assert resource["grants"][0]["share"] is None
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ('{"version": "1.2.3", "pid": 1', "truncated"),
+        ("[]", "Expected `object`, got `array`"),
+        ('{"version": "1.2.3", "pid": 1}', "Object missing required field `podResources`"),
+        (
+            FIRST_AGENTS_FILE.replace('"up": true', '"up": "yes"'),
+            "Expected `bool`, got `str` - at `$.resources[0].daemon.up`",
+        ),
+    ],
+    ids=["cut-short", "not-an-object", "no-resources", "wrong-type"],
+)
+def test_a_status_file_that_does_not_read_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, problem: str
+) -> None:
+    path = tmp_path / STATUS_FILE
+    path.write_text(content)
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"mpsagent: error: cannot read the agent status {path}: ")
+    assert problem in captured.err
+    assert captured.err.endswith("; the agent rewrites it within a second, or remove it if no agent runs\n")
+    assert captured.err.count("\n") == 1
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_readiness_and_the_systemd_line_read_the_document() -> None:
+    serving, _ = serving_views()
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+    ready = status_document(
+        version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[serving]
+    )
+    assert readiness_problems(ready) == []
+    assert summary(ready) == "serving nvidia.com/gpu (4/8 healthy, 3 grants, caps capped)"
+    both = msgspec.structs.replace(ready, resources=(*ready.resources, *starting_document(["b"]).resources))
+    assert readiness_problems(both) == ["b: not registered with the kubelet", "b: mps daemon down"]
+    assert summary(both) == "b: not registered with the kubelet; b: mps daemon down"
+
+
+def test_the_starting_document_names_every_resource_not_ready() -> None:
+    starting = starting_document(["nvidia.com/gpu", "nvidia.com/gpu-b"])
+    assert [(r.name, r.registered, r.daemon.up, r.grants) for r in starting.resources] == [
+        ("nvidia.com/gpu", False, False, ()),
+        ("nvidia.com/gpu-b", False, False, ()),
+    ]
+    assert starting.pod_resources.available is False
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_metrics_read_the_published_document() -> None:
+    from prometheus_client import generate_latest  # noqa: PLC0415
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+
+    document = status_document(
+        version="1",
+        pid=1,
+        tasks=1,
+        pod_resources=PodResourcesStatus(socket="/kubelet.sock", available=True, failures=3),
+        unhealthy_gpus={},
+        resources=serving_views(),
+    )
+    metrics = AgentMetrics(starting=starting_document(["nvidia.com/gpu"]), gpus=(), gpu_source=None, proc_root=Path())
+    metrics.document = document
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
+    gpu, gpu0, gpu1 = (("resource", "nvidia.com/gpu"),), str(uuid(0)), str(uuid(1))
+    assert scraped[("mpsagent_replicas", (("gpu", gpu1), ("health", "Unhealthy"), *gpu))] == 4
+    assert scraped[("mpsagent_active_grants", (("kind", "capped"), *gpu))] == 2
+    assert scraped[("mpsagent_daemon_cap_mode", (("mode", "capped"), *gpu))] == 1
+    assert scraped[("mpsagent_daemon_multi_user", gpu)] == 0
+    assert scraped[("mpsagent_cap_tamper_total", gpu)] == 1
+    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4096 * 1024**2
+    assert scraped[("mpsagent_escape_thread_percent", (("gpu", gpu0), *gpu))] == 75
+    assert scraped[("mpsagent_daemon_thread_ceiling_percent", gpu)] == 100
+    assert scraped[("mpsagent_kubelet_registration_failures_total", gpu)] == 1
+    assert scraped[("mpsagent_daemon_up", (("resource", "nvidia.com/gpu-mem"),))] == 0
+    assert scraped[("mpsagent_pod_resources_failures_total", ())] == 3
