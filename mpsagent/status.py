@@ -89,7 +89,7 @@ def _wall(monotonic: float | None) -> str | None:
 
 def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuStatus]:
     """Each GPU's replicas and health, with its ceilings and escape bound (see docs/cap-model.md)."""
-    counts: dict[str, list[int]] = {}  # uuid -> [replicas, healthy], in the inventory's order
+    counts: dict[GpuUuid, list[int]] = {}  # [replicas, healthy], in the inventory's order
     for device in view.inventory.snapshot().devices:
         count = counts.setdefault(gpu_of(device.replica_id), [0, 0])
         count[0] += 1
@@ -101,7 +101,7 @@ def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuSt
         counts.setdefault(uuid, [0, 0])
     return {
         uuid: GpuStatus(replicas=replicas, healthy=healthy)
-        if (bound := bounds.get(GpuUuid(uuid))) is None
+        if (bound := bounds.get(uuid)) is None
         else GpuStatus(
             replicas=replicas,
             healthy=healthy,
