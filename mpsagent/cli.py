@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ from mpsagent.mps.control import offers_multi_user
 from mpsagent.plan import NodePlan, build_plan
 from mpsagent.report import plan_report, render_json, render_text
 from mpsagent.settings import SETTINGS, Settings, resolve_settings, status_mps_root
-from mpsagent.status import read_status, render_status_text
+from mpsagent.status import read_status, render_status_json, render_status_text
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -90,7 +89,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         if args.status:
             document = read_status(status_mps_root(vars(args)))
-            print(json.dumps(document, indent=2) if args.output == "json" else render_status_text(document))
+            print(render_status_json(document) if args.output == "json" else render_status_text(document))
             return EXIT_OK
         settings = resolve_settings(vars(args))
         configure_logging(settings.log_format, settings.log_level)

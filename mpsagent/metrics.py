@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,6 +21,7 @@ from mpsagent.devices import MIB, GpuUuid
 from mpsagent.errors import GpuDiscoveryError
 from mpsagent.gpu.port import GpuHealthSource
 from mpsagent.logs import get_logger
+from mpsagent.status_document import CeilingsStatus, GpuStatus, StatusDocument
 
 log = get_logger(__name__)
 
@@ -33,7 +33,7 @@ class AgentMetrics:
     def __init__(
         self,
         *,
-        starting: dict[str, Any],
+        starting: StatusDocument,
         gpus: tuple[GpuUuid, ...],
         gpu_source: GpuHealthSource | None,
         proc_root: Path,
@@ -54,7 +54,7 @@ class AgentMetrics:
         Info("mpsagent_build", "The running agent's version", registry=self.registry).info(
             {"version": __version__, "python": platform.python_version()}
         )
-        self.document: dict[str, Any] = starting
+        self.document: StatusDocument = starting
         """The latest status document; the event loop replaces it whole, scrapes only read it. Until the first
         publish, every resource unregistered with its daemon down, so that every series exists from the start."""
         self.registry.register(_StateCollector(self))
@@ -128,39 +128,39 @@ class _StateCollector(Collector):
         registration_failures = CounterMetricFamily(
             "mpsagent_kubelet_registration_failures", "Failed registrations with the kubelet", labels=["resource"]
         )
-        for res in document["resources"]:
-            name = res["name"]
-            for gpu, counts in res["gpus"].items():
-                replicas.add_metric([name, gpu, "Healthy"], counts["healthy"])
-                replicas.add_metric([name, gpu, "Unhealthy"], counts["replicas"] - counts["healthy"])
+        for res in document.resources:
+            name = res.name
+            for gpu, counts in res.gpus.items():
+                replicas.add_metric([name, gpu, "Healthy"], counts.healthy)
+                replicas.add_metric([name, gpu, "Unhealthy"], counts.replicas - counts.healthy)
                 shares.add_gpu(name, gpu, counts)
-            ledger = res["ledger"]
+            ledger = res.ledger
             for kind in CAP_MODES:
-                grants.add_metric([name, kind], ledger["allocated"].get(kind, 0))
-                active.add_metric([name, kind], ledger["live"].get(kind, 0))
-            adopted.add_metric([name], ledger["adopted"])
-            released.add_metric([name], ledger["released"])
-            daemon = res["daemon"]
-            daemon_up.add_metric([name], 1 if daemon["up"] else 0)
-            restarts.add_metric([name], daemon["restarts"])
-            restart_attempts.add_metric([name], daemon["restartAttempts"])
+                grants.add_metric([name, kind], ledger.allocated.get(kind, 0))
+                active.add_metric([name, kind], ledger.live.get(kind, 0))
+            adopted.add_metric([name], ledger.adopted)
+            released.add_metric([name], ledger.released)
+            daemon = res.daemon
+            daemon_up.add_metric([name], 1 if daemon.up else 0)
+            restarts.add_metric([name], daemon.restarts)
+            restart_attempts.add_metric([name], daemon.restart_attempts)
             for mode in CAP_MODES:
-                cap_mode.add_metric([name, mode], 1 if daemon["capMode"] == mode else 0)
-            if daemon["multiUser"] is not None:
-                multi_user.add_metric([name], 1 if daemon["multiUser"] else 0)
-            cap_tamper.add_metric([name], daemon["capTamper"])
-            shares.add_daemon(name, daemon.get("ceilings"))
-            registrations.add_metric([name], res["registrations"])
-            registered.add_metric([name], 1 if res["registered"] else 0)
-            registration_failures.add_metric([name], res["registrationFailures"])
+                cap_mode.add_metric([name, mode], 1 if daemon.cap_mode == mode else 0)
+            if daemon.multi_user is not None:
+                multi_user.add_metric([name], 1 if daemon.multi_user else 0)
+            cap_tamper.add_metric([name], daemon.cap_tamper)
+            shares.add_daemon(name, daemon.ceilings)
+            registrations.add_metric([name], res.registrations)
+            registered.add_metric([name], 1 if res.registered else 0)
+            registration_failures.add_metric([name], res.registration_failures)
         pod_resources = GaugeMetricFamily(
             "mpsagent_pod_resources_up", "1 while the kubelet's pod-resources API answers"
         )
-        pod_resources.add_metric([], 1 if document["podResources"]["available"] else 0)
+        pod_resources.add_metric([], 1 if document.pod_resources.available else 0)
         pod_resources_failures = CounterMetricFamily(
             "mpsagent_pod_resources_failures", "Failed pod-resources List calls"
         )
-        pod_resources_failures.add_metric([], document["podResources"]["failures"])
+        pod_resources_failures.add_metric([], document.pod_resources.failures)
         yield from (replicas, grants, adopted, released, active, daemon_up, restarts, restart_attempts, cap_mode)
         yield from (multi_user, cap_tamper, registrations, registered, registration_failures)
         yield from shares.families()
@@ -197,17 +197,18 @@ class _ShareFamilies:
             labels=["resource", "gpu"],
         )
 
-    def add_gpu(self, resource: str, gpu: str, counts: dict[str, Any]) -> None:
-        if "memoryCeilingMiB" not in counts:
+    def add_gpu(self, resource: str, gpu: str, status: GpuStatus) -> None:
+        bound = status.bound()
+        if bound is None:
             return
-        self.memory_ceiling.add_metric([resource, gpu], counts["memoryCeilingMiB"] * MIB)
-        self.live_grants.add_metric([resource, gpu], counts["liveGrants"])
-        self.memory_escape.add_metric([resource, gpu], counts["memoryEscapeMiB"] * MIB)
-        self.thread_escape.add_metric([resource, gpu], counts["threadEscape"])
+        self.memory_ceiling.add_metric([resource, gpu], bound.memory_ceiling_mib * MIB)
+        self.live_grants.add_metric([resource, gpu], bound.live_grants)
+        self.memory_escape.add_metric([resource, gpu], bound.memory_escape_mib * MIB)
+        self.thread_escape.add_metric([resource, gpu], bound.thread_escape)
 
-    def add_daemon(self, resource: str, ceilings: dict[str, Any] | None) -> None:
+    def add_daemon(self, resource: str, ceilings: CeilingsStatus | None) -> None:
         if ceilings is not None:
-            self.thread_ceiling.add_metric([resource], ceilings["threadPercentage"])
+            self.thread_ceiling.add_metric([resource], ceilings.thread_percentage)
 
     def families(self) -> tuple[Metric, ...]:
         return (self.thread_ceiling, self.memory_ceiling, self.live_grants, self.memory_escape, self.thread_escape)

@@ -7,7 +7,7 @@ import asyncio
 import os
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -25,6 +25,7 @@ from mpsagent.status import (
     summary,
     write_status,
 )
+from mpsagent.status_document import PodResourcesStatus, StatusDocument
 from mpsagent.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
@@ -60,17 +61,17 @@ class StatePublisher:
         self._web = web
         self._status_failing = False
 
-    def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> dict[str, Any]:
+    def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> StatusDocument:
         return status_document(
             version=__version__,
             pid=os.getpid(),
             tasks=len(asyncio.all_tasks()),  # the agent runs on anyio's asyncio backend
-            pod_resources={
-                "socket": str(self._pod_resources_socket),
-                "available": self._reconciler.available,
-                "answers": self._reconciler.successes,
-                "failures": self._reconciler.failures,
-            },
+            pod_resources=PodResourcesStatus(
+                socket=str(self._pod_resources_socket),
+                available=self._reconciler.available,
+                answers=self._reconciler.successes,
+                failures=self._reconciler.failures,
+            ),
             unhealthy_gpus=unhealthy_gpus,
             resources=views,
         )
@@ -89,7 +90,7 @@ class StatePublisher:
             ),
         )
 
-    def _write_status(self, document: dict[str, Any]) -> bool:
+    def _write_status(self, document: StatusDocument) -> bool:
         """True when written. A failure (a full or read-only file system, something else in the file's place) is
         logged when it begins and when it ends, never raised: the file is for operators, serving goes on."""
         try:
@@ -117,7 +118,7 @@ class StatePublisher:
 
     async def run(self) -> None:
         seen: Hashable = None
-        document: dict[str, Any] | None = None
+        document: StatusDocument | None = None
         unwritten = False
         announced_ready = False
         try:

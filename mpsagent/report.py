@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+
+import msgspec
 
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import ReplicaId, gpu_of
@@ -11,6 +13,17 @@ from mpsagent.errors import RequestError
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
 from mpsagent.nfd import node_labels
 from mpsagent.plan import NodePlan, ResourcePlan
+from mpsagent.report_document import (
+    CeilingsReport,
+    ComputeModeReport,
+    DaemonStartReport,
+    ExampleReport,
+    GpuReport,
+    MountReport,
+    MultiUserReport,
+    PlanReport,
+    ResourceReport,
+)
 
 EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
 
@@ -32,25 +45,25 @@ def _example_requests(resource: ResourcePlan) -> list[tuple[str, tuple[ReplicaId
     return [(title, ids) for ids, title in examples.items()]
 
 
-def _examples(resource: ResourcePlan, allocator: ResourceAllocator) -> list[dict[str, Any]]:
-    examples: list[dict[str, Any]] = []
-    for title, ids in _example_requests(resource):
-        entry: dict[str, Any] = {"request": len(ids), "title": title}
-        try:
-            grant = allocator.grant_for(ids)
-        except RequestError as exc:
-            entry["fullGrant"] = resource.shares.share_of(ids).full
-            entry["error"] = str(exc)
-        else:
-            entry["fullGrant"] = grant.full
-            entry["share"] = grant.share.describe()
-            entry["envs"] = dict(sorted(grant.envs.items()))
-            entry["mounts"] = [{"hostPath": m.host_path, "containerPath": m.container_path} for m in grant.mounts]
-            if grant.cdi_devices:
-                entry["cdiDevices"] = list(grant.cdi_devices)
-        entry["ceilings"] = resource.shares.ceilings([resource.shares.share_of(ids)]).describe()
-        examples.append(entry)
-    return examples
+def _example(
+    resource: ResourcePlan, allocator: ResourceAllocator, title: str, ids: tuple[ReplicaId, ...]
+) -> ExampleReport:
+    ceilings = resource.shares.ceilings([resource.shares.share_of(ids)]).describe()
+    try:
+        grant = allocator.grant_for(ids)
+    except RequestError as exc:
+        full = resource.shares.share_of(ids).full
+        return ExampleReport(request=len(ids), title=title, full_grant=full, error=str(exc), ceilings=ceilings)
+    return ExampleReport(
+        request=len(ids),
+        title=title,
+        full_grant=grant.full,
+        share=grant.share.describe(),
+        envs=dict(sorted(grant.envs.items())),
+        mounts=tuple(MountReport(host_path=m.host_path, container_path=m.container_path) for m in grant.mounts),
+        cdi_devices=grant.cdi_devices or None,
+        ceilings=ceilings,
+    )
 
 
 def _multi_user_note(multi_user: bool, offered: bool | None, control_bin: str) -> str:
@@ -61,128 +74,144 @@ def _multi_user_note(multi_user: bool, offered: bool | None, control_bin: str) -
     return "one MPS server per user: pods of different users take turns on the GPUs"
 
 
+def _resource_report(
+    resource: ResourcePlan, shm_directory: Path, *, control_bin: str, manages_compute_mode: bool, offered: bool | None
+) -> ResourceReport:
+    allocator = ResourceAllocator(resource, shm_directory)
+    multi_user = multi_user_server(resource, offered, control_bin)
+    launch = daemon_launch(resource, control_bin, multi_user=multi_user)
+    full_hardware = daemon_default_commands(resource.shares.full_hardware())
+    return ResourceReport(
+        name=resource.name,
+        replicas=resource.replicas,
+        memory_unit_bytes=resource.memory_unit_bytes,
+        grants=resource.shares.rule.value if not resource.memory_units else "memory units",
+        gpus=tuple(gpu.uuid for gpu in resource.gpus),
+        device_ids=resource.device_ids,
+        pipe_directory=str(resource.pipe_directory),
+        log_directory=str(resource.log_directory),
+        compute_mode=ComputeModeReport(
+            mode=EXCLUSIVE_PROCESS if manages_compute_mode else None,
+            note="set through NVML before the daemon starts, restored when it is quit"
+            if manages_compute_mode
+            else "not managed: GPUs come from a node snapshot, not NVML",
+        ),
+        daemon_start=DaemonStartReport(argv=launch.argv, env=launch.env),
+        multi_user=MultiUserReport(
+            setting=resource.multi_user.value,
+            offered=offered,
+            server=multi_user,
+            note=_multi_user_note(multi_user, offered, control_bin),
+        ),
+        daemon_commands=full_hardware,
+        ceilings=CeilingsReport(
+            enforced_at_daemon=resource.enforce_caps,
+            full_hardware=full_hardware,
+            until_grants_known=daemon_default_commands(resource.shares.unreconciled_ceilings()),
+        ),
+        fail_requests_greater_than_one=resource.fail_requests_greater_than_one,
+        examples=tuple(_example(resource, allocator, title, ids) for title, ids in _example_requests(resource)),
+    )
+
+
 def plan_report(
     plan: NodePlan, *, control_bin: str, manages_compute_mode: bool, multi_user_offered: bool | None
-) -> dict[str, Any]:
+) -> PlanReport:
     """`multi_user_offered`: whether the control binary's `-h` lists --multiuser-server (None: not known)."""
-    resources = []
-    for resource in plan.resources:
-        allocator = ResourceAllocator(resource, plan.shm_directory)
-        multi_user = multi_user_server(resource, multi_user_offered, control_bin)
-        launch = daemon_launch(resource, control_bin, multi_user=multi_user)
-        resources.append(
-            {
-                "name": resource.name,
-                "replicas": resource.replicas,
-                "memoryUnitBytes": resource.memory_unit_bytes,
-                "grants": resource.shares.rule.value if not resource.memory_units else "memory units",
-                "gpus": [gpu.uuid for gpu in resource.gpus],
-                "deviceIds": list(resource.device_ids),
-                "pipeDirectory": str(resource.pipe_directory),
-                "logDirectory": str(resource.log_directory),
-                "computeMode": {
-                    "set": EXCLUSIVE_PROCESS if manages_compute_mode else None,
-                    "note": "set through NVML before the daemon starts, restored when it is quit"
-                    if manages_compute_mode
-                    else "not managed: GPUs come from a node snapshot, not NVML",
-                },
-                "daemonStart": {"argv": list(launch.argv), "env": launch.env},
-                "multiUser": {
-                    "setting": resource.multi_user.value,
-                    "offered": multi_user_offered,
-                    "server": multi_user,
-                    "note": _multi_user_note(multi_user, multi_user_offered, control_bin),
-                },
-                "daemonCommands": list(daemon_default_commands(resource.shares.full_hardware())),
-                "ceilings": {
-                    "enforcedAtDaemon": resource.enforce_caps,
-                    "fullHardware": list(daemon_default_commands(resource.shares.full_hardware())),
-                    "untilGrantsKnown": list(daemon_default_commands(resource.shares.unreconciled_ceilings())),
-                },
-                "failRequestsGreaterThanOne": resource.fail_requests_greater_than_one,
-                "examples": _examples(resource, allocator),
-            }
-        )
-    return {
-        "driverVersion": plan.driver_version,
-        "gpuSource": plan.gpu_source,
-        "gpus": [
-            {
-                "uuid": gpu.uuid,
-                "index": gpu.index,
-                "name": gpu.name,
-                "memoryBytes": gpu.memory_bytes,
-                "computeCapability": gpu.compute_capability_text,
-                "pciBusId": gpu.pci_bus_id,
-                "numaNode": gpu.numa_node,
-                "migEnabled": gpu.mig_enabled,
-            }
+    return PlanReport(
+        driver_version=plan.driver_version,
+        gpu_source=plan.gpu_source,
+        gpus=tuple(
+            GpuReport(
+                uuid=gpu.uuid,
+                index=gpu.index,
+                name=gpu.name,
+                memory_bytes=gpu.memory_bytes,
+                compute_capability=gpu.compute_capability_text,
+                pci_bus_id=gpu.pci_bus_id,
+                numa_node=gpu.numa_node,
+                mig_enabled=gpu.mig_enabled,
+            )
             for gpu in plan.gpus
-        ],
-        "resources": resources,
-        "labels": node_labels(plan.gpus, plan.resources),
-    }
+        ),
+        resources=tuple(
+            _resource_report(
+                resource,
+                plan.shm_directory,
+                control_bin=control_bin,
+                manages_compute_mode=manages_compute_mode,
+                offered=multi_user_offered,
+            )
+            for resource in plan.resources
+        ),
+        labels=node_labels(plan.gpus, plan.resources),
+    )
 
 
-def render_json(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=2)
+def render_json(report: PlanReport) -> str:
+    """The standard library's layout and escaping, which `--once --output json` has always had."""
+    return json.dumps(msgspec.to_builtins(report), indent=2)
 
 
-def render_text(report: dict[str, Any]) -> str:
-    lines = [f"GPUs ({report['gpuSource']}, driver {report['driverVersion']}):"]
-    for gpu in report["gpus"]:
-        numa = "?" if gpu["numaNode"] is None else gpu["numaNode"]
+def _example_lines(example: ExampleReport) -> list[str]:
+    lines = [f"  a container granted {example.title} ({'full' if example.full_grant else 'capped'} grant):"]
+    if example.error is not None:
+        return [*lines, f"    refused: {example.error}"]
+    lines.append(f"    share: {example.share}")
+    lines += [f"    {k}={v}" for k, v in (example.envs or {}).items()]
+    lines += [f"    mount {m.host_path} -> {m.container_path}" for m in example.mounts or ()]
+    lines += [f"    CDI device {d}" for d in example.cdi_devices or ()]
+    lines.append(f"    daemon ceilings while it is the only live grant: {example.ceilings}")
+    return lines
+
+
+def _resource_lines(res: ResourceReport) -> list[str]:
+    ids = res.device_ids
+    per_gpu = (
+        f"memory units of {res.memory_unit_bytes // 1048576} MiB"
+        if res.memory_unit_bytes
+        else f"{res.replicas} replicas"
+    )
+    lines = [
+        "",
+        f"Resource {res.name}: {len(res.gpus)} GPUs x {per_gpu} = {len(ids)} devices (grants: {res.grants})",
+        f"  device IDs: {ids[0]} ... {ids[-1]}" if len(ids) > 2 else f"  device IDs: {', '.join(ids)}",
+        f"  pipe directory: {res.pipe_directory}",
+        f"  compute mode: {res.compute_mode.mode or 'unchanged'} ({res.compute_mode.note})",
+        "  daemon start: "
+        + " ".join(f"{k}={v}" for k, v in res.daemon_start.env.items())
+        + " "
+        + " ".join(res.daemon_start.argv),
+        f"  users: {res.multi_user.note} (sharing.mps.multiUser: {res.multi_user.setting})",
+        "  daemon commands with no live grant (the full hardware):",
+        *(f"    {c}" for c in res.daemon_commands),
+    ]
+    if res.ceilings.enforced_at_daemon:
+        lines += [
+            "  daemon ceilings until the live grants are known (the smallest share):",
+            *(f"    {c}" for c in res.ceilings.until_grants_known),
+            "  then, on every grant and release: per GPU the largest memory cap of its live grants, and the",
+            "  largest thread percentage of the resource's live grants (see docs/cap-model.md)",
+        ]
+    else:
         lines.append(
-            f"  {gpu['index']}  {gpu['uuid']}  {gpu['name']}  {gpu['memoryBytes'] // 1048576} MiB  "
-            f"cc {gpu['computeCapability']}  numa {numa}{'  MIG' if gpu['migEnabled'] else ''}"
+            "  caps are not enforced at the daemon (sharing.mps.enforceCaps: false): it holds the full hardware"
         )
-    for res in report["resources"]:
-        ids = res["deviceIds"]
-        per_gpu = (
-            f"memory units of {res['memoryUnitBytes'] // 1048576} MiB"
-            if res["memoryUnitBytes"]
-            else f"{res['replicas']} replicas"
+    lines.append("  a container's thread percentage is one value for all its GPUs: the smallest of its shares")
+    for example in res.examples:
+        lines += _example_lines(example)
+    return lines
+
+
+def render_text(report: PlanReport) -> str:
+    lines = [f"GPUs ({report.gpu_source}, driver {report.driver_version}):"]
+    for gpu in report.gpus:
+        numa = "?" if gpu.numa_node is None else gpu.numa_node
+        lines.append(
+            f"  {gpu.index}  {gpu.uuid}  {gpu.name}  {gpu.memory_bytes // 1048576} MiB  "
+            f"cc {gpu.compute_capability}  numa {numa}{'  MIG' if gpu.mig_enabled else ''}"
         )
-        lines += [
-            "",
-            f"Resource {res['name']}: {len(res['gpus'])} GPUs x {per_gpu} = {len(ids)} devices "
-            f"(grants: {res['grants']})",
-            f"  device IDs: {ids[0]} ... {ids[-1]}" if len(ids) > 2 else f"  device IDs: {', '.join(ids)}",
-            f"  pipe directory: {res['pipeDirectory']}",
-            f"  compute mode: {res['computeMode']['set'] or 'unchanged'} ({res['computeMode']['note']})",
-            "  daemon start: "
-            + " ".join(f"{k}={v}" for k, v in res["daemonStart"]["env"].items())
-            + " "
-            + " ".join(res["daemonStart"]["argv"]),
-            f"  users: {res['multiUser']['note']} (sharing.mps.multiUser: {res['multiUser']['setting']})",
-        ]
-        lines += [
-            "  daemon commands with no live grant (the full hardware):",
-            *(f"    {c}" for c in res["daemonCommands"]),
-        ]
-        if res["ceilings"]["enforcedAtDaemon"]:
-            lines += [
-                "  daemon ceilings until the live grants are known (the smallest share):",
-                *(f"    {c}" for c in res["ceilings"]["untilGrantsKnown"]),
-                "  then, on every grant and release: per GPU the largest memory cap of its live grants, and the",
-                "  largest thread percentage of the resource's live grants (see docs/cap-model.md)",
-            ]
-        else:
-            lines.append(
-                "  caps are not enforced at the daemon (sharing.mps.enforceCaps: false): it holds the full hardware"
-            )
-        lines.append("  a container's thread percentage is one value for all its GPUs: the smallest of its shares")
-        for example in res["examples"]:
-            lines.append(
-                f"  a container granted {example['title']} ({'full' if example['fullGrant'] else 'capped'} grant):"
-            )
-            if "error" in example:
-                lines.append(f"    refused: {example['error']}")
-                continue
-            lines.append(f"    share: {example['share']}")
-            lines += [f"    {k}={v}" for k, v in example["envs"].items()]
-            lines += [f"    mount {m['hostPath']} -> {m['containerPath']}" for m in example["mounts"]]
-            lines += [f"    CDI device {d}" for d in example.get("cdiDevices", [])]
-            lines.append(f"    daemon ceilings while it is the only live grant: {example['ceilings']}")
-    lines += ["", "Node labels:", *(f"  {k}={v}" for k, v in report["labels"].items())]
+    for res in report.resources:
+        lines += _resource_lines(res)
+    lines += ["", "Node labels:", *(f"  {k}={v}" for k, v in report.labels.items())]
     return "\n".join(lines)

@@ -7,18 +7,35 @@ reads it, so it needs no connection to the agent and works the same on a node an
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import msgspec
+
+from mpsagent import __version__
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
 from mpsagent.host import FileRefusedError, pid_alive, read_regular_file, write_atomically
 from mpsagent.inventory import Inventory
+from mpsagent.ledger import Grant
 from mpsagent.shares import Ceilings
+from mpsagent.status_document import (
+    CapMode,
+    CapTamperEvent,
+    CeilingsStatus,
+    DaemonStatus,
+    FrontEndFailure,
+    GpuStatus,
+    GrantStatus,
+    LedgerStatus,
+    PodResourcesStatus,
+    ResourceStatus,
+    StatusDocument,
+)
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
@@ -42,10 +59,6 @@ class DaemonView:
     """Since when (wall clock) and why the agent cannot run the control front-end."""
 
 
-def _event(event: tuple[float, str] | None, reason_key: str) -> dict[str, str] | None:
-    return None if event is None else {"at": _utc(event[0]), reason_key: event[1]}
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResourceView:
     allocator: ResourceAllocator
@@ -56,7 +69,7 @@ class ResourceView:
     registration_failures: int = 0
 
 
-def _cap_mode(held: Ceilings | None, full: Ceilings) -> str | None:
+def _cap_mode(held: Ceilings | None, full: Ceilings) -> CapMode | None:
     """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
     if held is None:
         return None
@@ -74,97 +87,121 @@ def _wall(monotonic: float | None) -> str | None:
     return _utc(time.time() - (time.monotonic() - monotonic))
 
 
+def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuStatus]:
+    """Each GPU's replicas and health, with its ceilings and escape bound (see docs/cap-model.md)."""
+    counts: dict[GpuUuid, list[int]] = {}  # [replicas, healthy], in the inventory's order
+    for device in view.inventory.snapshot().devices:
+        count = counts.setdefault(gpu_of(device.replica_id), [0, 0])
+        count[0] += 1
+        count[1] += device.health is Health.HEALTHY
+    shares = view.allocator.resource.shares
+    ceilings = view.daemon.ceilings or view.allocator.ceilings()
+    bounds = {b.uuid: b for b in shares.escape_bounds(ceilings, [g.share for g in grants])}
+    for uuid in bounds:
+        counts.setdefault(uuid, [0, 0])
+    return {
+        uuid: GpuStatus(replicas=replicas, healthy=healthy)
+        if (bound := bounds.get(uuid)) is None
+        else GpuStatus(
+            replicas=replicas,
+            healthy=healthy,
+            ordinal=bound.ordinal,
+            live_grants=bound.live_grants,
+            memory_ceiling_mib=bound.memory_ceiling_mib,
+            memory_mib=shares.gpus[bound.ordinal].memory_mib,
+            thread_ceiling=bound.thread_ceiling,
+            memory_escape_mib=bound.memory_escape_mib,
+            thread_escape=bound.thread_escape,
+        )
+        for uuid, (replicas, healthy) in counts.items()
+    }
+
+
+def _daemon_status(daemon: DaemonView, full: Ceilings) -> DaemonStatus:
+    held = daemon.ceilings
+    tamper, failure = daemon.last_cap_tamper, daemon.front_end_failure
+    return DaemonStatus(
+        pid=daemon.pid,
+        up=daemon.up,
+        cap_mode=_cap_mode(held, full),
+        ceilings=None
+        if held is None
+        else CeilingsStatus(thread_percentage=held.thread_percentage, memory_mib=held.memory_mib),
+        restarts=daemon.restarts,
+        restart_attempts=daemon.restart_attempts,
+        multi_user=daemon.multi_user,
+        cap_tamper=daemon.cap_tamper,
+        last_cap_tamper=None if tamper is None else CapTamperEvent(at=_utc(tamper[0]), found=tamper[1]),
+        front_end_failure=None if failure is None else FrontEndFailure(at=_utc(failure[0]), reason=failure[1]),
+    )
+
+
+def _grant_status(grant: Grant) -> GrantStatus:
+    return GrantStatus(
+        grant_id=grant.grant_id,
+        kind=grant.kind.value,
+        share=grant.share.describe(),
+        container=str(grant.owner) if grant.owner else None,
+        adopted=grant.adopted,
+        granted_at=_utc(grant.granted_at),
+        unlisted_since=_wall(grant.missing_since),
+        device_ids=grant.replica_ids,
+    )
+
+
+def _resource_status(view: ResourceView) -> ResourceStatus:
+    devices = view.inventory.snapshot().devices
+    grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
+    stats = view.allocator.ledger.statistics()
+    return ResourceStatus(
+        name=view.allocator.resource.name,
+        registered=view.registered,
+        registrations=view.registrations,
+        registration_failures=view.registration_failures,
+        replicas=len(devices),
+        healthy=sum(d.health is Health.HEALTHY for d in devices),
+        gpus=_gpu_entries(view, grants),
+        daemon=_daemon_status(view.daemon, view.allocator.resource.shares.full_hardware()),
+        ledger=LedgerStatus(
+            allocated={kind.value: count for kind, count in stats.grants.items()},
+            adopted=stats.adopted_grants,
+            superseded=stats.superseded_grants,
+            released=stats.released_grants,
+            live={kind.value: count for kind, count in stats.live_grants.items()},
+        ),
+        grants=tuple(_grant_status(grant) for grant in grants),
+    )
+
+
 def status_document(
     *,
     version: str,
     pid: int,
     tasks: int,
-    pod_resources: dict[str, Any],
+    pod_resources: PodResourcesStatus,
     unhealthy_gpus: dict[GpuUuid, str],
     resources: Sequence[ResourceView],
-) -> dict[str, Any]:
-    entries = []
-    for view in resources:
-        devices = view.inventory.snapshot().devices
-        per_gpu: dict[str, dict[str, int]] = {}
-        for device in devices:
-            counts = per_gpu.setdefault(gpu_of(device.replica_id), {"replicas": 0, "healthy": 0})
-            counts["replicas"] += 1
-            counts["healthy"] += device.health is Health.HEALTHY
-        grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
-        stats = view.allocator.ledger.statistics()
-        shares = view.allocator.resource.shares
-        held = view.daemon.ceilings
-        for bound in shares.escape_bounds(held or view.allocator.ceilings(), [g.share for g in grants]):
-            per_gpu.setdefault(bound.uuid, {"replicas": 0, "healthy": 0}).update(
-                ordinal=bound.ordinal,
-                liveGrants=bound.live_grants,
-                memoryCeilingMiB=bound.memory_ceiling_mib,
-                memoryMiB=shares.gpus[bound.ordinal].memory_mib,
-                threadCeiling=bound.thread_ceiling,
-                memoryEscapeMiB=bound.memory_escape_mib,
-                threadEscape=bound.thread_escape,
-            )
-        entries.append(
-            {
-                "name": view.allocator.resource.name,
-                "registered": view.registered,
-                "registrations": view.registrations,
-                "registrationFailures": view.registration_failures,
-                "replicas": len(devices),
-                "healthy": sum(d.health is Health.HEALTHY for d in devices),
-                "gpus": per_gpu,
-                "daemon": {
-                    "pid": view.daemon.pid,
-                    "up": view.daemon.up,
-                    "capMode": _cap_mode(held, shares.full_hardware()),
-                    "ceilings": None
-                    if held is None
-                    else {"threadPercentage": held.thread_percentage, "memoryMiB": list(held.memory_mib)},
-                    "restarts": view.daemon.restarts,
-                    "restartAttempts": view.daemon.restart_attempts,
-                    "multiUser": view.daemon.multi_user,
-                    "capTamper": view.daemon.cap_tamper,
-                    "lastCapTamper": _event(view.daemon.last_cap_tamper, "found"),
-                    "frontEndFailure": _event(view.daemon.front_end_failure, "reason"),
-                },
-                "ledger": {
-                    "allocated": {kind.value: count for kind, count in stats.grants.items()},
-                    "adopted": stats.adopted_grants,
-                    "superseded": stats.superseded_grants,
-                    "released": stats.released_grants,
-                    "live": {kind.value: count for kind, count in stats.live_grants.items()},
-                },
-                "grants": [
-                    {
-                        "id": grant.grant_id,
-                        "kind": grant.kind.value,
-                        "share": grant.share.describe(),
-                        "container": str(grant.owner) if grant.owner else None,
-                        "adopted": grant.adopted,
-                        "grantedAt": _utc(grant.granted_at),
-                        "unlistedSince": _wall(grant.missing_since),
-                        "deviceIds": list(grant.replica_ids),
-                    }
-                    for grant in grants
-                ],
-            }
-        )
-    return {
-        "version": version,
-        "pid": pid,
-        "tasks": tasks,
-        "podResources": pod_resources,
-        "unhealthyGpus": dict(sorted(unhealthy_gpus.items())),
-        "resources": entries,
-    }
+) -> StatusDocument:
+    return StatusDocument(
+        version=version,
+        pid=pid,
+        tasks=tasks,
+        pod_resources=pod_resources,
+        unhealthy_gpus=dict(sorted(unhealthy_gpus.items())),
+        resources=tuple(_resource_status(view) for view in resources),
+    )
 
 
-def write_status(mps_root: Path, document: dict[str, Any]) -> None:
+def render_status_json(document: StatusDocument, *, indent: int = 2) -> str:
+    """The document as JSON: the standard library's layout and escaping, which status.json has always had."""
+    return json.dumps(msgspec.to_builtins(document), indent=indent)
+
+
+def write_status(mps_root: Path, document: StatusDocument) -> None:
     """Raises OSError (FileRefusedError when something other than a regular file is in the way)."""
-    written = {**document, "writtenAt": _utc(time.time())}
+    written = msgspec.structs.replace(document, written_at=_utc(time.time()))
     write_atomically(
-        mps_root / STATUS_FILE, json.dumps(written, indent=1).encode(), STATUS_FILE_MODE, what="the status file"
+        mps_root / STATUS_FILE, render_status_json(written, indent=1).encode(), STATUS_FILE_MODE, what="the status file"
     )
 
 
@@ -173,81 +210,61 @@ def remove_status(mps_root: Path) -> None:
     (mps_root / STATUS_FILE).unlink(missing_ok=True)
 
 
-def read_status(mps_root: Path) -> dict[str, Any]:
-    """The running agent's status; raises UsageError naming what to check when there is none."""
+def read_status(mps_root: Path) -> StatusDocument:
+    """The running agent's status; raises UsageError naming what to check when there is none, or it cannot be
+    read. An older agent's file reads with the fields it lacks at their defaults."""
     path = mps_root / STATUS_FILE
     try:
-        document: dict[str, Any] = json.loads(
-            read_regular_file(path, max_bytes=MAX_STATUS_BYTES, what="the agent status", follow_symlinks=False)
-        )
+        text = read_regular_file(path, max_bytes=MAX_STATUS_BYTES, what="the agent status", follow_symlinks=False)
+        return msgspec.json.decode(text, type=StatusDocument)
     except FileNotFoundError:
         raise UsageError(
             f"no agent status at {path}: is mpsagent running with this --mps-root (or MPS_ROOT)?"
         ) from None
     except FileRefusedError as exc:
         raise UsageError(f"{exc}; remove it") from exc  # the agent writes a new one within a second
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the agent status {path}: {exc}") from exc
-    return document
+    except (OSError, msgspec.DecodeError) as exc:
+        raise UsageError(
+            f"cannot read the agent status {path}: {exc}; the agent rewrites it within a second, "
+            "or remove it if no agent runs"
+        ) from exc
 
 
-def agent_alive(document: dict[str, Any]) -> bool:
-    try:
-        pid = int(document["pid"])
-    except (KeyError, ValueError, TypeError):
-        return True  # an older or damaged file: do not claim the agent is gone
-    return pid_alive(pid)
+def agent_alive(document: StatusDocument) -> bool:
+    return document.pid is None or pid_alive(document.pid)  # an older file: do not claim the agent is gone
 
 
-def readiness_problems(document: dict[str, Any]) -> list[str]:
+def readiness_problems(document: StatusDocument) -> list[str]:
     """What keeps the agent from being ready: each resource must be registered with the kubelet and its MPS daemon
     up. Empty when ready."""
     problems = []
-    for res in document["resources"]:
-        if not res["registered"]:
-            problems.append(f"{res['name']}: not registered with the kubelet")
-        if not res["daemon"]["up"]:
-            problems.append(f"{res['name']}: mps daemon down")
+    for res in document.resources:
+        if not res.registered:
+            problems.append(f"{res.name}: not registered with the kubelet")
+        if not res.daemon.up:
+            problems.append(f"{res.name}: mps daemon down")
     return problems
 
 
-def starting_document(resources: Sequence[str]) -> dict[str, Any]:
+def starting_document(resources: Sequence[str]) -> StatusDocument:
     """What the agent publishes before its first real document: every resource unregistered, its daemon down and
     no grants, so that metrics and probes have every series and line from the first scrape."""
-    return {
-        "resources": [
-            {
-                "name": name,
-                "registered": False,
-                "registrations": 0,
-                "registrationFailures": 0,
-                "gpus": {},
-                "daemon": {
-                    "up": False,
-                    "capMode": None,
-                    "ceilings": None,
-                    "restarts": 0,
-                    "restartAttempts": 0,
-                    "multiUser": None,
-                    "capTamper": 0,
-                },
-                "ledger": {"allocated": {}, "adopted": 0, "released": 0, "live": {}},
-            }
-            for name in resources
-        ],
-        "podResources": {"available": False, "failures": 0},
-    }
+    return StatusDocument(
+        version=__version__,
+        pid=os.getpid(),
+        pod_resources=PodResourcesStatus(available=False),
+        resources=tuple(ResourceStatus(name=name, daemon=DaemonStatus(up=False)) for name in resources),
+    )
 
 
-def summary(document: dict[str, Any]) -> str:
+def summary(document: StatusDocument) -> str:
     """One line for systemd's STATUS=."""
     problems = readiness_problems(document)
     if problems:
         return "; ".join(problems)
     return "serving " + "; ".join(
-        f"{res['name']} ({res['healthy']}/{res['replicas']} healthy, {len(res['grants'])} grants, "
-        f"caps {res['daemon']['capMode']})"
-        for res in document["resources"]
+        f"{res.name} ({res.healthy}/{res.replicas} healthy, {len(res.grants)} grants, caps {res.daemon.cap_mode})"
+        for res in document.resources
     )
 
 
@@ -257,65 +274,70 @@ def _users(multi_user: bool | None) -> str:
     return "one server for every user (-M)" if multi_user else "one server per user"
 
 
-def _daemon_events(daemon: dict[str, Any]) -> list[str]:
+def _daemon_events(daemon: DaemonStatus) -> list[str]:
     lines = []
-    tampered = daemon.get("lastCapTamper")
+    tampered = daemon.last_cap_tamper
     if tampered:
         lines.append(
-            f"  caps changed behind the agent {daemon['capTamper']} times, last at {tampered['at']} "
-            f"(restored): {tampered['found']}"
+            f"  caps changed behind the agent {daemon.cap_tamper} times, last at {tampered.at} "
+            f"(restored): {tampered.found}"
         )
-    failing = daemon.get("frontEndFailure")
+    failing = daemon.front_end_failure
     if failing:
         lines.append(
-            f"  control front-end CANNOT RUN since {failing['at']}: {failing['reason']} "
+            f"  control front-end CANNOT RUN since {failing.at}: {failing.reason} "
             "(the daemon is kept; cap switches fail until it runs)"
         )
     return lines
 
 
-def _gpu_lines(gpus: dict[str, dict[str, Any]]) -> list[str]:
+def _gpu_lines(gpus: dict[str, GpuStatus]) -> list[str]:
     """Each GPU's ceilings and escape bound: what a container on it gets at most by unsetting its variables."""
     lines = []
     for uuid, gpu in gpus.items():
-        if "memoryCeilingMiB" not in gpu:
+        bound = gpu.bound()
+        if bound is None:
             continue
         lines.append(
-            f"  GPU {gpu['ordinal']} ({uuid}): {gpu['liveGrants']} live grants; ceilings "
-            f"{gpu['memoryCeilingMiB']} of {gpu['memoryMiB']} MiB, threads {gpu['threadCeiling']}%; escape bound: "
-            f"+{gpu['memoryEscapeMiB']} MiB, +{gpu['threadEscape']} threads % over the smallest live share"
+            f"  GPU {bound.ordinal} ({uuid}): {bound.live_grants} live grants; ceilings "
+            f"{bound.memory_ceiling_mib} of {bound.memory_mib} MiB, threads {bound.thread_ceiling}%; escape bound: "
+            f"+{bound.memory_escape_mib} MiB, +{bound.thread_escape} threads % over the smallest live share"
         )
     return lines
 
 
-def render_status_text(document: dict[str, Any]) -> str:
-    pod_resources = document["podResources"]
+def _grant_line(grant: GrantStatus) -> str:
+    ids = grant.device_ids
+    shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
+    note = " (adopted)" if grant.adopted else ""
+    if grant.unlisted_since:
+        note += f" (not listed by the kubelet since {grant.unlisted_since})"
+    holder = grant.container or "container not yet known"
+    share = f" [{grant.share}]" if grant.share else ""
+    return f"    #{grant.grant_id} {grant.kind:<6} {holder}{note}{share}: {shown}"
+
+
+def render_status_text(document: StatusDocument) -> str:
+    pod_resources = document.pod_resources
     alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
     lines = [
-        f"mpsagent {document['version']} (pid {document['pid']}), written {document.get('writtenAt', '?')}{alive}",
-        f"pod-resources: {'answering' if pod_resources['available'] else 'NOT answering'} ({pod_resources['socket']})",
+        f"mpsagent {document.version} (pid {document.pid}), written {document.written_at or '?'}{alive}",
+        f"pod-resources: {'answering' if pod_resources.available else 'NOT answering'} "
+        f"({pod_resources.socket or 'socket not known'})",
     ]
-    for uuid, reason in document["unhealthyGpus"].items():
+    for uuid, reason in document.unhealthy_gpus.items():
         lines.append(f"GPU {uuid} unhealthy: {reason}")
-    for res in document["resources"]:
-        daemon = res["daemon"]
+    for res in document.resources:
+        daemon = res.daemon
         lines += [
             "",
-            f"{res['name']}: {res['healthy']}/{res['replicas']} replicas healthy, "
-            f"{'registered' if res['registered'] else 'NOT registered'} with the kubelet",
-            f"  mps daemon: {'up' if daemon['up'] else 'DOWN'}, pid {daemon['pid']}, caps {daemon['capMode']}, "
-            f"{daemon['restarts']} restarts, {_users(daemon.get('multiUser'))}",
+            f"{res.name}: {res.healthy}/{res.replicas} replicas healthy, "
+            f"{'registered' if res.registered else 'NOT registered'} with the kubelet",
+            f"  mps daemon: {'up' if daemon.up else 'DOWN'}, pid {daemon.pid}, caps {daemon.cap_mode}, "
+            f"{daemon.restarts} restarts, {_users(daemon.multi_user)}",
             *_daemon_events(daemon),
-            *_gpu_lines(res["gpus"]),
-            f"  grants: {len(res['grants'])}",
+            *_gpu_lines(res.gpus),
+            f"  grants: {len(res.grants)}",
+            *(_grant_line(grant) for grant in res.grants),
         ]
-        for grant in res["grants"]:
-            ids = grant["deviceIds"]
-            shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
-            note = " (adopted)" if grant["adopted"] else ""
-            if grant["unlistedSince"]:
-                note += f" (not listed by the kubelet since {grant['unlistedSince']})"
-            holder = grant["container"] or "container not yet known"
-            share = f" [{grant['share']}]" if grant.get("share") else ""
-            lines.append(f"    #{grant['id']} {grant['kind']:<6} {holder}{note}{share}: {shown}")
     return "\n".join(lines)

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterable, Iterator
 from functools import partial
 from http import HTTPStatus
-from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -23,6 +22,7 @@ from mpsagent.errors import HostError
 from mpsagent.logs import get_logger
 from mpsagent.metrics import AgentMetrics
 from mpsagent.status import readiness_problems
+from mpsagent.status_document import StatusDocument
 from mpsagent.web.server import HTTP_LIMITS, Blocking, HttpLimits, HttpServer, Request, Response, listen
 
 log = get_logger(__name__)
@@ -39,7 +39,7 @@ class WebEndpoint:
         self._server = HttpServer(self._answer, limits)
         metrics.registry.register(_HttpCollector(self._server))
 
-    def publish(self, document: dict[str, Any]) -> None:
+    def publish(self, document: StatusDocument) -> None:
         """Called by the event loop: the state scrapes and probes read, and proof that the loop is alive."""
         self.metrics.document = document
         self._heartbeat = time.monotonic()

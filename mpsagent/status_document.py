@@ -1,0 +1,137 @@
+"""The status document's types: what status.json holds, `--status` prints, and `/metrics` and `/readyz` read.
+
+Built by `status` from the agent's live state, published by `publisher`; camelCase on the wire. A field that an
+older agent did not write has a default, so that `--status` reads that agent's file; a field without one is one
+every agent wrote. Where a new field goes: into the Struct here (with a default), filled in
+`status.status_document`, rendered in `status.render_status_text`, pinned in tests/golden/status.json.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, cast
+
+import msgspec
+
+CapMode = Literal["full", "capped"]
+
+
+class GpuBound(NamedTuple):
+    """A GPU's ceilings and escape bound, as the status document holds them (see docs/cap-model.md)."""
+
+    ordinal: int
+    live_grants: int
+    memory_ceiling_mib: int
+    memory_mib: int
+    thread_ceiling: int
+    memory_escape_mib: int
+    thread_escape: int
+
+
+class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
+    """One GPU of a resource; the ceilings and escape bound are absent in an older agent's file."""
+
+    replicas: int
+    healthy: int
+    ordinal: int | None = None
+    live_grants: int | None = None
+    memory_ceiling_mib: int | None = msgspec.field(default=None, name="memoryCeilingMiB")
+    memory_mib: int | None = msgspec.field(default=None, name="memoryMiB")
+    thread_ceiling: int | None = None
+    memory_escape_mib: int | None = msgspec.field(default=None, name="memoryEscapeMiB")
+    thread_escape: int | None = None
+
+    def bound(self) -> GpuBound | None:
+        """The ceilings and escape bound, when the file holds them all."""
+        values = (
+            self.ordinal,
+            self.live_grants,
+            self.memory_ceiling_mib,
+            self.memory_mib,
+            self.thread_ceiling,
+            self.memory_escape_mib,
+            self.thread_escape,
+        )
+        return None if None in values else GpuBound(*cast("tuple[int, ...]", values))
+
+
+class CeilingsStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    thread_percentage: int
+    memory_mib: tuple[int, ...] = msgspec.field(name="memoryMiB")
+
+
+class CapTamperEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    at: str
+    found: str
+
+
+class FrontEndFailure(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    at: str
+    reason: str
+
+
+class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    pid: int | None = None
+    up: bool
+    cap_mode: CapMode | None = None
+    ceilings: CeilingsStatus | None = None
+    """What the daemon is known to hold; None while they are being set, or after a change failed."""
+    restarts: int = 0
+    restart_attempts: int = 0
+    multi_user: bool | None = None
+    """None: not known (a daemon adopted from an older agent)."""
+    cap_tamper: int = 0
+    last_cap_tamper: CapTamperEvent | None = None
+    front_end_failure: FrontEndFailure | None = None
+
+
+class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    allocated: dict[str, int] = {}
+    """Grants made by Allocate, by kind (full, capped)."""
+    adopted: int = 0
+    superseded: int = 0
+    released: int = 0
+    live: dict[str, int] = {}
+
+
+class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    grant_id: int = msgspec.field(name="id")
+    kind: str
+    share: str | None = None
+    container: str | None = None
+    adopted: bool = False
+    granted_at: str
+    unlisted_since: str | None = None
+    device_ids: tuple[str, ...]
+
+
+class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    name: str
+    registered: bool = False
+    registrations: int = 0
+    registration_failures: int = 0
+    replicas: int = 0
+    healthy: int = 0
+    gpus: dict[str, GpuStatus] = {}
+    daemon: DaemonStatus
+    ledger: LedgerStatus = LedgerStatus()
+    grants: tuple[GrantStatus, ...] = ()
+
+
+class PodResourcesStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    socket: str | None = None
+    available: bool
+    answers: int = 0
+    failures: int = 0
+
+
+class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What status.json holds, `--status` prints, and metrics and `/readyz` read."""
+
+    version: str
+    pid: int | None = None
+    tasks: int = 0
+    pod_resources: PodResourcesStatus
+    unhealthy_gpus: dict[str, str] = {}
+    resources: tuple[ResourceStatus, ...]
+    written_at: str | None = None
+    """Set by write_status."""

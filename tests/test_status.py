@@ -1,0 +1,281 @@
+"""The status document: built from live state, written to status.json, read back by `--status` and rendered;
+in-process, with the clocks fixed."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from mpsagent import cli
+from mpsagent.allocation import ResourceAllocator
+from mpsagent.config import check_config, parse_config
+from mpsagent.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
+from mpsagent.inventory import Inventory
+from mpsagent.ledger import Ledger
+from mpsagent.plan import build_plan
+from mpsagent.status import (
+    STATUS_FILE,
+    DaemonView,
+    ResourceView,
+    readiness_problems,
+    starting_document,
+    status_document,
+    summary,
+    write_status,
+)
+from mpsagent.status_document import PodResourcesStatus
+
+GOLDEN = Path(__file__).parent / "golden"
+WALL = 1_764_547_200.0  # 2025-12-01T00:00:00Z
+MONOTONIC = 5000.0
+CONFIG = """\
+version: v1
+sharing:
+  mps:
+    failRequestsGreaterThanOne: false
+    resources:
+    - {name: nvidia.com/gpu, replicas: 4, devices: [0, 1]}
+    - {name: nvidia.com/gpu-mem, memoryUnit: 4Gi, devices: [2]}
+"""
+
+
+def uuid(index: int) -> GpuUuid:
+    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
+
+
+def t4(index: int) -> Gpu:
+    return Gpu(
+        uuid=uuid(index),
+        index=index,
+        name="Tesla T4",
+        memory_bytes=16 * 1024**3,
+        compute_capability=(7, 5),
+        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
+        numa_node=0,
+        mig_enabled=False,
+    )
+
+
+@pytest.fixture
+def fixed_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "time", lambda: WALL)
+    monkeypatch.setattr(time, "monotonic", lambda: MONOTONIC)
+
+
+def serving_views() -> list[ResourceView]:
+    """Two resources: one serving three grants (capped, full and adopted, one no longer listed), a GPU unhealthy
+    and its caps changed behind the agent once; one whose daemon is down and never registered."""
+    plan = build_plan(
+        check_config(parse_config(CONFIG, "config.yaml")),
+        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
+        Path("/run/nvidia/mps"),
+    )
+    gpus, units = plan.resources
+    allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 60, lambda: MONOTONIC - 60))
+    ids = gpus.device_ids
+    capped, full = allocator.allocate([ids[:1], ids[4:8]])
+    capped.record.grant.owner = ContainerRef(namespace="ml", pod="train-0", container="main")
+    full.record.grant.missing_since = MONOTONIC - 30
+    serve = ContainerRef(namespace="ml", pod="serve-1", container="main")
+    allocator.ledger.adopt(ids[1:2], gpus.shares.share_of(ids[1:2]), serve)
+    inventory = Inventory(gpus, daemon_ready=True)
+    inventory.set_gpu_problem(uuid(1), "nvml", present=True)
+    serving = ResourceView(
+        allocator=allocator,
+        inventory=inventory,
+        daemon=DaemonView(
+            pid=4242,
+            up=True,
+            ceilings=allocator.ceilings(),
+            restarts=1,
+            restart_attempts=2,
+            multi_user=False,
+            cap_tamper=1,
+            last_cap_tamper=(WALL - 10, "active thread percentage 100, set 50"),
+        ),
+        registered=True,
+        registrations=2,
+        registration_failures=1,
+    )
+    down = ResourceView(
+        allocator=ResourceAllocator(units, plan.shm_directory),
+        inventory=Inventory(units),
+        daemon=DaemonView(
+            pid=None,
+            up=False,
+            ceilings=None,
+            restarts=0,
+            front_end_failure=(WALL - 20, "nvidia-cuda-mps-control: Permission denied"),
+        ),
+        registered=False,
+        registrations=0,
+    )
+    return [serving, down]
+
+
+def write_serving_status(root: Path) -> None:
+    document = status_document(
+        version="1.2.3",
+        pid=2**22 + 1,  # above any default pid_max: not a running process
+        tasks=17,
+        pod_resources=PodResourcesStatus(
+            socket="/var/lib/kubelet/pod-resources/kubelet.sock", available=True, answers=40, failures=3
+        ),
+        unhealthy_gpus={uuid(1): "Xid 79 (fallen off the bus)"},
+        resources=serving_views(),
+    )
+    write_status(root, document)
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_the_status_file_holds_what_it_held_before_the_document_was_typed(tmp_path: Path) -> None:
+    """Scripts and older `--status` read status.json: its bytes are pinned (tests/golden/status.json, written by
+    the dict-built document this replaced)."""
+    write_serving_status(tmp_path)
+    assert (tmp_path / STATUS_FILE).read_text() == (GOLDEN / "status.json").read_text()
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+@pytest.mark.parametrize("output", ["json", "txt"])
+def test_status_prints_what_it_printed_before_the_document_was_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], output: str
+) -> None:
+    write_serving_status(tmp_path)
+    assert cli.run(["--status", "--mps-root", str(tmp_path), "--output", output.replace("txt", "text")]) == 0
+    assert capsys.readouterr().out == (GOLDEN / f"status-printed.{output}").read_text()
+
+
+FIRST_AGENTS_FILE = """{
+ "version": "0.1.0",
+ "pid": 4194305,
+ "podResources": {"socket": "/var/lib/kubelet/pod-resources/kubelet.sock", "available": false},
+ "unhealthyGpus": {},
+ "resources": [
+  {
+   "name": "nvidia.com/gpu",
+   "registered": true,
+   "replicas": 4,
+   "healthy": 4,
+   "daemon": {"pid": 77, "up": true, "capMode": "full", "restarts": 0},
+   "grants": [
+    {"id": 1, "kind": "full", "container": null, "adopted": false, "grantedAt": "2025-11-30T23:59:00Z",
+     "unlistedSince": null, "deviceIds": ["GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0"]}
+   ]
+  }
+ ]
+}
+"""
+
+
+def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upgrade replaces the binary before the agent: `--status` then reads the older agent's file. What that
+    file lacks reads as not known (user mode, write time) or as none (grants' shares, GPU ceilings, counters)."""
+    (tmp_path / STATUS_FILE).write_text(FIRST_AGENTS_FILE)
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "mpsagent 0.1.0 (pid 4194305), written ? -- NOT RUNNING: this is its last state",
+        "pod-resources: NOT answering (/var/lib/kubelet/pod-resources/kubelet.sock)",
+        "",
+        "nvidia.com/gpu: 4/4 replicas healthy, registered with the kubelet",
+        "  mps daemon: up, pid 77, caps full, 0 restarts, user mode unknown (adopted from an older agent)",
+        "  grants: 1",
+        "    #1 full   container not yet known: GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
+    ]
+    assert cli.run(["--status", "--mps-root", str(tmp_path), "--output", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    resource = printed["resources"][0]
+    assert (printed["tasks"], printed["writtenAt"], resource["registrations"], resource["gpus"]) == (0, None, 0, {})
+    assert resource["daemon"]["multiUser"] is None
+    assert resource["grants"][0]["share"] is None
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ('{"version": "1.2.3", "pid": 1', "truncated"),
+        ("[]", "Expected `object`, got `array`"),
+        ('{"version": "1.2.3", "pid": 1}', "Object missing required field `podResources`"),
+        (
+            FIRST_AGENTS_FILE.replace('"up": true', '"up": "yes"'),
+            "Expected `bool`, got `str` - at `$.resources[0].daemon.up`",
+        ),
+    ],
+    ids=["cut-short", "not-an-object", "no-resources", "wrong-type"],
+)
+def test_a_status_file_that_does_not_read_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, problem: str
+) -> None:
+    path = tmp_path / STATUS_FILE
+    path.write_text(content)
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"mpsagent: error: cannot read the agent status {path}: ")
+    assert problem in captured.err
+    assert captured.err.endswith("; the agent rewrites it within a second, or remove it if no agent runs\n")
+    assert captured.err.count("\n") == 1
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_readiness_and_the_systemd_line_read_the_document() -> None:
+    serving, _ = serving_views()
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+    ready = status_document(
+        version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[serving]
+    )
+    assert readiness_problems(ready) == []
+    assert summary(ready) == "serving nvidia.com/gpu (4/8 healthy, 3 grants, caps capped)"
+    both = msgspec.structs.replace(ready, resources=(*ready.resources, *starting_document(["b"]).resources))
+    assert readiness_problems(both) == ["b: not registered with the kubelet", "b: mps daemon down"]
+    assert summary(both) == "b: not registered with the kubelet; b: mps daemon down"
+
+
+def test_the_starting_document_names_every_resource_not_ready() -> None:
+    starting = starting_document(["nvidia.com/gpu", "nvidia.com/gpu-b"])
+    assert [(r.name, r.registered, r.daemon.up, r.grants) for r in starting.resources] == [
+        ("nvidia.com/gpu", False, False, ()),
+        ("nvidia.com/gpu-b", False, False, ()),
+    ]
+    assert starting.pod_resources.available is False
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_metrics_read_the_published_document() -> None:
+    from prometheus_client import generate_latest  # noqa: PLC0415
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+
+    document = status_document(
+        version="1",
+        pid=1,
+        tasks=1,
+        pod_resources=PodResourcesStatus(socket="/kubelet.sock", available=True, failures=3),
+        unhealthy_gpus={},
+        resources=serving_views(),
+    )
+    metrics = AgentMetrics(starting=starting_document(["nvidia.com/gpu"]), gpus=(), gpu_source=None, proc_root=Path())
+    metrics.document = document
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in family.samples
+    }
+    gpu, gpu0, gpu1 = (("resource", "nvidia.com/gpu"),), str(uuid(0)), str(uuid(1))
+    assert scraped[("mpsagent_replicas", (("gpu", gpu1), ("health", "Unhealthy"), *gpu))] == 4
+    assert scraped[("mpsagent_active_grants", (("kind", "capped"), *gpu))] == 2
+    assert scraped[("mpsagent_daemon_cap_mode", (("mode", "capped"), *gpu))] == 1
+    assert scraped[("mpsagent_daemon_multi_user", gpu)] == 0
+    assert scraped[("mpsagent_cap_tamper_total", gpu)] == 1
+    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4096 * 1024**2
+    assert scraped[("mpsagent_escape_thread_percent", (("gpu", gpu0), *gpu))] == 75
+    assert scraped[("mpsagent_daemon_thread_ceiling_percent", gpu)] == 100
+    assert scraped[("mpsagent_kubelet_registration_failures_total", gpu)] == 1
+    assert scraped[("mpsagent_daemon_up", (("resource", "nvidia.com/gpu-mem"),))] == 0
+    assert scraped[("mpsagent_pod_resources_failures_total", ())] == 3
