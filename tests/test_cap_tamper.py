@@ -21,11 +21,13 @@ from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.plan import CapDifference, ControlStep, build_plan, cap_differences, running_server_steps
-from tests.conftest import EXAMPLES, ROOT, AgentLauncher, small_node
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import REAL_BIN, control, pipe_of, start
-from tests.test_metrics import serve, value
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
+from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.metrics import value
+from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of
+from mpsagent_testing.node import GPU0, RESOURCE, config, ids, small_node
+from mpsagent_testing.repo import EXAMPLES, ROOT
 
 TAMPERED = "mps daemon caps changed behind the agent; restoring them"
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from mpsagent_testing.repo import ROOT
 
 DOCS = ROOT / "docs"
 

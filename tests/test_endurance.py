@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from mpsagent.publisher import STATUS_INTERVAL_S
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.test_daemon import daemon_pid, start
-from tests.test_plugin_integration import ALL, RESOURCE, allocate
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.mps.daemon import daemon_pid
+from mpsagent_testing.node import ALL, RESOURCE
 
 KUBELET_RESTARTS = 50
 DAEMON_KILLS = 20
