@@ -25,9 +25,11 @@ from mpsagent_testing.agents import AgentLauncher, serve, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.metrics import value
-from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of
+from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of, require_real_control
 from mpsagent_testing.node import GPU0, RESOURCE, config, ids, small_node
 from mpsagent_testing.repo import EXAMPLES, ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 TAMPERED = "mps daemon caps changed behind the agent; restoring them"
 

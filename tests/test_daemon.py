@@ -18,15 +18,12 @@ from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 from mpsagent_testing.mps import FAKE_CONTROL_BIN
-from mpsagent_testing.mps.daemon import REAL_BIN, control, daemon_pid, pipe_of
+from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of, require_real_control
 from mpsagent_testing.node import ALL, GPU0, RESOURCE, config, ids
 from mpsagent_testing.nvml.build import fake_nvml_env
 from mpsagent_testing.processes import alive
 
-if REAL_BIN is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
-    pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
+require_real_control()
 
 
 def test_daemon_holds_the_full_hardware_at_start(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:

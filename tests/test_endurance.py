@@ -16,8 +16,10 @@ from mpsagent.publisher import STATUS_INTERVAL_S
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
-from mpsagent_testing.mps.daemon import daemon_pid
+from mpsagent_testing.mps.daemon import daemon_pid, require_real_control
 from mpsagent_testing.node import ALL, RESOURCE
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 KUBELET_RESTARTS = 50
 DAEMON_KILLS = 20

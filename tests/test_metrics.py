@@ -18,10 +18,13 @@ from mpsagent_testing.agents import AgentLauncher, serve, start
 from mpsagent_testing.kubelet.calls import allocate, preferred
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.metrics import get, samples, value
+from mpsagent_testing.mps.daemon import require_real_control
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids, write_config
 from mpsagent_testing.nvml.build import fake_nvml_env
 from mpsagent_testing.nvml.control import FakeNvmlDriver
 from mpsagent_testing.repo import ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 
 def test_probes_follow_registration_and_metrics_follow_the_ledger(

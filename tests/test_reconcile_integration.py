@@ -13,8 +13,10 @@ from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.kubelet.podresources import FakePodResources, ListedContainer, listed
-from mpsagent_testing.mps.daemon import control, pipe_of
+from mpsagent_testing.mps.daemon import control, pipe_of, require_real_control
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, ids
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 CAPPED = "25.0"
 FULL = "100.0"

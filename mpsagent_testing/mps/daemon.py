@@ -9,8 +9,19 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REAL_BIN = shutil.which("nvidia-cuda-mps-control")
-"""The real front-end, or None where it is not installed (the tests that need it skip then)."""
+"""The real front-end, or None where it is not installed (`require_real_control`)."""
+
+
+def require_real_control() -> None:
+    """Skip the calling test module where the real front-end is missing; in CI, where it must be, fail instead."""
+    if REAL_BIN is not None:
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
+    pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
 
 
 def control(pipe: Path, command: str) -> str:
