@@ -15,9 +15,10 @@ from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 
-from bench.kubelet import TimedKubelet
-from bench.procs import end_group, kill_marked, marked_env
-from tests.kubelet.fake import Plugin, wait_for
+from kubelet import TimedKubelet
+
+from mpsagent_testing.kubelet.fake import Plugin, wait_for
+from mpsagent_testing.processes import end_group, kill_processes_using, marked_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESOURCE = "nvidia.com/gpu"
@@ -205,7 +206,7 @@ class BenchNode:
             agent.stop()
         self.kubelet.stop()
         for _ in range(3):  # the MPS daemon runs in its own session: find it by the environment marker
-            if not kill_marked(self.directory):
+            if not kill_processes_using(self.directory):
                 break
             time.sleep(0.05)
         shutil.rmtree(self.directory, ignore_errors=True)

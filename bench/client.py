@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from tests.kubelet.stubs import dp_grpc, dp_pb2
+from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2
 
 CALL_TIMEOUT_S = 30.0  # the kubelet sets none; the bench must not hang
 

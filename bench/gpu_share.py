@@ -44,11 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from mpsagent_testing.processes import kill_processes_using, marked_env
 
-from bench.procs import kill_marked, marked_env  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESOURCE = "nvidia.com/gpu"
 REPLICAS = 4
@@ -213,15 +211,15 @@ class ShareBench:
                 with contextlib.suppress(Exception):
                     fake.stop()
         for _ in range(3):
-            if not kill_marked(self.work):
+            if not kill_processes_using(self.work):
                 break
             time.sleep(0.1)
         if not self.args.keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
 
     def start_agent(self) -> None:
-        from tests.kubelet.fake import FakeKubelet  # noqa: PLC0415 - needs grpcio (the test extra)
-        from tests.kubelet.podresources import FakePodResources  # noqa: PLC0415
+        from mpsagent_testing.kubelet.fake import FakeKubelet  # noqa: PLC0415 - needs grpcio (the test extra)
+        from mpsagent_testing.kubelet.podresources import FakePodResources  # noqa: PLC0415
 
         (self.work / "dp").mkdir()
         (self.work / "config.yaml").write_text(CONFIG)
@@ -265,8 +263,8 @@ class ShareBench:
     def grant(self, case: Case) -> list[dict[str, str]]:
         """Allocate each client's replicas (distinct IDs of GPU 0) and list them all, as the kubelet does once the
         pods run; returns each client's container environment."""
-        from tests.kubelet.podresources import ListedContainer  # noqa: PLC0415
-        from tests.kubelet.stubs import dp_pb2  # noqa: PLC0415
+        from mpsagent_testing.kubelet.podresources import ListedContainer  # noqa: PLC0415
+        from mpsagent_testing.kubelet.stubs import dp_pb2  # noqa: PLC0415
 
         envs, listed, taken = [], [], 0
         for index, k in enumerate(case.grants):

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 
 Devices = list[tuple[str, str, tuple[int, ...]]]
 T = TypeVar("T")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from bench.agent import NodeShape
+from agent import NodeShape
 
 BASE = NodeShape(gpus=8, replicas=48)
 SCALE = NodeShape(gpus=16, replicas=48)

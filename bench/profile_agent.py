@@ -23,13 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from agent import BenchNode, NodeShape, replica_ids, spread_ids
+from client import allocate_request, cycle, preferred_request
+from params import BASE, SCALE
 
-from bench.agent import BenchNode, NodeShape, replica_ids, spread_ids  # noqa: E402
-from bench.client import allocate_request, cycle, preferred_request  # noqa: E402
-from bench.params import BASE, SCALE  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOADS = ("allocate", "full-grant", "preferred-1", "preferred-48", "preferred-768", "idle")
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.params import Params
-from bench.results import RunResults
-from bench.stats import median
+from params import Params
+from results import RunResults
+from stats import median
 
 
 @dataclass(frozen=True, slots=True)

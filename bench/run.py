@@ -18,17 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import scenarios
+from agent import interrupt_on_sigterm
+from machine import machine_info, source_info
+from params import FULL, QUICK, Params
+from report import aggregate, document, render_table, write_json
+from results import RunResults
 
-from bench import scenarios  # noqa: E402
-from bench.agent import interrupt_on_sigterm  # noqa: E402
-from bench.machine import machine_info, source_info  # noqa: E402
-from bench.params import FULL, QUICK, Params  # noqa: E402
-from bench.procs import kill_marked  # noqa: E402
-from bench.report import aggregate, document, render_table, write_json  # noqa: E402
-from bench.results import RunResults  # noqa: E402
+from mpsagent_testing.processes import kill_processes_using
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_JSON = ROOT / "bench" / "results" / "latest.json"
 
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     finally:
-        kill_marked(work)  # whatever a failed scenario left behind
+        kill_processes_using(work)  # whatever a failed scenario left behind
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
     machine["load_average_end"] = list(os.getloadavg())

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.agent import AgentProcess, BenchNode, replica_ids, spread_ids
-from bench.client import allocate_request, burst, cycle, preferred_request, stub_for, time_calls, timed
-from bench.floor import FloorProcess
-from bench.kubelet import all_health, updates_of, wait_message
-from bench.params import Params
-from bench.procs import cpu_times, marked_env, rss_bytes
-from bench.results import RunResults
-from bench.stats import median, median_ms, ms, p99_ms
-from tests.kubelet.fake import Plugin, wait_for
-from tests.processes import alive
+from agent import AgentProcess, BenchNode, replica_ids, spread_ids
+from client import allocate_request, burst, cycle, preferred_request, stub_for, time_calls, timed
+from floor import FloorProcess
+from kubelet import all_health, updates_of, wait_message
+from params import Params
+from results import RunResults
+from stats import median, median_ms, ms, p99_ms
+
+from mpsagent_testing.kubelet.fake import Plugin, wait_for
+from mpsagent_testing.processes import alive, cpu_times, marked_env, rss_bytes
 
 MB = 1_000_000
 HEALTH_TIMEOUT_S = 30.0

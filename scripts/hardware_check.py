@@ -25,8 +25,9 @@ On the GPU node, as root, from the repository root (about a minute; needs the NV
 
 No network there? Build the wheel folder build/hwc-wheels on a machine with network and bring it along; then
 `pip install --no-index --find-links build/hwc-wheels mpsagent grpcio grpcio-tools` instead (docs/hardware-check.md
-has both commands, and a fallback for a Python without pip). The checkout's mpsagent is what runs either way: the
-repository goes first on PYTHONPATH.
+has both commands, and a fallback for a Python without pip; with the wheels, run it with the repository first on
+`PYTHONPATH`). The agent it starts runs the checkout's mpsagent either way: the repository goes first on its
+PYTHONPATH. The fakes come from the test support package `mpsagent_testing`, which the install brings.
 
 Without a GPU (what tests/test_hardware_check.py runs; every CUDA and compute-mode step is reported
 "skipped (no GPU)"):
@@ -61,10 +62,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the checkout's mpsagent and its test fakes, whatever the working directory
-
-from tests.processes import alive, processes_using  # noqa: E402
 
 RESOURCE = "nvidia.com/gpu"
 UNIT_RESOURCE = "nvidia.com/gpu-mem"
@@ -422,7 +419,7 @@ def say(message: str) -> None:
 
 def memory_read_back(mib: int) -> str:
     """How the control daemon prints a pinned-memory limit (the agent's own rule, from mpsagent.mps.commands)."""
-    from mpsagent.mps.commands import memory_read_back as rule  # noqa: PLC0415 - the repository is on sys.path by now
+    from mpsagent.mps.commands import memory_read_back as rule  # noqa: PLC0415 - the CUDA client needs no mpsagent
 
     return rule(mib)
 
@@ -679,6 +676,8 @@ class HardwareCheck:
         return ids
 
     def finish(self) -> None:
+        from mpsagent_testing.processes import processes_using  # noqa: PLC0415 - the CUDA client runs on any Python
+
         if self.dry_run:
             self.report.skip("compute-mode-restored", "compute mode after the agent stopped", "Default")
         else:
@@ -753,10 +752,8 @@ class HardwareCheck:
         return plan
 
     def start_fakes(self) -> None:
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        from tests.kubelet.fake import FakeKubelet  # noqa: PLC0415 - needs grpcio (the test extra)
-        from tests.kubelet.podresources import FakePodResources  # noqa: PLC0415
+        from mpsagent_testing.kubelet.fake import FakeKubelet  # noqa: PLC0415 - needs grpcio (the test extra)
+        from mpsagent_testing.kubelet.podresources import FakePodResources  # noqa: PLC0415
 
         (self.work / "dp").mkdir()
         self.pod_resources = FakePodResources(self.work / "pr" / "kubelet.sock").start()
@@ -825,8 +822,8 @@ class HardwareCheck:
         self.report.facts[_check_id("daemonPid", self.run)] = self.daemon_pid
 
     def allocate(self, ids: list[str], pod: str, container: str) -> dict[str, str]:
-        from tests.kubelet.podresources import ListedContainer  # noqa: PLC0415
-        from tests.kubelet.stubs import dp_pb2  # noqa: PLC0415
+        from mpsagent_testing.kubelet.podresources import ListedContainer  # noqa: PLC0415
+        from mpsagent_testing.kubelet.stubs import dp_pb2  # noqa: PLC0415
 
         request = dp_pb2.AllocateRequest(container_requests=[dp_pb2.ContainerAllocateRequest(devices_ids=ids)])
         response = self.plugin.stub.Allocate(request, timeout=30).container_responses[0]
@@ -1079,6 +1076,8 @@ class HardwareCheck:
             child.stdout.close()
 
     def stop_agent(self) -> None:
+        from mpsagent_testing.processes import alive  # noqa: PLC0415 - the CUDA client runs on any Python
+
         assert self.agent is not None
         self.agent.send_signal(signal.SIGTERM)
         try:
@@ -1111,6 +1110,8 @@ class HardwareCheck:
     # -- cleanup, on every exit path ----------------------------------------------------------------------------
 
     def cleanup(self) -> None:
+        from mpsagent_testing.processes import alive, processes_using  # noqa: PLC0415 - the CUDA client runs on any Python
+
         for child in self.children:
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -1241,8 +1242,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hardware_check: error: no snapshot at {args.dry_run_snapshot}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     signal.signal(signal.SIGTERM, _on_sigterm)
     check = HardwareCheck(args)
     say(f"work directory {check.work}, mode: {check.report.mode}")

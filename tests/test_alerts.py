@@ -14,10 +14,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.conftest import ROOT, AgentLauncher
-from tests.kubelet.fake import FakeKubelet
-from tests.test_metrics import get, serve
-from tests.test_plugin_integration import RESOURCE
+from mpsagent_testing.agents import AgentLauncher, serve
+from mpsagent_testing.kubelet.fake import FakeKubelet
+from mpsagent_testing.metrics import get
+from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.node import RESOURCE
+from mpsagent_testing.repo import ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 MONITORING = ROOT / "packaging" / "kubernetes" / "monitoring"
 PROMTOOL = shutil.which("promtool")

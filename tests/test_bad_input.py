@@ -26,11 +26,12 @@ from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.kubelet.servicer import DevicePluginServicer
 from mpsagent.plan import build_plan
-from tests.conftest import BUILD, H100_NODE, ROOT, AgentLauncher, small_node
-from tests.kubelet.fake import FakeKubelet, Plugin
-from tests.kubelet.stubs import dp_grpc, dp_pb2
-from tests.test_config import config_like, json_values
-from tests.test_plugin_integration import ALL, RESOURCE, config, start_agent
+from mpsagent_testing.agents import AgentLauncher, start_agent
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin
+from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2
+from mpsagent_testing.node import ALL, RESOURCE, config, small_node
+from mpsagent_testing.repo import BUILD, H100_NODE, ROOT
+from mpsagent_testing.strategies import config_like, json_values
 
 ODD = ["", " ", "::", "GPU-x::", "::0", "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::99", "é::1", "\u202e::0", "\x00"]
 FOREIGN = ["example.com/nic::0", "MIG-GPU-1/0/0", "GPU-ffffffff::0"]

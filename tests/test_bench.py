@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from bench.plot import plot
-from tests.conftest import ROOT, small_node
-from tests.fakes.nvml.build import fake_nvml_env
-from tests.processes import processes_using
+from mpsagent_testing.node import small_node
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.processes import processes_using
+from mpsagent_testing.repo import ROOT
 
 QUICK_TIMEOUT_S = 150
 
@@ -139,7 +140,7 @@ def test_quick_bench_reports_every_metric_and_leaves_nothing_running(short_dir: 
 # --- bench/gpu_share.py: the sharing bench, without a GPU ------------------------------------------------------
 
 GPU_SHARE = ROOT / "bench" / "gpu_share.py"
-FAKE_TORCH = ROOT / "tests" / "fakes" / "cuda_torch"
+FAKE_TORCH = ROOT / "mpsagent_testing" / "cuda_torch"
 GIB = 1024**3
 QUARTER = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=35840M"}
 HALF = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=71680M"}
@@ -186,7 +187,7 @@ def test_gpu_share_runs_every_case_against_fake_nvml_and_a_stand_in_torch(
     short_dir: Path, fake_nvml_library: Path
 ) -> None:
     """The whole GPU path: the agent on a fake NVML, clients on a stand-in torch whose SM count follows the thread
-    cap (tests/fakes/cuda_torch), all released together; the table and the JSON have every run and size."""
+    cap (mpsagent_testing/cuda_torch), all released together; the table and the JSON have every run and size."""
     nvml_config = short_dir / "nvml.json"
     gpu = {"uuid": "GPU-0000c0de-0000-0000-0000-000000000000", "name": "Fake H200", "memoryTotal": 140 * GIB}
     nvml_config.write_text(json.dumps({"gpus": [gpu | {"major": 9, "minor": 0}]}))

@@ -23,11 +23,15 @@ from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.plan import build_plan
 from mpsagent.settings import MpsOnExit
-from tests.conftest import EXAMPLES, ROOT, AgentLauncher, small_node
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import REAL_BIN, control, pipe_of, start
-from tests.test_metrics import serve, value
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
+from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.metrics import value
+from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of, require_real_control
+from mpsagent_testing.node import GPU0, RESOURCE, config, ids, small_node
+from mpsagent_testing.repo import EXAMPLES, ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 TAMPERED = "mps daemon caps changed behind the agent; restoring them"
 

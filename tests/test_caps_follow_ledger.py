@@ -10,11 +10,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.kubelet.stubs import dp_pb2
-from tests.test_daemon import REAL_BIN, control, pipe_of, start
-from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, config, ids
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.kubelet.stubs import dp_pb2
+from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of, require_real_control
+from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 # A front-end that passes everything to the real one, except that once `fault` holds "read-back", the session that
 # reads the defaults back after the next switch to the full hardware fails (once): the daemon switched, and the

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, H100_NODE, ROOT
-from tests.fakes.nvml.build import fake_nvml_env
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 H100_XML = EXAMPLES / "node-h100x8.nvidia-smi.xml"
 GPU_A, GPU_B = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"

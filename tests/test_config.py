@@ -22,6 +22,7 @@ from mpsagent.config import (
 )
 from mpsagent.errors import ConfigError, UsageError
 from mpsagent.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT, resolve_settings
+from mpsagent_testing.strategies import config_like, json_values
 
 # --- helpers ------------------------------------------------------------------------------------------------
 
@@ -736,44 +737,6 @@ def test_a_bad_file_through_resolve_settings_is_a_config_error(tmp_path: Path) -
 
 
 # --- nothing but ConfigError, whatever the input ------------------------------------------------------------
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=20), children, max_size=5),
-    max_leaves=25,
-)
-# Documents that look like config files, so that the later checks (not only the first shape check) are reached.
-_names = st.sampled_from(
-    [
-        "version",
-        "sharing",
-        "mps",
-        "timeSlicing",
-        "resources",
-        "name",
-        "replicas",
-        "rename",
-        "devices",
-        "flags",
-        "plugin",
-        "migStrategy",
-        "deviceListStrategy",
-        "deviceIDStrategy",
-        "renameByDefault",
-        "gfd",
-    ]
-)
-_leaves = (
-    st.none()
-    | st.booleans()
-    | st.integers(-5, 60)
-    | st.sampled_from(["v1", "gpu", "nvidia.com/gpu", "all", "mixed", "cdi-cri", "index", "packed", "0", "GPU-x"])
-)
-config_like = st.recursive(
-    _leaves,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(_names, children, max_size=4),
-    max_leaves=30,
-)
 
 
 def only_config_errors(text: str) -> None:

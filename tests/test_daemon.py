@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,65 +14,16 @@ import pytest
 
 from mpsagent.errors import DaemonCommandError
 from mpsagent.mps.control import ControlChannel, check_command
-from tests.conftest import ROOT, AgentLauncher, small_node, write_config
-from tests.fakes.nvml.build import fake_nvml_env
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.processes import alive
-from tests.test_plugin_integration import ALL, GPU0, RESOURCE, allocate, config, ids
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.mps import FAKE_CONTROL_BIN
+from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of, require_real_control
+from mpsagent_testing.node import ALL, GPU0, RESOURCE, config, ids
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.processes import alive
 
-REAL_BIN = shutil.which("nvidia-cuda-mps-control")
-FAKE_BIN = ROOT / "tests" / "fakes" / "mps" / "nvidia-cuda-mps-control"
-
-if REAL_BIN is None:
-    if os.environ.get("CI"):
-        raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
-    pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
-
-
-def control(pipe: Path, command: str) -> str:
-    result = subprocess.run(
-        [REAL_BIN],
-        input=f"{command}\n",
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
-    )
-    return result.stdout.strip()
-
-
-def pipe_of(short_dir: Path) -> Path:
-    return short_dir / "mps" / "nvidia.com" / "gpu" / "pipe"
-
-
-def daemon_pid(short_dir: Path) -> int:
-    return json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"]
-
-
-def start(
-    agents: AgentLauncher,
-    kubelet: FakeKubelet,
-    short_dir: Path,
-    *extra: str,
-    text: str | None = None,
-    env: dict[str, str] | None = None,
-    nvml: bool = False,
-):
-    """Start the agent on a 2-GPU node: from a snapshot, or through NVML when `nvml` (env then loads the fake)."""
-    cfg = write_config(short_dir / "config.yaml", text or config())
-    gpus = () if nvml else ("--node-snapshot", str(small_node(short_dir / "node.json")))
-    return agents.start(
-        "--config-file",
-        str(cfg),
-        "--kubelet-socket",
-        str(kubelet.socket_path),
-        "--mps-root",
-        str(short_dir / "mps"),
-        *gpus,
-        *extra,
-        env=env,
-    )
+require_real_control()
 
 
 def test_daemon_holds_the_full_hardware_at_start(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
@@ -202,7 +151,9 @@ def test_compute_mode_set_through_nvml_and_restored_on_quit(
 def test_a_daemon_that_does_not_hold_its_defaults_fails_start_up_loudly(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, fault: str, message: str
 ) -> None:
-    failing = start(agents, kubelet, short_dir, "--mps-control-bin", str(FAKE_BIN), env={"FAKE_MPS_FAULT": fault})
+    failing = start(
+        agents, kubelet, short_dir, "--mps-control-bin", str(FAKE_CONTROL_BIN), env={"FAKE_MPS_FAULT": fault}
+    )
     assert failing.process.wait(30) == 1
     assert message in failing.log()
     assert "Traceback" not in failing.log()

@@ -13,11 +13,14 @@ import pytest
 
 from mpsagent.errors import ControlRunError, DaemonCommandError
 from mpsagent.mps.control import ControlChannel
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.processes import alive
-from tests.test_daemon import REAL_BIN, control, daemon_pid, pipe_of, start
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, ids
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.mps.daemon import REAL_BIN, control, daemon_pid, pipe_of, require_real_control
+from mpsagent_testing.node import GPU0, RESOURCE, ids
+from mpsagent_testing.processes import alive
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 
 def switchable_wrapper(directory: Path) -> tuple[Path, Path]:

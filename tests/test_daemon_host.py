@@ -15,12 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, AgentLauncher, AgentProcess, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.kubelet.podresources import FakePodResources, ListedContainer
-from tests.processes import alive, kill_container
-from tests.test_daemon import control, daemon_pid, pipe_of
-from tests.test_plugin_integration import GPU0, RESOURCE, allocate, config, ids
+from mpsagent_testing.agents import AgentLauncher, AgentProcess
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.kubelet.podresources import FakePodResources, ListedContainer
+from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of, require_real_control
+from mpsagent_testing.node import GPU0, RESOURCE, config, ids, small_node, write_config
+from mpsagent_testing.processes import alive, kill_container
+from mpsagent_testing.repo import ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 # A CUDA client dies with its daemon (its context fails). The stand-in, in a session of its own as a client pod
 # is, waits on the daemon's PID and records the moment it would have died.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mpsagent.settings import SETTINGS
-from tests.conftest import ROOT
+from mpsagent_testing.repo import ROOT
 
 DOCS = ROOT / "docs"
 

@@ -23,10 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpsagent.publisher import STATUS_INTERVAL_S
 from mpsagent.web import HTTP_LIMITS
-from tests.conftest import ROOT, AgentLauncher
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.test_daemon import daemon_pid, start
-from tests.test_plugin_integration import ALL, RESOURCE, allocate
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.mps.daemon import daemon_pid, require_real_control
+from mpsagent_testing.node import ALL, RESOURCE
+from mpsagent_testing.processes import open_fds, threads
+from mpsagent_testing.repo import ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 KUBELET_RESTARTS = 50
 DAEMON_KILLS = 20
@@ -35,17 +40,6 @@ PER_ROUND = ALLOCATIONS // KUBELET_RESTARTS
 IDLE_HTTP_CLIENTS = 2_000
 SLOW_HTTP_CLIENTS = 200
 SYSTEMD_DEFAULT_NOFILE = 1024
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def threads(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    raise AssertionError("no Threads line")
 
 
 def status(short_dir: Path) -> dict:
@@ -77,11 +71,11 @@ def settle(short_dir: Path, granted: int) -> dict:
 
 @contextmanager
 def http_flood(address: str, idle: int, slow: int) -> Iterator[dict]:
-    """The flood of tests/http_clients.py in a process of its own; yields its statistics once it has stopped."""
+    """The flood of `mpsagent_testing.http_clients` in a process of its own; yields its statistics once stopped."""
     host, _, port = address.rpartition(":")
     statistics: dict = {}
     flood = subprocess.Popen(
-        [sys.executable, "-m", "tests.http_clients", host, port, str(idle), str(slow)],
+        [sys.executable, "-m", "mpsagent_testing.http_clients", host, port, str(idle), str(slow)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

@@ -1,4 +1,4 @@
-"""The fake libnvidia-ml.so.1 (tests/fakes/nvml) drives the real pynvml without a GPU."""
+"""The fake libnvidia-ml.so.1 (mpsagent_testing/nvml) drives the real pynvml without a GPU."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.nvml.build import build_fake_nvml, fake_nvml_env
-from tests.fakes.nvml.control import (
+from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
+from mpsagent_testing.nvml.control import (
     EVENT_DOUBLE_BIT_ECC_ERROR,
     EVENT_PSTATE,
     EVENT_XID_CRITICAL_ERROR,

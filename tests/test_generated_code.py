@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from mpsagent_testing.repo import ROOT
 
 
 def _tree(root: Path) -> dict[str, Path]:

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, AgentLauncher, write_config
-from tests.fakes.nvml.build import fake_nvml_env
-from tests.fakes.nvml.control import FakeNvmlDriver
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.test_daemon import start
-from tests.test_plugin_integration import RESOURCE, config
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.node import RESOURCE, config, write_config
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.nvml.control import FakeNvmlDriver
+from mpsagent_testing.repo import ROOT
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, small_node
-from tests.fakes.nvml.build import fake_nvml_env
-from tests.processes import processes_using
+from mpsagent_testing.node import small_node
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.processes import processes_using
+from mpsagent_testing.repo import ROOT
 
 SCRIPT = ROOT / "scripts" / "hardware_check.py"
 GIB = 1024**3

@@ -15,10 +15,11 @@ import h2.connection
 import h2.events
 import pytest
 
-from tests.conftest import AgentLauncher, AgentProcess, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.kubelet.stubs import dp_pb2
-from tests.test_plugin_integration import ALL, RESOURCE, allocate, config, preferred, start_agent
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, start_agent
+from mpsagent_testing.kubelet.calls import allocate, preferred
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.kubelet.stubs import dp_pb2
+from mpsagent_testing.node import ALL, RESOURCE, config, small_node, write_config
 
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 MIB = 1024 * 1024

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLES, H100_NODE, ROOT
-from tests.fakes.nvml.build import fake_nvml_env
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 CONFIG = EXAMPLES / "config-mps.yaml"
 H100_XML = EXAMPLES / "node-h100x8.nvidia-smi.xml"

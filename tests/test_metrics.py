@@ -7,8 +7,6 @@ import json
 import platform
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -16,40 +14,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpsagent import __version__
-from tests.conftest import ROOT, AgentLauncher, write_config
-from tests.fakes.nvml.build import fake_nvml_env
-from tests.fakes.nvml.control import FakeNvmlDriver
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import start
-from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids, preferred
+from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.kubelet.calls import allocate, preferred
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.metrics import get, samples, value
+from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids, write_config
+from mpsagent_testing.nvml.build import fake_nvml_env
+from mpsagent_testing.nvml.control import FakeNvmlDriver
+from mpsagent_testing.repo import ROOT
 
-
-def serve(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, *extra: str, **kw: object):
-    agent = start(agents, kubelet, short_dir, "--metrics-address", "127.0.0.1:0", *extra, **kw)  # type: ignore[arg-type]
-    address = agent.wait_log("http endpoint serving")["address"]
-    return agent, f"http://{address}"
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    status, text = get(base + "/metrics")
-    assert status == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(base: str, name: str, **labels: str) -> float | None:
-    return samples(base).get((name, tuple(sorted(labels.items()))))
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 
 def test_probes_follow_registration_and_metrics_follow_the_ledger(

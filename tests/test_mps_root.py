@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import AgentLauncher, AgentProcess
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import control, daemon_pid, pipe_of, start
-from tests.test_plugin_integration import ALL, GPU0, RESOURCE, allocate, ids
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, start
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of
+from mpsagent_testing.node import ALL, GPU0, RESOURCE, ids
 
 NOBODY = 65534
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT, AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.processes import alive
-from tests.test_daemon import REAL_BIN, daemon_pid, start
-from tests.test_metrics import serve, value
-from tests.test_plugin_integration import RESOURCE, config
+from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.metrics import value
+from mpsagent_testing.mps.daemon import REAL_BIN, daemon_pid
+from mpsagent_testing.node import RESOURCE, config
+from mpsagent_testing.processes import alive
+from mpsagent_testing.repo import EXAMPLES, ROOT
 
 WITHOUT_MULTI_USER = "mps daemon without a multi-user server: pods of different users take turns on its GPUs"
 ADOPTED_OTHER_MODE = "adopted mps daemon keeps its user mode, which differs from the configuration"

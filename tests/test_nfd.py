@@ -7,10 +7,9 @@ import stat
 from pathlib import Path
 
 from mpsagent.nfd import features_text, write_features
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import start
-from tests.test_plugin_integration import RESOURCE
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.node import RESOURCE
 
 EXPECTED = (
     "nvidia.com/gpu.count=2\n"

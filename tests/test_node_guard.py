@@ -14,7 +14,7 @@ from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.host import PidLock
 from mpsagent.kubelet.guard import NodeGuard
 from mpsagent.plan import ResourcePlan, build_plan
-from tests.conftest import small_node
+from mpsagent_testing.node import small_node
 
 CONFIG = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n"
 

@@ -31,8 +31,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.conftest import EXAMPLES, H100_NODE, ROOT, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.node import small_node, write_config
+from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 PACKAGING = ROOT / "packaging"
 BUILD_SH = PACKAGING / "binary" / "build.sh"

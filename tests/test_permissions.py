@@ -7,10 +7,9 @@ import os
 import stat
 from pathlib import Path
 
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet
-from tests.test_daemon import start
-from tests.test_plugin_integration import RESOURCE
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.fake import FakeKubelet
+from mpsagent_testing.node import RESOURCE
 
 
 def mode(path: Path) -> int:

@@ -13,66 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import AgentLauncher, small_node, write_config
-from tests.kubelet.fake import FakeKubelet, Plugin, wait_for
-from tests.kubelet.stubs import dp_pb2
+from mpsagent_testing.agents import AgentLauncher, start_agent
+from mpsagent_testing.kubelet.calls import allocate, preferred
+from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
+from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node, write_config
 
-RESOURCE = "nvidia.com/gpu"
-GPU0 = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
-GPU1 = "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
 MIB_PER_REPLICA = 16 * 1024 // 4  # 16 GiB T4 in 4 replicas
-
-
-def config(
-    fail_gt_one: bool | None = False, policy: str = "distributed", replicas: int = 4, grants: str | None = None
-) -> str:
-    fail = "" if fail_gt_one is None else f"    failRequestsGreaterThanOne: {str(fail_gt_one).lower()}\n"
-    fail += "" if grants is None else f"    grants: {grants}\n"
-    return (
-        "version: v1\n"
-        f"flags:\n  plugin:\n    sharedDevicesAllocationPolicy: {policy}\n"
-        f"sharing:\n  mps:\n{fail}    resources:\n    - name: gpu\n      replicas: {replicas}\n"
-    )
-
-
-def start_agent(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, config_text: str, **kw: object):
-    node = small_node(short_dir / "node.json", numa=[0, 1])
-    cfg = write_config(short_dir / "config.yaml", config_text)
-    return agents.start(
-        "--config-file",
-        str(cfg),
-        "--node-snapshot",
-        str(node),
-        "--kubelet-socket",
-        str(kubelet.socket_path),
-        "--mps-root",
-        str(short_dir / "mps"),
-    )
-
-
-def allocate(plugin: Plugin, *containers: list[str]):
-    request = dp_pb2.AllocateRequest(
-        container_requests=[dp_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
-    )
-    return plugin.stub.Allocate(request, timeout=5)
-
-
-def preferred(plugin: Plugin, available: list[str], size: int, must: list[str] | None = None) -> list[str]:
-    request = dp_pb2.PreferredAllocationRequest(
-        container_requests=[
-            dp_pb2.ContainerPreferredAllocationRequest(
-                available_deviceIDs=available, must_include_deviceIDs=must or [], allocation_size=size
-            )
-        ]
-    )
-    return list(plugin.stub.GetPreferredAllocation(request, timeout=5).container_responses[0].deviceIDs)
-
-
-def ids(gpu: str, *replicas: int) -> list[str]:
-    return [f"{gpu}::{i}" for i in replicas]
-
-
-ALL = ids(GPU0, 0, 1, 2, 3) + ids(GPU1, 0, 1, 2, 3)
 
 
 @pytest.fixture

@@ -4,28 +4,22 @@ the real nvidia-cuda-mps-control holding the caps the reconciled ledger needs.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 
-from tests.conftest import ROOT, AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.kubelet.podresources import FakePodResources, ListedContainer
-from tests.test_daemon import control, pipe_of, start
-from tests.test_plugin_integration import ALL, GPU0, GPU1, RESOURCE, allocate, ids
+from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
+from mpsagent_testing.kubelet.calls import allocate
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.kubelet.podresources import FakePodResources, ListedContainer, listed
+from mpsagent_testing.mps.daemon import control, pipe_of, require_real_control
+from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, ids
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 CAPPED = "25.0"
 FULL = "100.0"
-GRACE_S = 10  # the shortest grace period the agent accepts; it reconciles every GRACE_S / 2
-
-
-def listed(pod: str, device_ids: list[str], container: str = "main") -> ListedContainer:
-    return ListedContainer(
-        namespace="ml", pod=pod, container=container, resource=RESOURCE, device_ids=tuple(device_ids)
-    )
 
 
 def threads(short_dir: Path) -> str:
@@ -173,17 +167,6 @@ def test_reconciliation_stays_far_below_the_kubelets_rate_limit(
     elapsed = time.monotonic() - began
     # At most one List per 0.2 s, plus the one in flight: 5 per second, against the kubelet's 100.
     assert pod_resources.calls - calls <= elapsed / 0.2 + 2
-
-
-def status(short_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps"), *extra],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
 
 
 def test_status_shows_each_grant_with_its_container(

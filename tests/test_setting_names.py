@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import H100_NODE, ROOT
+from mpsagent_testing.repo import H100_NODE, ROOT
 
 CONFIG = """version: v1
 sharing:

@@ -11,12 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.kubelet.podresources import FakePodResources
-from tests.test_daemon import control, pipe_of, start
-from tests.test_plugin_integration import GPU0, GPU1, RESOURCE, allocate, config, ids, preferred
-from tests.test_reconcile_integration import GRACE_S, listed, status
+from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
+from mpsagent_testing.kubelet.calls import allocate, preferred
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.kubelet.podresources import FakePodResources, listed
+from mpsagent_testing.mps.daemon import control, pipe_of, require_real_control
+from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids
+
+require_real_control()  # the agents these tests start run the real MPS control daemon
 
 
 def ceilings(short_dir: Path) -> tuple[str, str, str]:

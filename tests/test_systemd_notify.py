@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from mpsagent.systemd import SystemdNotifier
-from tests.conftest import AgentLauncher
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_daemon import daemon_pid, start
-from tests.test_plugin_integration import RESOURCE
+from mpsagent_testing.agents import AgentLauncher, start
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.mps.daemon import daemon_pid
+from mpsagent_testing.node import RESOURCE
 
 
 class FakeSystemd:

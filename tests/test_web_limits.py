@@ -9,12 +9,12 @@ import urllib.request
 from pathlib import Path
 
 from mpsagent.web import HTTP_LIMITS
-from tests.conftest import AgentLauncher
-from tests.http_clients import SLOW_HEAD, closed_by_peer, connect, dribble
-from tests.kubelet.fake import FakeKubelet, wait_for
-from tests.test_endurance import open_fds, threads
-from tests.test_metrics import get, serve, value
-from tests.test_plugin_integration import RESOURCE
+from mpsagent_testing.agents import AgentLauncher, serve
+from mpsagent_testing.http_clients import SLOW_HEAD, closed_by_peer, connect, dribble
+from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
+from mpsagent_testing.metrics import get, value
+from mpsagent_testing.node import RESOURCE
+from mpsagent_testing.processes import open_fds, threads
 
 
 def address_of(base: str) -> tuple[str, int]:

@@ -10,7 +10,8 @@ from typing import Any
 
 import grpc
 
-from tests.kubelet.stubs import pr_grpc, pr_pb2
+from mpsagent_testing.kubelet.stubs import pr_grpc, pr_pb2
+from mpsagent_testing.node import RESOURCE
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class ListedContainer:
     container: str
     resource: str
     device_ids: tuple[str, ...]
+
+
+def listed(pod: str, device_ids: list[str], container: str = "main") -> ListedContainer:
+    """A container of namespace `ml` holding `device_ids` of `node.RESOURCE`, as a kubelet lists it."""
+    return ListedContainer(
+        namespace="ml", pod=pod, container=container, resource=RESOURCE, device_ids=tuple(device_ids)
+    )
 
 
 class FakePodResources(pr_grpc.PodResourcesListerServicer):

@@ -1,6 +1,6 @@
 """HTTP clients that do not behave, for the tests of the agent's HTTP endpoint: idle connections, clients that
 dribble their request head a byte at a time, and a flood that keeps thousands of both open (run as its own process:
-`python -m tests.http_clients HOST PORT IDLE SLOW`), re-opening every one the server closes."""
+`python -m mpsagent_testing.http_clients HOST PORT IDLE SLOW`), re-opening every one the server closes."""
 
 from __future__ import annotations
 

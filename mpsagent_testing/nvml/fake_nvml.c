@@ -55,7 +55,7 @@
  *     (device, eventType, eventData, gpuInstanceId, computeInstanceId); the unversioned
  *     nvmlEventSetWait fills the older layout without the instance IDs. Registrations are kept
  *     by GPU index, so a set outlives nvmlShutdown/nvmlInit only while "gpus" keeps its order.
- *   tests/fakes/nvml/control.py (FakeNvmlDriver) writes both files from Python.
+ *   mpsagent_testing/nvml/control.py (FakeNvmlDriver) writes both files from Python.
  */
 
 #define _GNU_SOURCE

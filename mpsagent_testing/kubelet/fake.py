@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from tests.kubelet.stubs import dp_grpc, dp_pb2
+from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2
 
 WAIT_S = 10.0
 

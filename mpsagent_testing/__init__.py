@@ -1,0 +1,15 @@
+"""Test support for mpsagent, in the spirit of `trio.testing`: the stand-ins and helpers that tests/, bench/ and
+scripts/hardware_check.py share. Installed with the project (`pip install -e '.[test]'`; it needs the test extra:
+grpcio, hypothesis); nothing in `mpsagent` imports it (an import-linter contract).
+
+- `repo` — where the checkout's files are;
+- `node` — the node the tests describe (GPU UUIDs, replica IDs, the snapshot and config files);
+- `agents` — the agent as a real process (`AgentLauncher`) and the usual ways to start it;
+- `kubelet` — grpcio stand-ins for the kubelet: the registration server (`fake`), pod-resources
+  (`podresources`), the device-plugin calls a kubelet makes (`calls`);
+- `nvml` — the fake `libnvidia-ml.so.1` (`build`) and what drives it from outside (`control`);
+- `mps` — the real control daemon's front-end for tests (`daemon`) and a fake `nvidia-cuda-mps-control` for faults;
+- `cuda_torch` — a stand-in `torch` for the GPU share bench's clients;
+- `processes` — finding and ending what a test started; `metrics` — reading `/metrics`;
+  `strategies` — hypothesis strategies for untrusted documents.
+A new fake goes here, in the module of the system it stands in for."""

@@ -1,0 +1,50 @@
+"""Asking the MPS control daemon that an agent under test started: through the real `nvidia-cuda-mps-control`
+(Debian's nvidia-cuda-mps package; `scripts/install-system-deps.sh` installs it), where its pipe is, its PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REAL_BIN = shutil.which("nvidia-cuda-mps-control")
+"""The real front-end, or None where it is not installed (`require_real_control`)."""
+
+
+def require_real_control() -> None:
+    """Skip the calling test module where the real front-end is missing; in CI, where it must be, fail instead."""
+    if REAL_BIN is not None:
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError("nvidia-cuda-mps-control is missing in CI: scripts/install-system-deps.sh installs it")
+    pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
+
+
+def control(pipe: Path, command: str) -> str:
+    """One control command's answer, through the real front-end."""
+    if REAL_BIN is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
+    result = subprocess.run(
+        [REAL_BIN],
+        input=f"{command}\n",
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+    )
+    return result.stdout.strip()
+
+
+def pipe_of(short_dir: Path) -> Path:
+    """The pipe directory of `nvidia.com/gpu`'s daemon under `short_dir / "mps"`."""
+    return short_dir / "mps" / "nvidia.com" / "gpu" / "pipe"
+
+
+def daemon_pid(short_dir: Path) -> int:
+    """The PID that `nvidia.com/gpu`'s daemon record under `short_dir / "mps"` names."""
+    return int(json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"])

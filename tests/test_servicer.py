@@ -1,0 +1,322 @@
+"""The DevicePlugin servicer in-process: grpclib's `ChannelFor` carries real gRPC messages to it over an in-memory
+HTTP/2 connection, so every answer, refusal and status is checked in milliseconds. The same RPCs through the
+agent's socket: test_plugin_integration.py, test_hostile_requests.py, test_input_limits.py."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from google.protobuf.message import Message
+from grpclib import GRPCError, Status
+from grpclib.client import UnaryStreamMethod, UnaryUnaryMethod
+from grpclib.testing import ChannelFor
+
+from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
+from mpsagent.allocation import Allocation, ResourceAllocator
+from mpsagent.config import check_config, parse_config
+from mpsagent.errors import DaemonCommandError
+from mpsagent.gpu.snapshot import SnapshotGpuSource
+from mpsagent.inventory import Inventory
+from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer
+from mpsagent.plan import build_plan
+from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
+
+CALL_TIMEOUT_S = 5
+
+
+@dataclass
+class Daemon:
+    """Stands in for the resource server's `hold_caps`: records each call, fails while `failing` is set."""
+
+    calls: list[bool] = field(default_factory=list)
+    failing: str | None = None
+
+    async def hold_caps(self, *, verify: bool = False) -> None:
+        self.calls.append(verify)
+        if self.failing is not None:
+            raise DaemonCommandError(self.failing)
+
+
+@dataclass
+class Served:
+    servicer: DevicePluginServicer
+    allocator: ResourceAllocator
+    inventory: Inventory
+    daemon: Daemon
+    granted: list[Allocation] = field(default_factory=list)
+    timed: list[tuple[str, str]] = field(default_factory=list)
+
+    def live(self) -> list[tuple[str, ...]]:
+        return [g.replica_ids for g in self.allocator.ledger.live_grants()]
+
+
+def serve(tmp_path: Path, text: str | None = None) -> Served:
+    node = SnapshotGpuSource(small_node(tmp_path / "node.json", numa=[0, 1])).discover()
+    plan = build_plan(check_config(parse_config(text or config(), "config.yaml")), node, tmp_path / "mps")
+    resource = plan.resources[0]
+    allocator = ResourceAllocator(resource, plan.shm_directory)
+    inventory = Inventory(resource, daemon_ready=True)
+    daemon = Daemon()
+    granted: list[Allocation] = []
+    timed: list[tuple[str, str]] = []
+    servicer = DevicePluginServicer(
+        allocator,
+        inventory,
+        pre_start_required=True,
+        hold_caps=daemon.hold_caps,
+        on_granted=granted.extend,
+        rpc_timer=lambda rpc, _seconds, outcome: timed.append((rpc, outcome)),
+    )
+    return Served(servicer, allocator, inventory, daemon, granted, timed)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Served:
+    return serve(tmp_path)
+
+
+def in_channel(servicer: DevicePluginServicer, talk: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        with anyio.fail_after(CALL_TIMEOUT_S):
+            async with ChannelFor([servicer]) as channel:
+                return await talk(channel)
+
+    return anyio.run(main)
+
+
+def call(servicer: DevicePluginServicer, rpc: str, request: Any, reply_type: type[Message]) -> Any:
+    """One unary RPC; its reply, or the GRPCError the client sees."""
+    return in_channel(
+        servicer, lambda channel: UnaryUnaryMethod(channel, SERVICE + rpc, type(request), reply_type)(request)
+    )
+
+
+def refused(servicer: DevicePluginServicer, rpc: str, request: Any, reply_type: type[Message]) -> GRPCError:
+    with pytest.raises(GRPCError) as error:
+        call(servicer, rpc, request, reply_type)
+    return error.value
+
+
+def allocate_request(*containers: list[str]) -> pb.AllocateRequest:
+    return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=c) for c in containers])
+
+
+def allocate(served: Served, *containers: list[str]) -> pb.AllocateResponse:
+    return call(served.servicer, "Allocate", allocate_request(*containers), pb.AllocateResponse)
+
+
+def refused_allocate(served: Served, *containers: list[str]) -> GRPCError:
+    return refused(served.servicer, "Allocate", allocate_request(*containers), pb.AllocateResponse)
+
+
+def preferred_request(available: list[str], size: int, must: list[str] | None = None) -> pb.PreferredAllocationRequest:
+    return pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=must or [], allocation_size=size
+            )
+        ]
+    )
+
+
+# --- Allocate --------------------------------------------------------------------------------------------------
+
+
+def test_allocate_answers_each_container_with_its_grant_and_records_it(served: Served) -> None:
+    response = allocate(served, ids(GPU1, 2), ALL)
+    capped, full = (dict(c.envs) for c in response.container_responses)
+    assert capped["NVIDIA_VISIBLE_DEVICES"] == GPU1
+    assert capped["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert full == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe", "NVIDIA_VISIBLE_DEVICES": f"{GPU0},{GPU1}"}
+    assert {m.container_path for m in response.container_responses[0].mounts} == {
+        "/mps/nvidia.com/gpu/pipe",
+        "/dev/shm",
+    }
+    # The second container's grant holds GPU1::2 too: the first has ended (the kubelet granted it again).
+    assert served.live() == [tuple(ALL)]
+    assert [a.grant.replica_ids for a in served.granted] == [tuple(ids(GPU1, 2)), tuple(ALL)]
+    assert served.daemon.calls == [False]  # the daemon holds the ledger's caps before the answer
+    assert served.timed == [("allocate", "ok")]
+
+
+@pytest.mark.parametrize(
+    ("containers", "message"),
+    [
+        (
+            [["GPU-nope::0"]],
+            f"{RESOURCE}: unknown device ID 'GPU-nope::0' in the request; this resource advertises IDs of the form "
+            "<GPU UUID>::<replica>",
+        ),
+        ([[]], f"{RESOURCE}: a container request must name at least one device ID"),
+        (
+            [ids(GPU0, 0), ["x", "y", "z", "w"]],
+            f"{RESOURCE}: unknown device IDs 'x', 'y', 'z' and 1 more in the request",
+        ),
+    ],
+)
+def test_a_refused_allocate_says_why_and_changes_nothing(
+    served: Served, containers: list[list[str]], message: str
+) -> None:
+    allocate(served, ids(GPU0, 1))
+    error = refused_allocate(served, *containers)
+    assert error.status is Status.INVALID_ARGUMENT
+    assert error.message is not None and error.message.startswith(message)
+    assert served.live() == [tuple(ids(GPU0, 1))]
+    assert served.daemon.calls == [False]  # only the first Allocate's
+    assert served.timed == [("allocate", "ok"), ("allocate", "refused")]
+
+
+def test_more_than_one_replica_is_refused_when_fail_requests_greater_than_one(tmp_path: Path) -> None:
+    served = serve(tmp_path, config(fail_gt_one=True))
+    error = refused_allocate(served, ids(GPU0, 0, 1))
+    assert (error.status, error.message) == (
+        Status.INVALID_ARGUMENT,
+        "maximum request size for shared resources is 1; found 2",
+    )
+    assert served.live() == []
+
+
+def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Served) -> None:
+    allocate(served, ids(GPU0, 0))
+    served.daemon.failing = "set_default_active_thread_percentage 25 did not hold"
+    error = refused_allocate(served, ids(GPU0, 0, 1))
+    assert error.status is Status.UNAVAILABLE
+    assert error.message == f"{RESOURCE}: set_default_active_thread_percentage 25 did not hold"
+    # The grant it recorded is gone, the grant it ended is live again, and the daemon was asked again for the
+    # caps of what is left.
+    assert served.live() == [tuple(ids(GPU0, 0))]
+    assert served.daemon.calls == [False, False, False]
+    assert [a.grant.replica_ids for a in served.granted] == [tuple(ids(GPU0, 0))]
+    assert served.timed == [("allocate", "ok"), ("allocate", "failed")]
+
+
+# --- GetPreferredAllocation ------------------------------------------------------------------------------------
+
+
+def test_preferred_allocation_chooses_from_the_available_ids_and_keeps_the_required(served: Served) -> None:
+    reply = call(
+        served.servicer,
+        "GetPreferredAllocation",
+        preferred_request(ALL, 3, must=ids(GPU1, 3)),
+        pb.PreferredAllocationResponse,
+    )
+    chosen = list(reply.container_responses[0].deviceIDs)
+    assert len(set(chosen)) == 3
+    assert set(chosen) <= set(ALL)
+    assert ids(GPU1, 3)[0] in chosen
+    assert served.live() == []  # a preference grants nothing
+    assert served.timed == [("preferred_allocation", "ok")]
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (preferred_request(ALL, 0), f"{RESOURCE}: allocation size must be at least 1, not 0"),
+        (
+            preferred_request(["GPU-nope::1"], 1),
+            f"{RESOURCE}: unknown device ID 'GPU-nope::1' in the available devices",
+        ),
+        (
+            preferred_request(ALL, 1, must=["GPU-nope::2"]),
+            f"{RESOURCE}: unknown device ID 'GPU-nope::2' in the devices that must be included",
+        ),
+    ],
+)
+def test_a_refused_preferred_allocation_says_why(
+    served: Served, request_: pb.PreferredAllocationRequest, message: str
+) -> None:
+    error = refused(served.servicer, "GetPreferredAllocation", request_, pb.PreferredAllocationResponse)
+    assert error.status is Status.INVALID_ARGUMENT
+    assert error.message is not None and error.message.startswith(message)
+    assert served.timed == [("preferred_allocation", "refused")]
+
+
+# --- PreStartContainer, options, ListAndWatch -----------------------------------------------------------------
+
+
+def test_pre_start_verifies_the_daemons_real_caps(served: Served) -> None:
+    request = pb.PreStartContainerRequest(devices_ids=ids(GPU0, 0))
+    assert call(served.servicer, "PreStartContainer", request, pb.PreStartContainerResponse) == (
+        pb.PreStartContainerResponse()
+    )
+    assert served.daemon.calls == [True]
+    served.daemon.failing = "the daemon's thread percentage is 100, not 25"
+    error = refused(served.servicer, "PreStartContainer", request, pb.PreStartContainerResponse)
+    assert (error.status, error.message) == (
+        Status.UNAVAILABLE,
+        f"{RESOURCE}: the daemon's thread percentage is 100, not 25",
+    )
+
+
+def test_pre_start_of_unknown_ids_is_refused_before_the_daemon_is_asked(served: Served) -> None:
+    request = pb.PreStartContainerRequest(devices_ids=["GPU-nope::0"])
+    error = refused(served.servicer, "PreStartContainer", request, pb.PreStartContainerResponse)
+    assert error.status is Status.INVALID_ARGUMENT
+    assert served.daemon.calls == []
+
+
+def test_options_ask_for_pre_start_and_offer_preferred_allocation(served: Served) -> None:
+    options = call(served.servicer, "GetDevicePluginOptions", pb.Empty(), pb.DevicePluginOptions)
+    assert (options.pre_start_required, options.get_preferred_allocation_available) == (True, True)
+
+
+def test_list_and_watch_sends_the_list_again_when_health_changes_and_ends_on_close(served: Served) -> None:
+    async def talk(channel: Any) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+        method = UnaryStreamMethod(channel, SERVICE + "ListAndWatch", pb.Empty, pb.ListAndWatchResponse)
+        lists = []
+        async with method.open() as stream:
+            await stream.send_message(pb.Empty(), end=True)
+            async for response in stream:
+                lists.append([(d.ID, d.health, tuple(n.ID for n in d.topology.nodes)) for d in response.devices])
+                if len(lists) == 1:
+                    served.inventory.set_resource_problem("mps daemon", True)
+                else:
+                    served.servicer.close()
+        return lists
+
+    first, second = in_channel(served.servicer, talk)
+    assert first == [(i, "Healthy", (0,)) for i in ids(GPU0, 0, 1, 2, 3)] + [
+        (i, "Healthy", (1,)) for i in ids(GPU1, 0, 1, 2, 3)
+    ]
+    assert {d[1] for d in second} == {"Unhealthy"}
+
+
+# --- what arrives on the wire -----------------------------------------------------------------------------------
+
+
+class RawBytes:
+    """A "message" that is any bytes, to send what no protobuf library would."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # the protobuf name that grpclib's codec calls
+        return self.data
+
+
+def test_a_request_larger_than_a_kubelet_sends_is_refused_before_it_is_read(served: Served) -> None:
+    limit = served.servicer.receive_limit
+    error = refused(
+        served.servicer, "GetPreferredAllocation", RawBytes(b"\0" * (limit + 1)), pb.PreferredAllocationResponse
+    )
+    assert (error.status, error.message) == (
+        Status.RESOURCE_EXHAUSTED,
+        f"{RESOURCE}: GetPreferredAllocation request of {limit + 1} bytes is larger than the {limit} bytes a "
+        "kubelet sends",
+    )
+
+
+def test_an_undecodable_request_is_refused_and_changes_nothing(served: Served) -> None:
+    # Field 1 (container_requests) says 255 bytes follow; none do.
+    error = refused(served.servicer, "Allocate", RawBytes(b"\x0a\xff\x01"), pb.AllocateResponse)
+    assert (error.status, error.message) == (
+        Status.INVALID_ARGUMENT,
+        f"{RESOURCE}: the Allocate request is not a valid protobuf message; was it sent by a kubelet?",
+    )
+    assert served.live() == []
+    assert served.daemon.calls == []
