@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpsagent_testing.processes import kill_processes_using, marked_env
+from mpsagent_testing.processes import end_group, kill_processes_using, marked_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,9 +203,9 @@ class ShareBench:
 
     def close(self) -> None:
         for client in self.clients:
-            _end(client)
+            end_group(client, timeout_s=5)
         if self.agent is not None:
-            _end(self.agent, timeout_s=20)  # --mps-on-exit quit: it quits the daemon and restores the compute mode
+            end_group(self.agent, timeout_s=20)  # --mps-on-exit quit: it quits the daemon and restores the compute mode
         for fake in (self.kubelet, self.pod_resources):
             if fake is not None:
                 with contextlib.suppress(Exception):
@@ -333,7 +333,7 @@ class ShareBench:
                 say(f"{case.name} n={n}: aggregate {row.cells()[4]} TFLOP/s, per client {row.cells()[5]}")
         finally:
             for client in clients:
-                _end(client.process)
+                end_group(client.process, timeout_s=5)
         return rows
 
 
@@ -383,18 +383,6 @@ class Client:
                 if not chunk:
                     return None
                 self.buffer += chunk
-
-
-def _end(process: subprocess.Popen[Any], timeout_s: float = 5) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(5)
 
 
 _T0 = time.monotonic()

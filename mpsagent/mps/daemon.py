@@ -37,7 +37,7 @@ from mpsagent.mps.commands import (
 )
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, wait_answering
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, end_daemon, launch_daemon, wait_answering
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import ResourcePlan
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
@@ -409,15 +409,8 @@ class DaemonSupervisor:
 
     async def _kill_child(self) -> None:
         """A hung or failed daemon of ours is killed and reaped before another is started."""
-        if self._process is not None:
-            if self._process.returncode is None:
-                self._process.kill()
-            with anyio.move_on_after(2):
-                await self._process.wait()
-            self._process = None
-        elif self._pid is not None and pid_alive(self._pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, 9)
+        await end_daemon(self._process, self._pid)
+        self._process = None
         self._pid = None
 
     async def _stop(self) -> None:

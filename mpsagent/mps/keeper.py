@@ -22,7 +22,7 @@ from mpsagent.logs import get_logger
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, launch_daemon, stop_process, wait_answering
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, end_daemon, launch_daemon, wait_answering
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent.plan import ResourcePlan
 
@@ -187,12 +187,8 @@ class DaemonKeeper:
 
     async def _end_daemon(self) -> None:
         """A failed daemon is killed (and reaped when it is ours) before another is started."""
-        if self._process is not None:
-            await stop_process(self._process)
-            self._process = None
-        elif self._pid is not None and pid_alive(self._pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, 9)
+        await end_daemon(self._process, self._pid)
+        self._process = None
         self._pid = None
 
     async def _quit(self) -> None:

@@ -4,7 +4,9 @@ daemon supervisor and the daemon host (`mps.keeper`) both start daemons this way
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 
 import anyio
@@ -13,7 +15,7 @@ from structlog.stdlib import BoundLogger
 
 from mpsagent.config import MultiUser
 from mpsagent.errors import DaemonError
-from mpsagent.host import FileRefusedError, open_private_file
+from mpsagent.host import FileRefusedError, open_private_file, pid_alive
 from mpsagent.mps.commands import daemon_launch, multi_user_server
 from mpsagent.mps.control import ControlChannel, offers_multi_user
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
@@ -84,9 +86,14 @@ async def wait_answering(process: Process, resource: ResourcePlan, channel: Cont
     )
 
 
-async def stop_process(process: Process) -> None:
-    """Kill a daemon process of ours and reap it (bounded)."""
-    if process.returncode is None:
-        process.kill()
-    with anyio.move_on_after(2):
-        await process.wait()
+async def end_daemon(process: Process | None, pid: int | None) -> None:
+    """Kill a failed or hung daemon before another is started: one of ours (`process`) is killed and reaped
+    (bounded); an adopted one, known by its PID only, is sent SIGKILL."""
+    if process is not None:
+        if process.returncode is None:
+            process.kill()
+        with anyio.move_on_after(2):
+            await process.wait()
+    elif pid is not None and pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
