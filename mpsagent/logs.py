@@ -1,23 +1,30 @@
 """structlog set-up: one event per line, JSON or console; the standard library's loggers (grpclib's) go through
-the same renderer. Exceptions are rendered without local variables."""
+the same renderer. Exceptions are rendered without local variables.
+
+The agent's own loggers take structlog's native path (a filtering bound logger writing straight to stderr), not
+the standard library's: a log line sits on the Allocate path, and the stdlib round trip (LogRecord, handler,
+ProcessorFormatter) cost several times the rendering itself."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 from mpsagent.settings import LogFormat
 
 
 def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info") -> None:
     use_json = log_format is LogFormat.JSON or (log_format is LogFormat.AUTO and not sys.stderr.isatty())
+    level_number = logging.getLevelNamesMapping()[level.upper()]
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_log_level,
-        structlog.stdlib.add_logger_name,
+        structlog.processors.add_log_level,
+        structlog.stdlib.add_logger_name,  # the module's name: the record's for stdlib loggers, else ModuleLogger's
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
@@ -38,16 +45,25 @@ def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level_number)
     # grpclib logs every cancelled stream at INFO; the agent reports what matters itself.
-    logging.getLogger("grpclib").setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("grpclib").setLevel(max(logging.WARNING, level_number))
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[*shared, renderer],
+        logger_factory=functools.partial(ModuleLogger, sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(level_number),
         cache_logger_on_first_use=True,
     )
 
 
-def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    return structlog.stdlib.get_logger(name)
+class ModuleLogger(structlog.WriteLogger):
+    """Writes rendered lines to `file`, and carries the name given to `get_logger` for add_logger_name."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+def get_logger(name: str) -> FilteringBoundLogger:
+    logger: FilteringBoundLogger = structlog.get_logger(name)
+    return logger

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import anyio
-import structlog
+from structlog.typing import FilteringBoundLogger
 
 LOG_POLL_S = 0.5
 MAX_READ_BYTES = 1 << 20
@@ -16,7 +16,7 @@ MAX_READ_BYTES = 1 << 20
 MAX_LINE_BYTES = 4096
 
 
-async def forward_daemon_log(path: Path, log: structlog.stdlib.BoundLogger) -> None:
+async def forward_daemon_log(path: Path, log: FilteringBoundLogger) -> None:
     """Forward lines appended to `path` from now on, until cancelled. A log that cannot be read (replaced by
     something else, unreadable) is reported once and tried again; it never ends its owner."""
     position = _file_size(path)

@@ -11,7 +11,7 @@ import subprocess
 
 import anyio
 from anyio.abc import Process
-from structlog.stdlib import BoundLogger
+from structlog.typing import FilteringBoundLogger
 
 from mpsagent.config import MultiUser
 from mpsagent.errors import DaemonError
@@ -25,7 +25,7 @@ START_TIMEOUT_S = 10.0
 CONTROL_LOG = "control.log"
 
 
-async def decide_multi_user(resource: ResourcePlan, control_bin: str, log: BoundLogger) -> bool:
+async def decide_multi_user(resource: ResourcePlan, control_bin: str, log: FilteringBoundLogger) -> bool:
     """Whether a daemon started for `resource` gets `-M`: the config, and what the binary offers. Raises
     ConfigError when the config demands what the binary lacks; warns once when `auto` finds it lacking."""
     offered = await anyio.to_thread.run_sync(offers_multi_user, control_bin)
