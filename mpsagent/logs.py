@@ -8,6 +8,7 @@ ProcessorFormatter) cost several times the rendering itself."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 from typing import Any, TextIO
@@ -29,7 +30,9 @@ def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info
     ]
     renderer: Any
     if use_json:
-        renderer = structlog.processors.JSONRenderer()
+        # One encoder built once: json.dumps(default=...) builds a new one per line. The same bytes either way.
+        encoder = json.JSONEncoder(default=repr)
+        renderer = structlog.processors.JSONRenderer(serializer=lambda event_dict, **_: encoder.encode(event_dict))
         shared.append(
             structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
         )
