@@ -14,7 +14,8 @@ MpsAgentError                 base, never raised itself
 │                             it cannot open, a socket it cannot serve (exit 1)
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
     ├── DaemonCommandError    one control command failed or timed out: the daemon's failure
-    └── ControlRunError       the agent could not run the control front-end at all: the agent's failure
+    ├── ControlRunError       the agent could not run the control front-end at all: the agent's failure
+    └── UnrecordedDaemonError a daemon answers on the pipe directory, but daemon.json names no live PID for it
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ class DaemonError(MpsAgentError):
 
 class DaemonCommandError(DaemonError):
     """A control command failed, timed out or read back a value other than the one set."""
+
+
+class UnrecordedDaemonError(DaemonError):
+    """A daemon answers on the resource's pipe directory, but `daemon.json` names no live PID for it: nobody can
+    watch, adopt or stop it safely."""
 
 
 class ControlRunError(DaemonError):

@@ -15,7 +15,6 @@ is kept, never killed for the agent's own failure.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 
@@ -23,9 +22,8 @@ import anyio
 from anyio.abc import Process, TaskStatus
 
 from mpsagent.devices import GpuUuid
-from mpsagent.errors import ControlRunError, DaemonCommandError, DaemonError, GpuDiscoveryError
+from mpsagent.errors import ControlRunError, DaemonCommandError, DaemonError, GpuDiscoveryError, UnrecordedDaemonError
 from mpsagent.gpu.port import ComputeMode, GpuSource
-from mpsagent.host import pid_alive
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
 from mpsagent.mps.commands import (
@@ -37,7 +35,15 @@ from mpsagent.mps.commands import (
 )
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, end_daemon, launch_daemon, wait_answering
+from mpsagent.mps.launch import (
+    CONTROL_LOG,
+    decide_multi_user,
+    end_daemon,
+    launch_daemon,
+    recorded_daemon,
+    wait_answering,
+    wait_daemon_exit,
+)
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import ResourcePlan
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
@@ -279,17 +285,14 @@ class DaemonSupervisor:
             delay = min(delay * 2, HOST_WAIT_MAX_S)
 
     async def _adopt(self) -> bool:
-        if not await self._channel.probe():
+        try:
+            state = await recorded_daemon(self._resource, self._channel, self._state_file, restart="the agent")
+        except UnrecordedDaemonError:
+            if self._owns_daemon:
+                raise
+            return False  # the daemon host records a daemon once it holds its first caps
+        if state is None:
             return False
-        state = self._state_file.read()
-        if state is None or not pid_alive(state.pid):
-            if not self._owns_daemon:
-                return False  # the daemon host records a daemon once it holds its first caps
-            raise DaemonError(
-                f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
-                f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
-                f"{self._resource.pipe_directory} nvidia-cuda-mps-control) and start the agent again"
-            )
         if state.visible_devices != self._resource.visible_devices:
             self._log.warning(
                 "adopted mps daemon serves other GPUs than configured; restart it to change them",
@@ -394,18 +397,8 @@ class DaemonSupervisor:
             self._log.info("mps control front-end runs again", failed_for_s=round(time.time() - since, 1))
 
     async def _wait_exit(self) -> None:
-        if self._process is not None:
-            await self._process.wait()
-            return
         assert self._pid is not None
-        try:
-            pidfd = os.pidfd_open(self._pid)
-        except ProcessLookupError:
-            return
-        try:
-            await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
+        await wait_daemon_exit(self._process, self._pid)
 
     async def _kill_child(self) -> None:
         """A hung or failed daemon of ours is killed and reaped before another is started."""

@@ -11,18 +11,24 @@ caps; the keeper never changes them after the start.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import anyio
 from anyio.abc import Process, TaskStatus
 
 from mpsagent.errors import ControlRunError, DaemonError
-from mpsagent.host import pid_alive
 from mpsagent.logs import get_logger
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
-from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user, end_daemon, launch_daemon, wait_answering
+from mpsagent.mps.launch import (
+    CONTROL_LOG,
+    decide_multi_user,
+    end_daemon,
+    launch_daemon,
+    recorded_daemon,
+    wait_answering,
+    wait_daemon_exit,
+)
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent.plan import ResourcePlan
 
@@ -78,15 +84,9 @@ class DaemonKeeper:
 
     async def _adopt(self) -> bool:
         """A daemon that already answers with a live recorded PID (left by an earlier keeper or agent) is kept."""
-        if not await self._channel.probe():
+        state = await recorded_daemon(self._resource, self._channel, self._state_file, restart="the daemon host")
+        if state is None:
             return False
-        state = self._state_file.read()
-        if state is None or not pid_alive(state.pid):
-            raise DaemonError(
-                f"an MPS daemon already answers on {self._resource.pipe_directory} but no live PID is recorded in "
-                f"{self._resource.directory / 'daemon.json'}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY="
-                f"{self._resource.pipe_directory} nvidia-cuda-mps-control) and start the daemon host again"
-            )
         self._pid = state.pid
         self._log.info("mps daemon adopted", pid=state.pid)
         return True
@@ -171,19 +171,11 @@ class DaemonKeeper:
         return reason
 
     async def _wait_exit(self) -> str:
-        if self._process is not None:
-            code = await self._process.wait()
-            return f"it exited with status {code}; see {self._resource.log_directory / CONTROL_LOG}"
         assert self._pid is not None
-        try:
-            pidfd = os.pidfd_open(self._pid)
-        except ProcessLookupError:
-            return "the adopted daemon is gone"
-        try:
-            await anyio.wait_readable(pidfd)
-        finally:
-            os.close(pidfd)
-        return "the adopted daemon exited"
+        code = await wait_daemon_exit(self._process, self._pid)
+        if self._process is None:
+            return "the adopted daemon exited"
+        return f"it exited with status {code}; see {self._resource.log_directory / CONTROL_LOG}"
 
     async def _end_daemon(self) -> None:
         """A failed daemon is killed (and reaped when it is ours) before another is started."""

@@ -14,11 +14,12 @@ from anyio.abc import Process
 from structlog.typing import FilteringBoundLogger
 
 from mpsagent.config import MultiUser
-from mpsagent.errors import DaemonError
+from mpsagent.errors import DaemonError, UnrecordedDaemonError
 from mpsagent.host import FileRefusedError, open_private_file, pid_alive
 from mpsagent.mps.commands import daemon_launch, multi_user_server
 from mpsagent.mps.control import ControlChannel, offers_multi_user
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
+from mpsagent.mps.state import DaemonState, StateFile
 from mpsagent.plan import ResourcePlan
 
 START_TIMEOUT_S = 10.0
@@ -97,3 +98,37 @@ async def end_daemon(process: Process | None, pid: int | None) -> None:
     elif pid is not None and pid_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+async def recorded_daemon(
+    resource: ResourcePlan, channel: ControlChannel, state_file: StateFile, *, restart: str
+) -> DaemonState | None:
+    """The recorded state of the daemon that answers on the resource's pipe directory; None when none answers.
+    Raises UnrecordedDaemonError when one answers but `daemon.json` names no live PID for it (`restart` says what
+    to start again once it is stopped)."""
+    if not await channel.probe():
+        return None
+    state = state_file.read()
+    if state is None or not pid_alive(state.pid):
+        raise UnrecordedDaemonError(
+            f"an MPS daemon already answers on {resource.pipe_directory} but no live PID is recorded in "
+            f"{state_file.path}; stop it (echo quit | CUDA_MPS_PIPE_DIRECTORY={resource.pipe_directory} "
+            f"nvidia-cuda-mps-control) and start {restart} again"
+        )
+    return state
+
+
+async def wait_daemon_exit(process: Process | None, pid: int) -> int | None:
+    """Return when the daemon exits: one of ours (`process`) with its exit status; an adopted one, known by its PID
+    only, through a pidfd (None)."""
+    if process is not None:
+        return await process.wait()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        await anyio.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    return None
