@@ -23,7 +23,7 @@ from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.plan import build_plan
 from mpsagent.settings import MpsOnExit
-from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.agents import AgentLauncher, serve, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.metrics import value
@@ -80,14 +80,9 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
     )
     assert "`get_default_active_thread_percentage` reads 100.0, expected 25.0" in daemon["lastCapTamper"]["found"]
     wait_for(lambda: value(base, "mpsagent_cap_tamper_total", resource=RESOURCE) == 2, 5, "the counter")
-    shown = subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=True,
-    ).stdout
+    printed = status(short_dir)
+    assert printed.returncode == 0, printed.stderr
+    shown = printed.stdout
     assert "caps changed behind the agent 2 times, last at " in shown
     assert "(restored): `get_default_active_thread_percentage` reads 100.0, expected 25.0" in shown
 

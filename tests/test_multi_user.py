@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent_testing.agents import AgentLauncher, serve, start
+from mpsagent_testing.agents import AgentLauncher, serve, start, status
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.metrics import value
 from mpsagent_testing.mps.daemon import REAL_BIN, daemon_pid
@@ -54,14 +54,9 @@ def status_daemon(short_dir: Path) -> dict:
 
 
 def status_text(short_dir: Path) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=True,
-    ).stdout
+    printed = status(short_dir)
+    assert printed.returncode == 0, printed.stderr
+    return printed.stdout
 
 
 def events(agent, name: str) -> list[dict[str, object]]:
