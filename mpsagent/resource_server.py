@@ -53,7 +53,6 @@ class ResourceServer:
             gpu_source=gpu_source,
             control_bin=settings.mps_control_bin,
             on_exit=settings.mps_on_exit,
-            initial_ceilings=None,
             owner=settings.mps_daemon,
             probe_interval_s=settings.probe_interval_s,
         )

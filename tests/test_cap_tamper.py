@@ -203,15 +203,16 @@ def supervisor(short_dir: Path) -> Iterator[DaemonSupervisor]:
     node = SnapshotGpuSource(small_node(short_dir / "node.json")).discover()
     plan = build_plan(sharing, node, short_dir / "mps")
     prepare_directories(plan)
-    yield DaemonSupervisor(
+    supervisor = DaemonSupervisor(
         resource=plan.resources[0],
         inventory=Inventory(plan.resources[0]),
         gpu_source=SnapshotGpuSource(short_dir / "node.json"),
         control_bin=str(REAL_BIN),
         on_exit=MpsOnExit.QUIT,
-        initial_ceilings=plan.resources[0].shares.smallest_caps(),
         probe_interval_s=60,  # no round in this test: only the calls it makes read the daemon
     )
+    supervisor.want_ceilings(plan.resources[0].shares.smallest_caps())
+    yield supervisor
 
 
 def test_set_ceilings_with_verify_reads_the_daemons_real_values(supervisor: DaemonSupervisor, short_dir: Path) -> None:

@@ -73,11 +73,11 @@ class DaemonSupervisor:
         gpu_source: GpuSource,
         control_bin: str,
         on_exit: MpsOnExit,
-        initial_ceilings: Ceilings | None,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
     ) -> None:
-        """`initial_ceilings` None: the live grants are not known yet (see ShareModel.unreconciled_ceilings)."""
+        """Until `want_ceilings` says what the live grants need, a daemon starts at the ceilings for unknown
+        grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own."""
         self._resource = resource
         self._inventory = inventory
         self._gpus = gpu_source
@@ -87,8 +87,8 @@ class DaemonSupervisor:
         self._owns_daemon = owner is MpsDaemonOwner.AGENT
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
         self._state_file = StateFile(resource.directory)
-        self._wanted = initial_ceilings or resource.shares.unreconciled_ceilings()
-        self._ceilings_known = initial_ceilings is not None
+        self._wanted = resource.shares.unreconciled_ceilings()
+        self._ceilings_known = False
         self._held: Ceilings | None = None
         self._up = False
         self._process: Process | None = None
