@@ -10,7 +10,6 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from mpsagent.publisher import StatePublisher, feed_watchdog
 from mpsagent.resource_server import ResourceServer
 from mpsagent.settings import MpsDaemonOwner, MpsOnExit, Settings
 from mpsagent.status import starting_document
+from mpsagent.stop_signals import wait_stop_signal
 from mpsagent.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
@@ -110,14 +110,10 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
 
 
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
-    # SIGHUP stops as SIGTERM does: there is nothing to reload in place (a new configuration means a new plan, new
-    # daemons), and a hang-up must not end the agent without its clean-up.
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("stopping", reason=signal.Signals(signum).name)
-            notifier.notify("STOPPING=1", f"STATUS=stopping on {signal.Signals(signum).name}")
-            task_group.cancel_scope.cancel()
-            return
+    received = await wait_stop_signal()
+    log.info("stopping", reason=received.name)
+    notifier.notify("STOPPING=1", f"STATUS=stopping on {received.name}")
+    task_group.cancel_scope.cancel()
 
 
 async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> None:

@@ -5,7 +5,6 @@ being deleted) quits the daemons."""
 
 from __future__ import annotations
 
-import signal
 from contextlib import ExitStack
 
 import anyio
@@ -17,6 +16,7 @@ from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.plan import NodePlan
 from mpsagent.settings import Settings
+from mpsagent.stop_signals import wait_stop_signal
 
 log = get_logger("mpsagent.daemon_host")
 
@@ -24,11 +24,8 @@ KEEPER_RETRY_S = 1.0
 
 
 async def _watch_signals(scope: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("stopping", reason=signal.Signals(signum).name)
-            scope.cancel()
-            return
+    log.info("stopping", reason=(await wait_stop_signal()).name)
+    scope.cancel()
 
 
 class _StartedOnce(TaskStatus[None]):
