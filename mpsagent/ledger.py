@@ -155,6 +155,10 @@ class Ledger:
         grant_id = self._holder.get(replica_id)
         return self._live[grant_id] if grant_id is not None else None
 
+    def never_listed(self) -> int:
+        """Live grants that no listing of the kubelet has shown yet (their container is not known)."""
+        return sum(grant.owner is None for grant in self._live.values())
+
     def held_replicas(self) -> int:
         return len(self._holder)
 

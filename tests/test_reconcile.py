@@ -54,6 +54,19 @@ def test_a_listed_grant_learns_its_owner_and_stays() -> None:
     assert run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=101).identified == ()
 
 
+def test_a_grant_is_never_listed_until_a_listing_names_its_container() -> None:
+    """What the reconciler's follow-up lookups after an Allocate wait for."""
+    ledger = new_ledger()
+    ledger.record((IDS[0],), CAPPED)
+    assert ledger.never_listed() == 1
+    run(ledger, [], now=100)  # a lookup before the kubelet recorded the container
+    assert ledger.never_listed() == 1
+    run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=101)
+    assert ledger.never_listed() == 0
+    run(ledger, [Holding(container=ref("b"), replica_ids=(IDS[1],))], now=102)  # a gone, b adopted
+    assert ledger.never_listed() == 0
+
+
 def test_an_unlisted_grant_is_released_only_after_the_grace_period() -> None:
     ledger = new_ledger()
     grant = ledger.record((IDS[0], IDS[1]), CAPPED).grant

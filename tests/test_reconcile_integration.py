@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 
+from mpsagent.errors import UsageError
+from mpsagent.status import read_status
 from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
@@ -205,3 +207,29 @@ def test_status_shows_each_grant_with_its_container(
     gone = status(short_dir)
     assert gone.returncode == 2
     assert gone.stderr.startswith("mpsagent: error: no agent status at ") and "Traceback" not in gone.stderr
+
+
+def test_status_names_a_new_grant_s_container_soon_after_the_kubelet_lists_it(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    """The kubelet records a container's devices only after its Allocate returned, so the lookup made right after
+    the Allocate cannot show it; the agent looks again shortly after, long before its periodic lookup (every 10 s
+    with the default grace period)."""
+    start(agents, kubelet, short_dir)
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU1, 0))
+    granted = time.monotonic()
+    pod_resources.set_containers_later(0.3, listed("new", ids(GPU1, 0), container="worker"))
+
+    def named_after() -> float | None:
+        try:
+            grants = read_status(short_dir / "mps").resources[0].grants
+        except UsageError:  # not written yet
+            return None
+        return time.monotonic() - granted if [g.container for g in grants] == ["ml/new/worker"] else None
+
+    # Listed 0.3 s after the Allocate: seen by the follow-up at 0.5 s, published within the next 0.5 s.
+    assert wait_for(named_after, 3, "the status file to name the new grant's container") < 1.5
+    text = status(short_dir).stdout
+    assert "ml/new/worker [1/4 of GPU 1, threads 25%]" in text
+    assert "waiting for the kubelet" not in text

@@ -1,12 +1,13 @@
 """The kubelet's pod-resources API (v1 `List`) as the ledger's source of truth, and the task that reconciles.
 
-Reconciliation runs at start-up, then periodically and soon after each Allocate, never faster than
+Reconciliation runs at start-up, then periodically and at FOLLOW_UP_S after each Allocate, never faster than
 MIN_SPACING_S (the kubelet allows 100 requests/s with a burst of 10 on this socket; we stay far below). When the
 API is absent or refuses, the first failure is logged, retries back off, and everything else keeps serving.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +31,13 @@ MIN_SPACING_S = 0.2
 PERIOD_MAX_S = 10.0
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
+FOLLOW_UP_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""When to look again after an Allocate (seconds after it), until every grant has been listed. The kubelet records
+a container's devices only once its Allocate has returned (within milliseconds), so a lookup at once cannot show
+them and the first follow-up, at the shortest spacing, usually does; the later ones, each about twice as far, cover
+a kubelet busy admitting other pods. At most 5 lookups per Allocate, fewer when Allocates come closer together than
+the spacing (they share them). A grant still unlisted after 4 s is most likely of a pod that failed admission after
+its Allocate: the periodic lookup and the grace period settle it."""
 
 PodResourcesFailure = (OSError, TimeoutError, GRPCError, StreamTerminatedError, ProtocolError)
 
@@ -77,6 +85,8 @@ class PodResourcesReconciler:
         self._period_s = min(PERIOD_MAX_S, max(MIN_SPACING_S, grace_s / 2))
         self._clock = clock
         self._wanted = anyio.Event()
+        self._follow_ups: list[float] = []
+        """Clock times of the lookups due after Allocates, sorted; none closer together than MIN_SPACING_S."""
         self._failing = False
         self.successes = 0
         self.failures = 0
@@ -91,8 +101,29 @@ class PodResourcesReconciler:
         self._targets.append(target)
 
     def request(self) -> None:
-        """Ask for a reconciliation soon (after an Allocate)."""
+        """An Allocate was answered: look at FOLLOW_UP_S after it, until every grant has been listed."""
+        now = self._clock()
+        for delay in FOLLOW_UP_S:
+            due = now + delay
+            near = bisect.bisect_left(self._follow_ups, due - MIN_SPACING_S)
+            if near == len(self._follow_ups) or self._follow_ups[near] > due + MIN_SPACING_S:
+                bisect.insort(self._follow_ups, due)
         self._wanted.set()
+
+    def _next_lookup(self, rested: float, backoff: float) -> float:
+        """The clock time of the next lookup, for a loop that rests since `rested`."""
+        if self._failing:
+            return rested + backoff
+        periodic = rested + self._period_s
+        return min(periodic, self._follow_ups[0]) if self._follow_ups else periodic
+
+    def _settle_follow_ups(self) -> None:
+        """After a lookup: the follow-ups it made are done, and none is needed while every grant has been listed."""
+        now = self._clock()
+        if self._failing or any(target.allocator.ledger.never_listed() for target in self._targets):
+            del self._follow_ups[: bisect.bisect_right(self._follow_ups, now)]
+        else:
+            self._follow_ups.clear()
 
     async def reconcile_once(self) -> bool:
         """One `List` and reconciliation of every resource; False (logged) when the API failed."""
@@ -126,11 +157,13 @@ class PodResourcesReconciler:
         task_status.started()
         backoff = BACKOFF_INITIAL_S
         while True:
-            wait = self._period_s if not self._failing else backoff
-            with anyio.move_on_after(wait):
-                await self._wanted.wait()
-            self._wanted = anyio.Event()
+            rested = self._clock()
+            while (wait := self._next_lookup(rested, backoff) - self._clock()) > 0:
+                with anyio.move_on_after(wait):
+                    await self._wanted.wait()  # an Allocate: its first follow-up may come sooner
+                self._wanted = anyio.Event()
             backoff = BACKOFF_INITIAL_S if await self.reconcile_once() else min(backoff * 2, BACKOFF_MAX_S)
+            self._settle_follow_ups()
             await anyio.sleep(MIN_SPACING_S)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ class FakePodResources(pr_grpc.PodResourcesListerServicer):
         self.socket_path = socket_path
         self._lock = threading.Lock()
         self._containers: list[ListedContainer] = []
+        self._later: tuple[float, list[ListedContainer]] | None = None
         self._refusal: grpc.StatusCode | None = None
         self.calls = 0
         self._server: grpc.Server | None = None
@@ -56,7 +58,13 @@ class FakePodResources(pr_grpc.PodResourcesListerServicer):
 
     def set_containers(self, *containers: ListedContainer) -> None:
         with self._lock:
-            self._containers = list(containers)
+            self._containers, self._later = list(containers), None
+
+    def set_containers_later(self, delay_s: float, *containers: ListedContainer) -> None:
+        """List these containers from `delay_s` seconds on, the current ones until then: as the kubelet, which
+        records a container's devices only after its Allocate returned."""
+        with self._lock:
+            self._later = (time.monotonic() + delay_s, list(containers))
 
     def refuse(self, code: grpc.StatusCode | None) -> None:
         """Answer every List with this error status (None: answer normally again)."""
@@ -66,6 +74,8 @@ class FakePodResources(pr_grpc.PodResourcesListerServicer):
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:
         with self._lock:
             self.calls += 1
+            if self._later is not None and time.monotonic() >= self._later[0]:
+                self._containers, self._later = self._later[1], None
             refusal, containers = self._refusal, list(self._containers)
         if refusal is not None:
             context.abort(refusal, "refused by the test")
