@@ -6,6 +6,7 @@ reads it, so it needs no connection to the agent and works the same on a node an
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import time
@@ -78,6 +79,18 @@ def _cap_mode(held: Ceilings | None, full: Ceilings) -> CapMode | None:
 
 def _utc(wall: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+def _ago(utc: str, now: float) -> str:
+    """How long before `now` (wall clock) a time `_utc` wrote was, for people: `45 s ago`, `3 min ago`, `2 d ago`."""
+    try:
+        seconds = max(0, int(now - calendar.timegm(time.strptime(utc, "%Y-%m-%dT%H:%M:%SZ"))))
+    except ValueError:  # a file edited by hand
+        return utc
+    for unit, size, shown_below in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
+        if seconds < size * shown_below:
+            return f"{seconds // size} {unit} ago"
+    return f"{seconds // 86400} d ago"
 
 
 def _wall(monotonic: float | None) -> str | None:
@@ -306,18 +319,26 @@ def _gpu_lines(gpus: dict[str, GpuStatus]) -> list[str]:
     return lines
 
 
-def _grant_line(grant: GrantStatus) -> str:
+def _holder(grant: GrantStatus, now: float) -> str:
+    """The grant's container, or that it is waiting for one: the kubelet lists a container only once its Allocate
+    has returned, so a new grant is not "unlisted" until its container was listed once."""
+    if grant.container is None:
+        return f"waiting for the kubelet to list its container (granted {_ago(grant.granted_at, now)})"
+    holder = grant.container + (" (adopted)" if grant.adopted else "")
+    if grant.unlisted_since:
+        holder += f" (not listed by the kubelet since {grant.unlisted_since})"
+    return holder
+
+
+def _grant_line(grant: GrantStatus, now: float) -> str:
     ids = grant.device_ids
     shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
-    note = " (adopted)" if grant.adopted else ""
-    if grant.unlisted_since:
-        note += f" (not listed by the kubelet since {grant.unlisted_since})"
-    holder = grant.container or "container not yet known"
     share = f" [{grant.share}]" if grant.share else ""
-    return f"    #{grant.grant_id} {grant.kind:<6} {holder}{note}{share}: {shown}"
+    return f"    #{grant.grant_id} {grant.kind:<6} {_holder(grant, now)}{share}: {shown}"
 
 
 def render_status_text(document: StatusDocument) -> str:
+    now = time.time()
     pod_resources = document.pod_resources
     alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
     lines = [
@@ -338,6 +359,6 @@ def render_status_text(document: StatusDocument) -> str:
             *_daemon_events(daemon),
             *_gpu_lines(res.gpus),
             f"  grants: {len(res.grants)}",
-            *(_grant_line(grant) for grant in res.grants),
+            *(_grant_line(grant, now) for grant in res.grants),
         ]
     return "\n".join(lines)

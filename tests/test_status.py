@@ -17,6 +17,7 @@ from mpsagent.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
 from mpsagent.inventory import Inventory
 from mpsagent.ledger import Ledger
 from mpsagent.plan import build_plan
+from mpsagent.reconcile import Holding
 from mpsagent.status import (
     STATUS_FILE,
     DaemonView,
@@ -67,7 +68,7 @@ def fixed_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def serving_views() -> list[ResourceView]:
-    """Two resources: one serving three grants (capped, full and adopted, one no longer listed), a GPU unhealthy
+    """Two resources: one serving three grants (capped, full and adopted, one never listed yet), a GPU unhealthy
     and its caps changed behind the agent once; one whose daemon is down and never registered."""
     plan = build_plan(
         check_config(parse_config(CONFIG, "config.yaml")),
@@ -171,6 +172,7 @@ FIRST_AGENTS_FILE = """{
 """
 
 
+@pytest.mark.usefixtures("fixed_clocks")
 def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -185,7 +187,8 @@ def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
         "nvidia.com/gpu: 4/4 replicas healthy, registered with the kubelet",
         "  mps daemon: up, pid 77, caps full, 0 restarts, user mode unknown (adopted from an older agent)",
         "  grants: 1",
-        "    #1 full   container not yet known: GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
+        "    #1 full   waiting for the kubelet to list its container (granted 60 s ago): "
+        "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
     ]
     assert cli.run(["--status", "--mps-root", str(tmp_path), "--output", "json"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -193,6 +196,67 @@ def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
     assert (printed["tasks"], printed["writtenAt"], resource["registrations"], resource["gpus"]) == (0, None, 0, {})
     assert resource["daemon"]["multiUser"] is None
     assert resource["grants"][0]["share"] is None
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_when(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The kubelet lists a container only once its Allocate has returned, so a lookup in between misses the new
+    grant: it is waiting for the kubelet, not "not listed since". A grant whose container was listed and is gone
+    says since when (its grace period runs from then)."""
+    plan = build_plan(
+        check_config(parse_config(CONFIG, "config.yaml")),
+        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
+        Path("/run/nvidia/mps"),
+    )
+    gpus = plan.resources[0]
+    allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 2, lambda: MONOTONIC - 2))
+    ids = gpus.device_ids
+    allocator.allocate([ids[:1], ids[1:2]])
+    web = ContainerRef(namespace="ml", pod="web", container="main")
+    allocator.reconcile([Holding(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
+    allocator.reconcile([], now=MONOTONIC, grace_s=60)
+    view = ResourceView(
+        allocator=allocator,
+        inventory=Inventory(gpus, daemon_ready=True),
+        daemon=DaemonView(pid=4242, up=True, ceilings=allocator.ceilings(), restarts=0),
+        registered=True,
+        registrations=1,
+    )
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+    write_status(
+        tmp_path,
+        status_document(version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[view]),
+    )
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "    #1 capped waiting for the kubelet to list its container (granted 2 s ago) [1/4 of GPU 0, threads 25%]: "
+        "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
+        "    #2 capped ml/web/main (not listed by the kubelet since 2025-12-01T00:00:00Z) [1/4 of GPU 0, threads 25%]: "
+        "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::1",
+    ]
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+@pytest.mark.parametrize(
+    ("granted_at", "shown"),
+    [
+        ("2025-12-01T00:00:00Z", "(granted 0 s ago)"),
+        ("2025-11-30T23:58:01Z", "(granted 119 s ago)"),
+        ("2025-11-30T23:58:00Z", "(granted 2 min ago)"),
+        ("2025-11-30T22:00:00Z", "(granted 2 h ago)"),
+        ("2025-11-28T00:00:00Z", "(granted 3 d ago)"),
+        ("2025-12-01T00:00:05Z", "(granted 0 s ago)"),  # the clock stepped back since
+        ("yesterday", "(granted yesterday)"),  # a file edited by hand
+    ],
+)
+def test_how_long_ago_a_waiting_grant_was_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], granted_at: str, shown: str
+) -> None:
+    (tmp_path / STATUS_FILE).write_text(FIRST_AGENTS_FILE.replace("2025-11-30T23:59:00Z", granted_at))
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    assert f"    #1 full   waiting for the kubelet to list its container {shown}: " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
