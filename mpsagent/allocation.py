@@ -29,8 +29,14 @@ def describe_ids(ids: Sequence[str]) -> str:
     return f"{named} and {rest} more" if rest > 0 else named
 
 
-def size_error(count: int) -> RequestError:
-    return RequestError(f"maximum request size for shared resources is 1; found {count}")
+def size_error(resource: str, count: int) -> RequestError:
+    """A request of more than one replica where the config allows one (the NVIDIA plugin's "maximum request size for
+    shared resources is 1"). The kubelet asks GetPreferredAllocation first whenever more IDs are free than requested,
+    so the operator mostly reads this in a rejected pod's status: it names the key that allows more."""
+    return RequestError(
+        f"{resource}: a request of {count} replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+        "(the default), which allows 1 per container; set it to false to allow more"
+    )
 
 
 def client_limit_error(resource: str, over: Sequence[ClientLimit]) -> RequestError:
@@ -78,7 +84,7 @@ class ResourceAllocator:
             raise RequestError(f"{self.resource.name}: a container request must name at least one device ID")
         unique = self._known_ids(ids, "the request")
         if self._one_at_most and len(unique) > 1:
-            raise size_error(len(unique))
+            raise size_error(self.resource.name, len(unique))
         return unique
 
     def grant_for(self, ids: Sequence[str]) -> ContainerGrant:
@@ -110,7 +116,7 @@ class ResourceAllocator:
         if size < 1:
             raise RequestError(f"{self.resource.name}: allocation size must be at least 1, not {size}")
         if self._one_at_most and size > 1:
-            raise size_error(size)
+            raise size_error(self.resource.name, size)
         return preferred_replicas(
             gpu_replicas=self._gpu_replicas,
             available=self._known_ids(available, "the available devices"),

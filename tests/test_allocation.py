@@ -129,7 +129,12 @@ def test_caps_not_enforced_leave_the_ceilings_at_the_whole_hardware(node_file: P
     ("size", "fail_gt_one", "message"),
     [
         (0, False, f"{RESOURCE}: allocation size must be at least 1, not 0"),
-        (2, True, "maximum request size for shared resources is 1; found 2"),
+        (
+            2,
+            True,
+            f"{RESOURCE}: a request of 2 replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+            "(the default), which allows 1 per container; set it to false to allow more",
+        ),
     ],
 )
 def test_a_wrong_preferred_allocation_is_refused(node_file: Path, size: int, fail_gt_one: bool, message: str) -> None:

@@ -81,7 +81,10 @@ def test_once_shows_the_refusal_when_requests_greater_than_one_fail(tmp_path: Pa
     config.write_text("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n")
     plan = once_json("--node-snapshot", str(H100_NODE), "--config-file", str(config))
     every = plan["resources"][0]["examples"][-1]
-    assert every["error"] == "maximum request size for shared resources is 1; found 16"
+    assert every["error"] == (
+        "nvidia.com/gpu: a request of 16 replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+        "(the default), which allows 1 per container; set it to false to allow more"
+    )
     assert "envs" not in every
 
 

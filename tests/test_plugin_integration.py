@@ -80,13 +80,16 @@ def test_more_than_one_replica_refused_when_fail_requests_greater_than_one(
     with pytest.raises(grpc.RpcError) as refused:
         allocate(plugin, ids(GPU0, 0, 1))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details() == "maximum request size for shared resources is 1; found 2"
+    assert refused.value.details() == (
+        f"{RESOURCE}: a request of 2 replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+        "(the default), which allows 1 per container; set it to false to allow more"
+    )
     # A duplicated ID is one replica.
     envs = dict(allocate(plugin, ids(GPU0, 1, 1)).container_responses[0].envs)
     assert envs["NVIDIA_VISIBLE_DEVICES"] == GPU0
     with pytest.raises(grpc.RpcError) as all_refused:
         allocate(plugin, ALL)
-    assert all_refused.value.details() == "maximum request size for shared resources is 1; found 8"
+    assert all_refused.value.details().startswith(f"{RESOURCE}: a request of 8 replicas is refused: ")
 
 
 def test_unknown_ids_are_refused_by_name_with_a_bounded_message(plugin: Plugin) -> None:

@@ -86,12 +86,13 @@ def test_a_refused_example_names_its_error_and_nothing_it_was_not_given() -> Non
     plan, _, _ = SCENARIOS["replicas-and-units"]
     report = plan_report(plan, control_bin=CONTROL_BIN, manages_compute_mode=True, multi_user_offered=None)
     refused = report.resources[0].examples[1]
-    assert (refused.title, refused.error) == (
-        "2 replicas on one GPU",
-        "maximum request size for shared resources is 1; found 2",
+    message = (
+        "nvidia.com/gpu: a request of 2 replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+        "(the default), which allows 1 per container; set it to false to allow more"
     )
+    assert (refused.title, refused.error) == ("2 replicas on one GPU", message)
     assert list(msgspec.to_builtins(refused)) == ["request", "title", "fullGrant", "error", "ceilings"]
-    assert "    refused: maximum request size for shared resources is 1; found 2" in render_text(report).splitlines()
+    assert f"    refused: {message}" in render_text(report).splitlines()
 
 
 def test_caps_left_to_the_containers_say_so() -> None:

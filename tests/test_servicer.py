@@ -171,13 +171,26 @@ def test_a_refused_allocate_says_why_and_changes_nothing(
     assert served.timed == [("allocate", "ok"), ("allocate", "refused")]
 
 
-def test_more_than_one_replica_is_refused_when_fail_requests_greater_than_one(tmp_path: Path) -> None:
-    served = serve(tmp_path, config(fail_gt_one=True))
-    error = refused_allocate(served, ids(GPU0, 0, 1))
-    assert (error.status, error.message) == (
-        Status.INVALID_ARGUMENT,
-        "maximum request size for shared resources is 1; found 2",
+def greater_than_one_refused(count: int) -> str:
+    return (
+        f"{RESOURCE}: a request of {count} replicas is refused: sharing.mps.failRequestsGreaterThanOne is true "
+        "(the default), which allows 1 per container; set it to false to allow more"
     )
+
+
+@pytest.mark.parametrize("fail_gt_one", [True, None], ids=["true", "omitted"])
+def test_more_than_one_replica_is_refused_when_fail_requests_greater_than_one(
+    tmp_path: Path, fail_gt_one: bool | None
+) -> None:
+    """The kubelet asks GetPreferredAllocation first whenever more IDs are free than requested, so its refusal is
+    usually what the operator reads in the pod's status: it names the resource and the key that allows more."""
+    served = serve(tmp_path, config(fail_gt_one=fail_gt_one))
+    error = refused(
+        served.servicer, "GetPreferredAllocation", preferred_request(ALL, 2), pb.PreferredAllocationResponse
+    )
+    assert (error.status, error.message) == (Status.INVALID_ARGUMENT, greater_than_one_refused(2))
+    error = refused_allocate(served, ids(GPU0, 0, 1))
+    assert (error.status, error.message) == (Status.INVALID_ARGUMENT, greater_than_one_refused(2))
     assert served.live() == []
 
 

@@ -209,7 +209,7 @@ def test_fail_requests_greater_than_one_is_about_replicas_only() -> None:
     units = ResourceAllocator(resource("{name: gpu-mem, memoryUnit: 8Gi}", mps=""), SHM)
     assert len(units.grant_for(ids(3)).replica_ids) == 3
     replicas = ResourceAllocator(resource("{name: gpu, replicas: 4}", mps=""), SHM)
-    with pytest.raises(RequestError, match="maximum request size for shared resources is 1; found 3"):
+    with pytest.raises(RequestError, match=r"a request of 3 replicas is refused: sharing\.mps\.failRequests"):
         replicas.grant_for(ids(3))
 
 
