@@ -31,20 +31,17 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from mpsagent_testing import images
+from mpsagent_testing.images import DOCKERFILE, IMAGE_TIMEOUT_S, podman
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import small_node, write_config
 from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 PACKAGING = ROOT / "packaging"
-BUILD_SH = PACKAGING / "binary" / "build.sh"
 HOOK = PACKAGING / "binary" / "rthook_mpsagent.py"
 GLIBC_FLOOR = PACKAGING / "binary" / "glibc_floor.py"
 UNIT = PACKAGING / "systemd" / "mpsagent.service"
 SHM_MOUNT = PACKAGING / "systemd" / "run-nvidia-mps-shm.mount"
-DOCKERFILE = PACKAGING / "container" / "Dockerfile"
-DOCKERIGNORE = PACKAGING / "container" / "Dockerfile.dockerignore"
-ONEFILE_DOCKERFILE = PACKAGING / "container" / "Dockerfile.onefile"
-DEBIAN_BASE = PACKAGING / "container" / "debian-base.sh"
 KUSTOMIZE = PACKAGING / "kubernetes"
 INSTALL_DOC = ROOT / "docs" / "install.md"
 CONFIG = EXAMPLES / "config-mps.yaml"
@@ -56,8 +53,6 @@ OLDEST_KUBERNETES = Version("1.30")
 # Variables in the units that are not the agent's flags: the NVIDIA container runtime's, and the one-file build's.
 NOT_AGENT_FLAGS = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "TMPDIR", "MPSAGENT_CHILD_TMPDIR"}
 
-BUILD_TIMEOUT_S = 540
-IMAGE_TIMEOUT_S = 600
 IMAGE_ENTRYPOINT = ["/opt/mpsagent/bin/mpsagent"]
 ONEFILE_IMAGE_TARGET_MB = 120
 COMMAND_TIMEOUT_S = 60
@@ -80,12 +75,7 @@ def python_agent(*args: str | Path) -> subprocess.CompletedProcess[str]:
 def binary() -> Iterator[Path]:
     out = Path(tempfile.mkdtemp(prefix="mpsagent-onefile-"))
     try:
-        env = {**os.environ, "PYTHON": sys.executable, "DIST_DIR": str(out / "dist"), "WORK_DIR": str(out / "work")}
-        built = run(BUILD_SH, env=env, timeout=BUILD_TIMEOUT_S)
-        assert built.returncode == 0, built.stdout + built.stderr
-        path = out / "dist" / "mpsagent"
-        assert path.is_file() and os.access(path, os.X_OK)
-        yield path
+        yield images.build_binary(out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -431,21 +421,6 @@ def test_dockerfile_runs_the_agent_with_mps_from_debian_non_free() -> None:
 # with chroot in a created (never started) container's mounted root filesystem, with the image's environment.
 
 
-def podman(*args: str | Path, timeout: float = COMMAND_TIMEOUT_S) -> str:
-    done = run("podman", *args, timeout=timeout)
-    assert done.returncode == 0, f"podman {args[0]}: {done.stderr[-3000:]}"
-    return done.stdout
-
-
-def pip_ca_bundle() -> Path | None:
-    """The CA bundle the build host's pip is told to trust, if any: the build's pip trusts it too."""
-    for variable in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
-        value = os.environ.get(variable)
-        if value and Path(value).is_file():
-            return Path(value)
-    return None
-
-
 @pytest.fixture(scope="module")
 def base_image() -> str:
     missing = [tool for tool in ("podman", "debootstrap") if shutil.which(tool) is None]
@@ -454,36 +429,17 @@ def base_image() -> str:
         if os.environ.get("CI"):
             pytest.fail(f"the image tests cannot run in CI: {why} (scripts/install-system-deps.sh installs both)")
         pytest.skip(f"the image tests need podman, debootstrap and root: {why}")
-    done = run(DEBIAN_BASE, timeout=IMAGE_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.split()[-1]
-
-
-def image_id(tag: str) -> str | None:
-    done = run("podman", "image", "inspect", "--format", "{{.Id}}", tag)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def build_image(base: str, tag: str, dockerfile: Path, context: Path, *extra: str | Path) -> str:
-    ca = pip_ca_bundle()
-    secret = ("--secret", f"id=pip-ca,src={ca}") if ca else ()
-    isolation = ("--isolation", "chroot", "--network", "host")
-    previous = image_id(tag)
-    podman("build", *isolation, "--build-arg", f"BASE_IMAGE={base}", *secret, *extra, "-f", dockerfile, "-t", tag,
-           context, timeout=IMAGE_TIMEOUT_S)  # fmt: skip
-    if previous not in (None, image_id(tag)):
-        run("podman", "rmi", previous)  # the image this run replaced, with its layers (best effort)
-    return tag
+    return images.base_image()
 
 
 @pytest.fixture(scope="module")
 def venv_image(base_image: str) -> str:
-    return build_image(base_image, "localhost/mpsagent-test:venv", DOCKERFILE, ROOT, "--ignorefile", DOCKERIGNORE)
+    return images.venv_image(base_image)
 
 
 @pytest.fixture(scope="module")
 def onefile_image(base_image: str, binary: Path) -> str:
-    return build_image(base_image, "localhost/mpsagent-test:onefile", ONEFILE_DOCKERFILE, binary.parent)
+    return images.onefile_image(base_image, binary)
 
 
 @pytest.fixture(params=["venv", "onefile"])

@@ -1,0 +1,13 @@
+"""A real single-node Kubernetes for the end-to-end tests: upstream kube-apiserver, kube-controller-manager,
+kube-scheduler and kubelet built from their published Go modules, with Debian's etcd, containerd, runc and CNI
+plugins, on loopback, GPU-less. `scripts/e2e-cluster` is its command line (`python -m mpsagent_testing.cluster`).
+
+- `layout` — the pinned versions and every path the node uses (cache, state, sockets, logs);
+- `build` — the binaries, built once into the cache from the wrapper module in `gomod/`;
+- `images` — the sandbox and busybox images, made from Debian's busybox-static, and importing images into
+  containerd;
+- `node` — starting the node (`up`), its state, a real kubelet restart, and `down`, which ends every process it
+  started and removes every mount and file;
+- `kubectl` — the tests' way to the API server.
+
+Only the standard library: `scripts/e2e-cluster` runs before any virtual environment exists."""

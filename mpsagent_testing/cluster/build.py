@@ -1,0 +1,102 @@
+"""The node's upstream binaries, built once into the cache: kube-apiserver, kube-controller-manager,
+kube-scheduler, kubelet and kubectl from `gomod/` (a wrapper module: k8s.io/kubernetes with its staging modules
+replaced by their published releases), and helm from its own module. A changed recipe (the wrapper module or the
+flags below) builds again; otherwise nothing runs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mpsagent_testing.cluster.layout import BIN, COMMANDS, HELM_VERSION, KUBERNETES_VERSION
+
+GOMOD = Path(__file__).with_name("gomod")
+BUILD_TIMEOUT_S = 40 * 60
+"""A cold build of every command takes about 15 minutes on 2 cores (docs/e2e.md)."""
+
+_MINOR = KUBERNETES_VERSION.lstrip("v").split(".")[1]
+LDFLAGS = " ".join(
+    (
+        "-s -w",
+        f"-X k8s.io/component-base/version.gitVersion={KUBERNETES_VERSION}",
+        "-X k8s.io/component-base/version.gitMajor=1",
+        f"-X k8s.io/component-base/version.gitMinor={_MINOR}",
+        "-X k8s.io/component-base/version.gitTreeState=clean",
+        f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
+    )
+)
+
+
+class BuildError(RuntimeError):
+    """A binary could not be built; the message has the tail of Go's output."""
+
+
+def _recipe() -> str:
+    digest = hashlib.sha256(LDFLAGS.encode())
+    for name in ("go.mod", "go.sum", "tools.go"):
+        digest.update((GOMOD / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _stamp(name: str) -> Path:
+    return BIN / f".{name}.recipe"
+
+
+def _current(name: str, recipe: str) -> bool:
+    stamp = _stamp(name)
+    return (BIN / name).is_file() and stamp.is_file() and stamp.read_text() == recipe
+
+
+def _go() -> str:
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").is_file() else None)
+    if go is None:
+        raise BuildError("go is not installed: the e2e node builds Kubernetes from its Go modules (Go 1.26)")
+    return go
+
+
+def _run_go(argv: list[str], cwd: Path, **extra_env: str) -> None:
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly -buildvcs=false", **extra_env}
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise BuildError(f"{' '.join(argv[:3])} ... failed:\n{(done.stdout + done.stderr)[-4000:]}")
+
+
+def ensure_binaries(log: bool = True) -> dict[str, float]:
+    """Build what is missing or stale; the seconds each build took (empty when everything was current)."""
+    BIN.mkdir(parents=True, exist_ok=True)
+    took: dict[str, float] = {}
+    recipe = _recipe()
+    stale = [name for name in COMMANDS if not _current(name, recipe)]
+    if stale:
+        if log:
+            what = f"{', '.join(stale)} {KUBERNETES_VERSION}"
+            print(f"e2e-cluster: building {what} (cold: about 15 min)", file=sys.stderr)
+        started = time.monotonic()
+        packages = [f"k8s.io/kubernetes/cmd/{name}" for name in stale]
+        _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], GOMOD)
+        for name in stale:
+            _stamp(name).write_text(recipe)
+        took["kubernetes"] = time.monotonic() - started
+    helm_recipe = f"helm@{HELM_VERSION}"
+    if not _current("helm", helm_recipe):
+        if log:
+            print(f"e2e-cluster: building helm {HELM_VERSION}", file=sys.stderr)
+        started = time.monotonic()
+        module = f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"
+        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", module], BIN, GOBIN=str(BIN), GOFLAGS="")
+        _stamp("helm").write_text(helm_recipe)
+        took["helm"] = time.monotonic() - started
+    return took
+
+
+def binary(name: str) -> Path:
+    """The cached binary `name`; BuildError (saying what builds it) when it is not there."""
+    path = BIN / name
+    if not path.is_file():
+        raise BuildError(f"{path} is missing: `scripts/e2e-cluster build` builds it")
+    return path

@@ -1,0 +1,112 @@
+"""The agent on the e2e node as the systemd unit runs it: a host process with the kubelet's standard sockets, its
+GPUs from the fake NVML library (driven from outside through `FakeNvmlDriver`) and the real
+`nvidia-cuda-mps-control`; its MPS root under the node's run directory, so `down` removes it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from mpsagent_testing.agents import AgentProcess
+from mpsagent_testing.cluster.layout import RUN
+from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
+from mpsagent_testing.nvml.control import FakeNvmlDriver
+from mpsagent_testing.processes import kill_processes_using
+from mpsagent_testing.repo import BUILD, ROOT
+
+MPS_ROOT = RUN / "mps"
+GIB = 1024**3
+
+
+def fake_gpu(index: int, memory_bytes: int = 16 * GIB) -> dict[str, Any]:
+    return {
+        "uuid": f"GPU-e2e{index:05d}-aaaa-bbbb-cccc-dddddddddddd",
+        "name": "NVIDIA H100 80GB HBM3",
+        "memoryTotal": memory_bytes,
+        "major": 9,
+        "minor": 0,
+        "pciBusId": f"00000000:{index + 0x18:02X}:00.0",
+        "minorNumber": index,
+    }
+
+
+class HostAgents:
+    """Starts agents on the node (each with its own JSON log in `directory`) and ends whatever is still running."""
+
+    def __init__(self, directory: Path, gpus: list[dict[str, Any]]) -> None:
+        self.directory = directory
+        self.gpus = gpus
+        self.started: list[AgentProcess] = []
+        nvml_config = directory / "nvml.json"
+        nvml_config.write_text(json.dumps({"driverVersion": "580.95.05", "cudaDriverVersion": 13000, "gpus": gpus}))
+        self.driver = FakeNvmlDriver(directory / "nvml-state.json", directory / "nvml-events.jsonl")
+        self.env = fake_nvml_env(
+            build_fake_nvml(BUILD), nvml_config, self.driver.state_path, events=self.driver.events_path
+        )
+
+    def start(self, config_text: str, *extra: str) -> AgentProcess:
+        config = self.directory / f"config-{len(self.started)}.yaml"
+        config.write_text(config_text)
+        log_path = self.directory / f"agent-{len(self.started)}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "mpsagent", "--config-file", str(config), "--mps-root", str(MPS_ROOT),
+                 "--log-format", "json", "--log-level", "info", "--nfd-features-file", "", *extra],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self.env, "PYTHONUNBUFFERED": "1"},
+                cwd=ROOT,
+            )  # fmt: skip
+        agent = AgentProcess(process, log_path)
+        self.started.append(agent)
+        return agent
+
+    def close(self) -> None:
+        """Kill every agent still running and end the MPS daemons they left (`--mps-on-exit keep`)."""
+        for agent in self.started:
+            if agent.process.poll() is None:
+                agent.process.kill()
+                agent.process.wait(10)
+        kill_processes_using(MPS_ROOT)
+
+
+def status() -> dict[str, Any]:
+    """`mpsagent --status --output json` for the node's agent."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(MPS_ROOT), "--output", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"mpsagent --status exited {done.returncode}: {done.stderr[-2000:]}")
+    document: dict[str, Any] = json.loads(done.stdout)
+    return document
+
+
+def status_text() -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(MPS_ROOT)],
+        capture_output=True, text=True, timeout=30, cwd=ROOT, check=False,
+    )  # fmt: skip
+    return done.stdout + done.stderr
+
+
+def grants(resource: str) -> list[dict[str, Any]]:
+    """The agent's live grants of `resource`, from `--status`."""
+    for entry in status()["resources"]:
+        if entry["name"] == resource:
+            found: list[dict[str, Any]] = list(entry.get("grants", []))
+            return found
+    raise AssertionError(f"--status lists no resource {resource}")
+
+
+def pipe_directory(resource: str) -> Path:
+    vendor, name = resource.split("/")
+    return MPS_ROOT / vendor / name / "pipe"

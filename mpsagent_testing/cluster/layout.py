@@ -1,0 +1,42 @@
+"""The e2e node's pinned versions and paths: the build cache, the node's state, its sockets and its logs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.36.3"
+"""The newest 1.36 patch release on the Go module proxy. 1.36 and not 1.37: kubelet 1.37 needs containerd 2.x,
+and 1.36 runs with Debian 12's containerd 1.6 (the kubelet falls back when the runtime lacks `RuntimeConfig`);
+1.36 is also the first release with consumable capacity (KEP-5075) in beta for the DRA work that builds on this
+node. The staging modules it builds against are the same patch release (`gomod/go.mod`)."""
+HELM_VERSION = "v3.22.0"
+
+COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+
+CACHE = Path("/var/cache/mpsagent-e2e") / KUBERNETES_VERSION
+"""Built once and kept: `bin/` (the commands and helm) and `images/` (image archives). Removing it rebuilds."""
+BIN = CACHE / "bin"
+IMAGES = CACHE / "images"
+
+STATE = Path("/var/lib/mpsagent-e2e")
+"""The node's own files: certificates, tokens, configs, etcd's data, containerd's root, logs. `down` removes it."""
+RUN = Path("/run/mpsagent-e2e")
+"""Sockets and containerd's state. `down` removes it."""
+LOGS = STATE / "logs"
+PIDS = STATE / "pids.json"
+KUBECONFIG = STATE / "admin.kubeconfig"
+CONTAINERD_SOCKET = RUN / "containerd.sock"
+
+KUBELET_ROOT = Path("/var/lib/kubelet")
+"""The kubelet's standard root, so an agent started with its defaults finds the kubelet's sockets."""
+DEVICE_PLUGINS = KUBELET_ROOT / "device-plugins"
+POD_RESOURCES_SOCKET = KUBELET_ROOT / "pod-resources" / "kubelet.sock"
+
+API_PORT = 6443
+ETCD_PORT = 2379
+SERVICE_CIDR = "198.51.100.0/24"
+"""A documentation range, neither private nor anyone's: no traffic goes to it (there is no kube-proxy), but the API
+server needs one."""
+
+BUSYBOX_IMAGE = "mpsagent-e2e.local/busybox:1"
+PAUSE_IMAGE = "mpsagent-e2e.local/pause:1"

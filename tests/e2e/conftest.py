@@ -1,0 +1,73 @@
+"""The real node for the end-to-end tests: built once (cached), brought up for the session and taken down after it,
+pass or fail. A failed test prints the tails of the kubelet's, the agents' and its pods' logs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mpsagent_testing.cluster import build, node, pods
+from mpsagent_testing.cluster.layout import LOGS
+
+
+def _missing_tools() -> list[str]:
+    needed = ("etcd", "containerd", "runc", "ctr", "openssl", "go")
+    missing = [tool for tool in needed if shutil.which(tool) is None and not Path(f"/usr/local/go/bin/{tool}").exists()]
+    if not Path("/bin/busybox").exists():
+        missing.append("busybox-static")
+    return missing
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[str]:
+    """The node's name, once it is Ready. In CI a missing part fails the tests; elsewhere it skips them."""
+    missing = _missing_tools()
+    if missing or os.geteuid() != 0:
+        why = f"missing {', '.join(missing)}" if missing else "not root"
+        message = f"the real-node tests need root and scripts/install-system-deps.sh's packages: {why}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    build.ensure_binaries()
+    was_up = bool(node.recorded())
+    try:
+        node.up()
+    except BaseException:
+        node.down()
+        raise
+    yield node.node_name()
+    if not was_up:
+        pods.delete_all()
+        node.down()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    if not path.is_file():
+        return f"(no {path})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or not node.recorded():
+        return
+    sections = [("kubelet", _tail(LOGS / "kubelet.log"))]
+    launcher = item.funcargs.get("agents")
+    for agent in getattr(launcher, "started", []):
+        sections.append((f"agent {agent.log_path.name}", _tail(agent.log_path)))
+    try:
+        listed = pods.kubectl.get("pods", "-A")["items"]
+        for pod in listed:
+            name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+            text = pods.kubectl.run("logs", name, "-n", namespace, "--all-containers", "--tail=30", check=False)
+            sections.append((f"pod {namespace}/{name} ({pod['status'].get('phase')})", text))
+    except Exception as exc:  # the report must not hide the test's own failure
+        sections.append(("pods", f"could not list: {exc}"))
+    for title, text in sections:
+        report.sections.append((f"e2e: {title}", text))
