@@ -33,6 +33,11 @@ def fake_gpu(index: int, memory_bytes: int = 16 * GIB) -> dict[str, Any]:
     }
 
 
+def fake_nvml_config(gpus: list[dict[str, Any]]) -> str:
+    """The fake NVML library's config (FAKE_NVML_CONFIG) for these GPUs, on a driver 580 node."""
+    return json.dumps({"driverVersion": "580.95.05", "cudaDriverVersion": 13000, "gpus": gpus})
+
+
 class HostAgents:
     """Starts agents on the node (each with its own JSON log in `directory`) and ends whatever is still running."""
 
@@ -41,7 +46,7 @@ class HostAgents:
         self.gpus = gpus
         self.started: list[AgentProcess] = []
         nvml_config = directory / "nvml.json"
-        nvml_config.write_text(json.dumps({"driverVersion": "580.95.05", "cudaDriverVersion": 13000, "gpus": gpus}))
+        nvml_config.write_text(fake_nvml_config(gpus))
         self.driver = FakeNvmlDriver(directory / "nvml-state.json", directory / "nvml-events.jsonl")
         self.env = fake_nvml_env(
             build_fake_nvml(BUILD), nvml_config, self.driver.state_path, events=self.driver.events_path
