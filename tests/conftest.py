@@ -1,7 +1,9 @@
-"""Shared fixtures: short socket directories, the agent as a real process, the fake kubelet, the fake NVML."""
+"""Shared fixtures: short socket directories, the agent as a real process, the fake kubelet, the fake NVML, and the
+project's one-file executable and images (built once a session: the packaging tests and the real node use them)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mpsagent_testing import images
 from mpsagent_testing.agents import AgentLauncher, pod_resources_socket
 from mpsagent_testing.kubelet.fake import FakeKubelet
 from mpsagent_testing.kubelet.podresources import FakePodResources
@@ -53,3 +56,34 @@ def pod_resources(short_dir: Path) -> Iterator[FakePodResources]:
 @pytest.fixture(scope="session")
 def fake_nvml_library() -> Path:
     return build_fake_nvml(BUILD)
+
+
+@pytest.fixture(scope="session")
+def binary() -> Iterator[Path]:
+    """The one-file executable (packaging/binary/build.sh), in a temporary directory removed afterwards."""
+    out = Path(tempfile.mkdtemp(prefix="mpsagent-onefile-"))
+    try:
+        yield images.build_binary(out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    missing = [tool for tool in ("podman", "debootstrap") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        why = f"{', '.join(missing)} not installed" if missing else "not root"
+        if os.environ.get("CI"):
+            pytest.fail(f"the image tests cannot run in CI: {why} (scripts/install-system-deps.sh installs both)")
+        pytest.skip(f"the image tests need podman, debootstrap and root: {why}")
+    return images.base_image()
+
+
+@pytest.fixture(scope="session")
+def venv_image(base_image: str) -> str:
+    return images.venv_image(base_image)
+
+
+@pytest.fixture(scope="session")
+def onefile_image(base_image: str, binary: Path) -> str:
+    return images.onefile_image(base_image, binary)

@@ -22,12 +22,12 @@ import yaml
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
+from mpsagent_testing.cluster.layout import BIN
 from mpsagent_testing.repo import ROOT
 
 CHART = ROOT / "packaging" / "helm" / "mpsagent"
 KUSTOMIZE = ROOT / "packaging" / "kubernetes"
 MONITORING = KUSTOMIZE / "monitoring"
-E2E_BIN = Path("/var/cache/mpsagent-e2e/v1.36.3/bin")  # mpsagent_testing/cluster/layout.py's BIN
 NAMESPACE = "mpsagent"
 COMMAND_TIMEOUT_S = 60
 
@@ -37,16 +37,16 @@ def _helm() -> Path | None:
         if not os.access(configured, os.X_OK):
             raise RuntimeError(f"HELM={configured} is not an executable file")
         return Path(configured)
-    cached = E2E_BIN / "helm"
+    cached = BIN / "helm"
     return cached if cached.is_file() else None
 
 
 HELM = _helm()
 if HELM is None:
     if os.environ.get("CI"):
-        raise RuntimeError(f"helm is missing in CI: `scripts/e2e-cluster build` builds it into {E2E_BIN} (or set HELM)")
+        raise RuntimeError(f"helm is missing in CI: `scripts/e2e-cluster build` builds it into {BIN} (or set HELM)")
     pytest.skip(
-        f"helm not built (`scripts/e2e-cluster build` builds it into {E2E_BIN}; or set HELM)", allow_module_level=True
+        f"helm not built (`scripts/e2e-cluster build` builds it into {BIN}; or set HELM)", allow_module_level=True
     )
 
 # Removed before comparing with kustomize: Helm's standard labels, on each object's metadata only.
@@ -110,7 +110,7 @@ def render_with(values: dict[str, Any], tmp_path: Path, *args: str) -> list[dict
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl") or (str(E2E_BIN / "kubectl") if (E2E_BIN / "kubectl").is_file() else None)
+    found = shutil.which("kubectl") or (str(BIN / "kubectl") if (BIN / "kubectl").is_file() else None)
     assert found, "scripts/install-system-deps.sh installs kubectl (Debian's kubernetes-client)"
     return found
 

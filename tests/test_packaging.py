@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import packages_distributions, requires
@@ -31,7 +30,6 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from mpsagent_testing import images
 from mpsagent_testing.images import DOCKERFILE, IMAGE_TIMEOUT_S, podman
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import small_node, write_config
@@ -69,15 +67,6 @@ def python_agent(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 # --- the one-file executable --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def binary() -> Iterator[Path]:
-    out = Path(tempfile.mkdtemp(prefix="mpsagent-onefile-"))
-    try:
-        yield images.build_binary(out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def bundle_members(path: Path) -> tuple[dict[str, bytes], set[str]]:
@@ -419,27 +408,6 @@ def test_dockerfile_runs_the_agent_with_mps_from_debian_non_free() -> None:
 # podman builds them. Containers cannot be started on CI's machines (crun: "cgroups in hybrid mode not supported",
 # and setrlimit is refused), so RUN steps use chroot isolation on the host's network, and the entrypoint is run
 # with chroot in a created (never started) container's mounted root filesystem, with the image's environment.
-
-
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    missing = [tool for tool in ("podman", "debootstrap") if shutil.which(tool) is None]
-    if missing or os.geteuid() != 0:
-        why = f"{', '.join(missing)} not installed" if missing else "not root"
-        if os.environ.get("CI"):
-            pytest.fail(f"the image tests cannot run in CI: {why} (scripts/install-system-deps.sh installs both)")
-        pytest.skip(f"the image tests need podman, debootstrap and root: {why}")
-    return images.base_image()
-
-
-@pytest.fixture(scope="module")
-def venv_image(base_image: str) -> str:
-    return images.venv_image(base_image)
-
-
-@pytest.fixture(scope="module")
-def onefile_image(base_image: str, binary: Path) -> str:
-    return images.onefile_image(base_image, binary)
 
 
 @pytest.fixture(params=["venv", "onefile"])

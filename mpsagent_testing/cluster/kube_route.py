@@ -18,7 +18,9 @@ from typing import Any
 from mpsagent_testing import images
 from mpsagent_testing.cluster import images as node_images
 from mpsagent_testing.cluster import kubectl
+from mpsagent_testing.cluster.build import binary
 from mpsagent_testing.cluster.host_agent import fake_gpu, fake_nvml_config
+from mpsagent_testing.cluster.layout import KUBECONFIG
 from mpsagent_testing.nvml.build import SONAME, build_fake_nvml
 from mpsagent_testing.repo import BUILD, ROOT
 
@@ -66,6 +68,7 @@ def prepared_node(node_name: str, gpus: int = 2) -> Iterator[Path]:
     fake.chmod(0o755)
     shutil.copy2(build_fake_nvml(BUILD), fake / SONAME)
     (fake / "nvml.json").write_text(fake_nvml_config([fake_gpu(i) for i in range(gpus)]))
+    made = next(p for p in (MPS_ROOT, *MPS_ROOT.parents) if p.parent.exists())  # the top directory made here
     MPS_ROOT.mkdir(parents=True)
     try:
         # The daemon host's init container mounts a tmpfs with Bidirectional propagation: the kubelet needs the
@@ -77,7 +80,7 @@ def prepared_node(node_name: str, gpus: int = 2) -> Iterator[Path]:
     finally:
         kubectl.run("label", "node", node_name, f"{GPU_LABEL}-", check=False)
         _unmount_all(MPS_ROOT)
-        shutil.rmtree(MPS_ROOT, ignore_errors=True)
+        shutil.rmtree(made, ignore_errors=True)
         shutil.rmtree(fake, ignore_errors=True)
 
 
@@ -203,3 +206,17 @@ def logs(daemonset: str) -> str:
     if pod is None:
         return ""
     return kubectl.run("logs", pod["metadata"]["name"], "-n", NAMESPACE, check=False)
+
+
+def helm(*args: str, timeout: float = 180) -> str:
+    """`helm ARGS` (the cached build) against the node; its stdout, AssertionError with stderr when it fails."""
+    done = subprocess.run(
+        [str(binary("helm")), "--kubeconfig", str(KUBECONFIG), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args[:2])}: {done.stderr.strip()[-2000:]}")
+    return done.stdout

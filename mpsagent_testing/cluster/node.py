@@ -457,12 +457,13 @@ def _containerd_ready() -> bool:
 
 def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict[str, float]:
     """Start the node and wait until it is Ready; the seconds each step took. A node that is already up is left
-    as it is; one that is partly up is an error that says to run `down`."""
+    as it is; what a node that is partly up (or was left by a machine's restart) left behind is taken down first."""
     running = recorded()
     if running:
         if all(p.alive() for p in running.values()) and len(running) == 6 and node_ready():
             return {}
-        raise NodeError(f"a node is partly up ({PIDS}): run `scripts/e2e-cluster down` first")
+        for line in down():
+            log(f"e2e-cluster: (a node was partly up) {line}")
     if KUBELET_ROOT.exists() and any(KUBELET_ROOT.iterdir()):
         raise NodeError(f"{KUBELET_ROOT} exists: another kubelet's state? Remove it or run `scripts/e2e-cluster down`")
     took: dict[str, float] = {}

@@ -1,5 +1,6 @@
-"""The real node for the end-to-end tests: built once (cached), brought up for the session and taken down after it,
-pass or fail. A failed test prints the tails of the kubelet's, the agents' and its pods' logs."""
+"""The real node for the end-to-end tests: built once (cached; `scripts/test` builds it before pytest), brought up
+for these tests and taken down after them, pass or fail. A failed test prints the tails of the kubelet's, the
+agents' and its pods' logs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def _missing_tools() -> list[str]:
     return missing
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[str]:
-    """The node's name, once it is Ready. In CI a missing part fails the tests; elsewhere it skips them."""
+    """The node's name, once it is Ready; taken down after the last real-node test, so that the rest of the suite
+    runs without it. In CI a missing part fails the tests; elsewhere it skips them."""
     missing = _missing_tools()
     if missing or os.geteuid() != 0:
         why = f"missing {', '.join(missing)}" if missing else "not root"
@@ -32,7 +34,7 @@ def cluster() -> Iterator[str]:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    build.ensure_binaries()
+    build.ensure_binaries()  # nothing to do after `scripts/e2e-cluster build`
     was_up = bool(node.recorded())
     try:
         node.up()

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent_testing import images
 from mpsagent_testing.cluster import kubectl, pods
 from mpsagent_testing.cluster.kube_route import (
     AGENT_DS,
@@ -35,15 +34,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def venv_image(cluster: str) -> str:
-    tag = images.venv_image(images.base_image())
-    import_image(tag)
-    return tag
-
-
-@pytest.fixture(scope="module")
 def deployed(cluster: str, venv_image: str) -> Iterator[Path]:
     """`kubectl apply -k` of the test overlay, both DaemonSets Ready and the replicas allocatable."""
+    import_image(venv_image)
     with prepared_node(cluster) as fake:
         overlay = e2e_overlay(fake, venv_image)
         try:

@@ -1,0 +1,67 @@
+"""The Helm chart on a real node: `helm install` of packaging/helm/mpsagent with the one-file image and the same
+test values as the kustomize overlay (fake NVML, image, loopback network, probe host); both DaemonSets run, the agent
+registers from its container, a pod gets its share, and `helm uninstall` leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mpsagent_testing.cluster import kubectl, pods
+from mpsagent_testing.cluster.kube_route import (
+    AGENT_DS,
+    DAEMON_DS,
+    NAMESPACE,
+    daemonset_ready,
+    helm,
+    helm_values,
+    import_image,
+    logs,
+    prepared_node,
+)
+from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.repo import ROOT
+
+require_real_control()
+
+GPU = "nvidia.com/gpu"
+CHART = ROOT / "packaging" / "helm" / "mpsagent"
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: str, onefile_image: str) -> Iterator[None]:
+    import_image(onefile_image)
+    with prepared_node(cluster) as fake, tempfile.TemporaryDirectory(prefix="mpa-helm-") as directory:
+        values = Path(directory) / "values.json"
+        values.write_text(json.dumps(helm_values(fake, onefile_image)))
+        try:
+            helm("install", "mpsagent", str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+                 "--values", str(values), "--wait", "--timeout", "3m", timeout=240)  # fmt: skip
+            yield
+        finally:
+            pods.delete_all()
+            helm("uninstall", "mpsagent", "--namespace", NAMESPACE, "--wait", "--timeout", "2m", timeout=150)
+            kubectl.run("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s", check=False, timeout=150)
+
+
+def test_helm_install_runs_both_daemonsets_and_a_pod_gets_its_share(cluster: str, installed: None) -> None:
+    # `helm --wait` counts a DaemonSet ready within its maxUnavailable: wait for the pods themselves.
+    kubectl.wait_for(lambda: daemonset_ready(DAEMON_DS) and daemonset_ready(AGENT_DS), 120, "both DaemonSets")
+    kubectl.wait_for(lambda: pods.allocatable(cluster, GPU) == 8, 60, f"{GPU} allocatable to be 8")
+    assert "registered with kubelet" in logs(AGENT_DS)
+    pods.create("through-helm", {GPU: 2})
+    pods.wait_running("through-helm")
+    seen = pods.report("through-helm")
+    assert seen.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M"
+    assert "control" in seen.pipe
+    assert (
+        helm("status", "mpsagent", "--namespace", NAMESPACE, "-o", "json")
+        and json.loads(helm("status", "mpsagent", "--namespace", NAMESPACE, "-o", "json"))["info"]["status"]
+        == "deployed"
+    )
