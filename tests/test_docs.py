@@ -202,3 +202,25 @@ def test_the_metrics_table_lists_exactly_the_exported_metrics() -> None:
     exported = {name for name in exported_families() if name.startswith("mpsagent_")}
     assert sorted(documented - exported) == [], "documented but not exported"
     assert sorted(exported - documented) == [], "exported but not in docs/metrics.md"
+
+
+def real_node_tests() -> set[str]:
+    """The test functions of tests/e2e, by name."""
+    names = set()
+    for path in (ROOT / "tests" / "e2e").glob("test_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                names.add(node.name)
+    return names
+
+
+def test_the_e2e_page_names_every_real_node_scenario_and_the_node_s_pins() -> None:
+    from mpsagent_testing.cluster import layout  # noqa: PLC0415
+
+    text = (DOCS / "e2e.md").read_text()
+    tests = real_node_tests()
+    assert sorted(name for name in tests if f"`{name}`" not in text) == [], "add these scenarios to docs/e2e.md"
+    assert sorted(set(re.findall(r"`(test_\w+)`", text)) - tests) == [], "docs/e2e.md names tests that are gone"
+    pins = (layout.KUBERNETES_VERSION, layout.HELM_VERSION, layout.BUSYBOX_IMAGE, layout.SERVICE_CIDR)
+    paths = (layout.CACHE, layout.BIN, layout.IMAGES, layout.STATE, layout.RUN, layout.KUBECONFIG, layout.KUBELET_ROOT)
+    assert sorted(str(value) for value in (*pins, *paths) if str(value) not in text) == []
