@@ -6,6 +6,7 @@ what lies under the node's directories and removes the kubelet's, containerd's a
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -212,12 +213,19 @@ def api_ready() -> bool:
     return _http_ok(f"https://127.0.0.1:{API_PORT}/readyz", _api_context(), _admin_token())
 
 
+def api_request(method: str, path: str, body: object = None, timeout: float = 5) -> http.client.HTTPResponse:
+    """An open response of the API server to `method path` (as the node's administrator); the caller reads and
+    closes it. Raises OSError (urllib's HTTPError included) when the request fails."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {_admin_token()}", "Content-Type": "application/json"}
+    request = urllib.request.Request(f"https://127.0.0.1:{API_PORT}{path}", data=data, headers=headers, method=method)
+    response: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=timeout, context=_api_context())
+    return response
+
+
 def _api_get(path: str) -> dict[str, object] | None:
-    request = urllib.request.Request(
-        f"https://127.0.0.1:{API_PORT}{path}", headers={"Authorization": f"Bearer {_admin_token()}"}
-    )
     try:
-        with urllib.request.urlopen(request, timeout=5, context=_api_context()) as response:
+        with api_request("GET", path) as response:
             document: dict[str, object] = json.load(response)
             return document
     except OSError:

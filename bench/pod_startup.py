@@ -1,0 +1,154 @@
+"""Pod start-up on the real node: how long a pod that asks for one device takes from its creation at the API server
+to Running, through the agent (`nvidia.com/gpu`, 1 of 4 replicas of a fake GPU: GetPreferredAllocation, Allocate
+with the daemon's ceilings, PreStartContainer) against a device plugin that does nothing
+(`mpsagent_testing.cluster.noop_plugin`, `example.com/noop`). The two kinds of pod alternate, one pod at a time,
+each deleted before the next; the agent is a host process with the real MPS control daemon and the fake NVML
+library. Target: the agent's pod at most 1.10 times the do-nothing plugin's pod next to it (the median of the
+pairs' ratios; the ratio of the two medians is printed too).
+
+    .venv/bin/python bench/pod_startup.py [--pods 40] [--json bench/results/pod-startup.json]
+
+Brings the node up (`scripts/e2e-cluster up`) unless it is up, and takes it down again if it brought it up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mpsagent_testing.cluster import build, kubectl, node, pods
+from mpsagent_testing.cluster.host_agent import HostAgents, fake_gpu
+from mpsagent_testing.repo import ROOT
+
+GPU = "nvidia.com/gpu"
+NOOP = "example.com/noop"
+TARGET_RATIO = 1.10
+CONFIG = f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: {GPU}\n      replicas: 4\n"
+RUNNING_TIMEOUT_S = 60
+SETTLE_S = 1.5
+
+
+def time_to_running(name: str, resource: str) -> float:
+    """Seconds from the create request to the watch event that shows the pod Running."""
+    collection = f"/api/v1/namespaces/{pods.NAMESPACE}/pods"
+    # resourceVersion=0: from what the API server's watch cache holds (a node just up may not hold the newest yet).
+    query = f"?watch=1&resourceVersion=0&fieldSelector=metadata.name%3D{name}&timeoutSeconds={RUNNING_TIMEOUT_S}"
+    with node.api_request("GET", collection + query, timeout=RUNNING_TIMEOUT_S) as watch:
+        started = time.perf_counter()
+        with node.api_request("POST", collection, quiet_pod(name, resource)):
+            pass
+        for line in watch:
+            event = json.loads(line)
+            if event["type"] == "ERROR":
+                raise RuntimeError(f"watching pod {name}: {event['object'].get('message')}")
+            phase = event["object"]["status"].get("phase")
+            if phase == "Running":
+                return time.perf_counter() - started
+            if phase == "Failed":
+                raise RuntimeError(f"pod {name} failed: {json.dumps(event['object']['status'])[:1000]}")
+    raise TimeoutError(f"pod {name} was not Running within {RUNNING_TIMEOUT_S} s")
+
+
+def quiet_pod(name: str, resource: str) -> dict[str, Any]:
+    """The tests' pod, asking one `resource`, with a container that only sleeps."""
+    manifest = pods.manifest(name, {resource: 1})
+    manifest["spec"]["containers"][0]["command"] = ["/bin/sleep", "3600"]
+    return manifest
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "median_s": statistics.median(ordered),
+        "p90_s": ordered[int(0.9 * (len(ordered) - 1))],
+        "mean_s": statistics.fmean(ordered),
+        "min_s": ordered[0],
+        "max_s": ordered[-1],
+    }
+
+
+def measure(count: int) -> dict[str, Any]:
+    directory = Path(tempfile.mkdtemp(prefix="mpa-bench-pods-", dir="/tmp"))
+    agents = HostAgents(directory, [fake_gpu(0), fake_gpu(1)])
+    noop = subprocess.Popen([sys.executable, "-m", "mpsagent_testing.cluster.noop_plugin", NOOP, "8"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        agent = agents.start(CONFIG, "--reconcile-grace-seconds", "10")
+        agent.wait_log("registered with kubelet", timeout=30)
+        name = node.node_name()
+        kubectl.wait_for(lambda: pods.allocatable(name, GPU) == 8 and pods.allocatable(name, NOOP) == 8, 30,
+                         "both resources allocatable")  # fmt: skip
+        samples: dict[str, list[float]] = {GPU: [], NOOP: []}
+        for i in range(count + 2):  # the first two of each warm up the node's caches and are not counted
+            for resource in (GPU, NOOP) if i % 2 == 0 else (NOOP, GPU):
+                pod = f"bench-{resource.split('/')[1]}-{i}"
+                took = time_to_running(pod, resource)
+                pods.delete(pod)
+                # The kubelet tears the sandbox down after the API object is gone: let that end before the next pod.
+                time.sleep(SETTLE_S)
+                if i >= 2:
+                    samples[resource].append(took)
+        agent.stop()
+    finally:
+        noop.terminate()
+        noop.wait(10)
+        pods.delete_all()
+        agents.close()
+    agent_stats, noop_stats = summary(samples[GPU]), summary(samples[NOOP])
+    # Each agent pod against the do-nothing pod next to it: the node's own drift (its caches, its other work on two
+    # cores) moves both alike.
+    paired = statistics.median(a / b for a, b in zip(samples[GPU], samples[NOOP], strict=True))
+    ratio = agent_stats["median_s"] / noop_stats["median_s"]
+    return {
+        "pods_each": count,
+        "agent": agent_stats,
+        "noop": noop_stats,
+        "ratio_median": ratio,
+        "ratio_paired_median": paired,
+        "target_ratio": TARGET_RATIO,
+        "pass": paired <= TARGET_RATIO,
+        "samples": samples,
+        "commit": commit(),
+    }
+
+
+def commit() -> str:
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    return done.stdout.strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=40, help="pods of each kind counted (default 40)")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "pod-startup.json")
+    args = parser.parse_args()
+    build.ensure_binaries()
+    was_up = bool(node.recorded()) and node.node_ready()
+    node.up()
+    try:
+        result = measure(args.pods)
+    finally:
+        if not was_up:
+            node.down()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"{'pod created -> Running':<28} {'median':>8} {'p90':>8} {'mean':>8}")
+    for label, key in (("agent (nvidia.com/gpu: 1)", "agent"), ("do-nothing plugin", "noop")):
+        stats = result[key]
+        print(f"{label:<28} {stats['median_s']:>7.3f}s {stats['p90_s']:>7.3f}s {stats['mean_s']:>7.3f}s")
+    verdict = "pass" if result["pass"] else "FAIL"
+    print(f"agent / do-nothing: median of pairs {result['ratio_paired_median']:.3f} (of medians "
+          f"{result['ratio_median']:.3f})  target <= {TARGET_RATIO}  {verdict}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
