@@ -8,6 +8,11 @@ plugins, on loopback, GPU-less. `scripts/e2e-cluster` is its command line (`pyth
   containerd;
 - `node` — starting the node (`up`), its state, a real kubelet restart, and `down`, which ends every process it
   started and removes every mount and file;
-- `kubectl` — the tests' way to the API server.
+- `kubectl` — the tests' way to the API server;
+- `pods` — the tests' busybox pods that print what they were given;
+- `host_agent` — the agent as a host process on the node, on fake GPUs; `kube_route` — the node made ready for
+  the DaemonSets, the test overlay and Helm values; `noop_plugin` — a device plugin that does nothing (the bench's
+  baseline).
 
-Only the standard library: `scripts/e2e-cluster` runs before any virtual environment exists."""
+The modules `scripts/e2e-cluster` runs (`layout`, `build`, `images`, `node`, `__main__`) use only the standard
+library: it runs before any virtual environment exists. The others need the test extra."""

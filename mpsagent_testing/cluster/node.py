@@ -38,8 +38,9 @@ from mpsagent_testing.cluster.layout import (
     STATE,
 )
 
-CNI_CACHE = Path("/var/lib/cni")
-"""Where the CNI library keeps its results (fixed in libcni); removed by `down` when `up` made it."""
+MADE_ELSEWHERE = (Path("/var/lib/cni"), Path("/var/log/pods"), Path("/var/log/containers"))
+"""Directories outside the node's own that its parts make at fixed paths (the CNI library's results, the kubelet's
+container logs); `down` removes each that `up` found missing."""
 HOSTS = Path("/etc/hosts")
 STOP_GRACE_S = 10.0
 START_TIMEOUT_S = 90.0
@@ -487,8 +488,8 @@ def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -
     for directory in (STATE, RUN):
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
-    if not CNI_CACHE.exists():
-        (STATE / "made-cni-cache").touch()
+    made = [str(path) for path in MADE_ELSEWHERE if not path.exists()]
+    (STATE / "made-elsewhere.json").write_text(json.dumps(made))
     _ensure_hostname_is_loopback()
     _pki()
     _credentials()
@@ -566,8 +567,11 @@ def down() -> list[str]:
         line = hosts_line.read_text()
         HOSTS.write_text(HOSTS.read_text().replace(line, ""))
         done.append(f"removed {line.strip()!r} from {HOSTS}")
-    if (STATE / "made-cni-cache").exists():
-        shutil.rmtree(CNI_CACHE, ignore_errors=True)
+    made = STATE / "made-elsewhere.json"
+    for path in json.loads(made.read_text()) if made.is_file() else []:
+        if Path(path).exists():
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path}")
     for root in roots:
         if root.exists():
             shutil.rmtree(root, ignore_errors=True)

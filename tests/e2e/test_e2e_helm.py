@@ -1,6 +1,7 @@
 """The Helm chart on a real node: `helm install` of packaging/helm/mpsagent with the one-file image and the same
 test values as the kustomize overlay (fake NVML, image, loopback network, probe host); both DaemonSets run, the agent
-registers from its container, a pod gets its share, and `helm uninstall` leaves nothing behind."""
+registers from its container, a pod gets its share; `helm uninstall` removes the DaemonSets and their pods and keeps
+only the config map (on purpose: an OnDelete daemon host pod may still mount it)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def installed(cluster: str, onefile_image: str) -> Iterator[None]:
             yield
         finally:
             pods.delete_all()
-            helm("uninstall", "mpsagent", "--namespace", NAMESPACE, "--wait", "--timeout", "2m", timeout=150)
+            if "mpsagent" in helm("list", "--namespace", NAMESPACE, "--short"):
+                helm("uninstall", "mpsagent", "--namespace", NAMESPACE, "--wait", "--timeout", "2m", timeout=150)
             kubectl.run("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s", check=False, timeout=150)
 
 
@@ -65,3 +67,12 @@ def test_helm_install_runs_both_daemonsets_and_a_pod_gets_its_share(cluster: str
         and json.loads(helm("status", "mpsagent", "--namespace", NAMESPACE, "-o", "json"))["info"]["status"]
         == "deployed"
     )
+
+
+def test_helm_uninstall_removes_the_daemonsets_and_keeps_only_the_config(cluster: str, installed: None) -> None:
+    helm("uninstall", "mpsagent", "--namespace", NAMESPACE, "--wait", "--timeout", "2m", timeout=150)
+    assert kubectl.get("daemonsets", "-n", NAMESPACE)["items"] == []
+    kubectl.wait_for(lambda: not kubectl.get("pods", "-n", NAMESPACE)["items"], 60, "the release's pods to end")
+    kept = {c["metadata"]["name"] for c in kubectl.get("configmaps", "-n", NAMESPACE)["items"]} - {"kube-root-ca.crt"}
+    # The config map is kept on purpose (helm.sh/resource-policy: keep): OnDelete pods may still mount it.
+    assert [name.rsplit("-", 1)[0] for name in kept] == ["mpsagent-config"]
