@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def measure(count: int) -> dict[str, Any]:
         noop.wait(10)
         pods.delete_all()
         agents.close()
+        shutil.rmtree(directory, ignore_errors=True)
     agent_stats, noop_stats = summary(samples[GPU]), summary(samples[NOOP])
     # Each agent pod against the do-nothing pod next to it: the node's own drift (its caches, its other work on two
     # cores) moves both alike.

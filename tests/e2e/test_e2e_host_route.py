@@ -4,6 +4,7 @@ run in order on one node and one agent (a later one restarts it); each deletes t
 
 from __future__ import annotations
 
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ def agents(cluster: str) -> Iterator[HostAgents]:
     yield launcher
     pods.delete_all()
     launcher.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def start(agents: HostAgents, fail: bool = False) -> AgentProcess:

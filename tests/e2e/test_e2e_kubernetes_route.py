@@ -5,6 +5,7 @@ and the daemon host's pod deleted, each as docs/operations.md says."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ def deployed(cluster: str, venv_image: str) -> Iterator[Path]:
         finally:
             pods.delete_all()
             kubectl.run("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s", check=False, timeout=150)
+            shutil.rmtree(overlay, ignore_errors=True)
 
 
 def test_the_agent_registers_from_its_container_and_a_pod_gets_its_share(cluster: str, deployed: Path) -> None:
