@@ -17,7 +17,7 @@ from mpsagent_testing.cluster.layout import BIN, COMMANDS, HELM_VERSION, KUBERNE
 
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
-"""A cold build of every command takes about 15 minutes on 2 cores (docs/e2e.md)."""
+"""A cold build of the five commands took 9 minutes on 2 cores, helm 3 more (docs/e2e.md); the bound leaves room."""
 
 _MINOR = KUBERNETES_VERSION.lstrip("v").split(".")[1]
 LDFLAGS = " ".join(
@@ -75,7 +75,7 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
     if stale:
         if log:
             what = f"{', '.join(stale)} {KUBERNETES_VERSION}"
-            print(f"e2e-cluster: building {what} (cold: about 15 min)", file=sys.stderr)
+            print(f"e2e-cluster: building {what} (cold: about 9 min on 2 cores)", file=sys.stderr)
         started = time.monotonic()
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in stale]
         _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], GOMOD)
