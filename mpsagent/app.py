@@ -10,7 +10,7 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.devices import GpuUuid
-from mpsagent.errors import MpsAgentError
+from mpsagent.errors import MpsAgentError, agent_errors
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.kubelet.guard import NodeGuard
@@ -101,14 +101,6 @@ def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> 
     return WebEndpoint(settings.metrics_address, metrics)
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
-
-
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
     received = await wait_stop_signal()
     log.info("stopping", reason=received.name)
@@ -186,7 +178,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
             reason = str(exc)
             raise
         except BaseExceptionGroup as group:
-            failures = [e for e in _leaves(group) if isinstance(e, MpsAgentError)]
+            failures = agent_errors(group)
             reason = "; ".join(str(e) for e in failures) if failures else "internal error"
             if failures:
                 raise failures[0] from group

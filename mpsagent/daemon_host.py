@@ -5,13 +5,16 @@ being deleted) quits the daemons."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
+from functools import partial
 
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.errors import MpsAgentError
+from mpsagent.errors import MpsAgentError, agent_errors
 from mpsagent.logs import get_logger
+from mpsagent.mps.discovery import record_answering_daemon
 from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.plan import NodePlan
@@ -41,13 +44,21 @@ class _StartedOnce(TaskStatus[None]):
             self._owner.started()
 
 
-async def _keep(keeper: DaemonKeeper, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _keep(
+    keeper: DaemonKeeper,
+    record_found_daemon: Callable[[], Awaitable[None]],
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     """Run a keeper for good. A failure before its daemon first answers stops the daemon host (a broken install
     must be loud); after that, the daemon host is the container's first process, and its exit would end every
-    daemon and client with the container: a keeper that fails is logged and run again, adopting its daemon."""
+    daemon and client with the container: a keeper that fails is logged and run again, adopting its daemon. Each
+    run first calls `record_found_daemon`, which records again a daemon that answers without a live PID in
+    `daemon.json` (a damaged record)."""
     status = _StartedOnce(task_status)
     while True:
         try:
+            await record_found_daemon()
             await keeper.run(task_status=status)
         except MpsAgentError as exc:
             if not status.reported:
@@ -78,13 +89,20 @@ async def run_daemon_host(settings: Settings, plan: NodePlan) -> None:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg.cancel_scope)
-                for keeper in keepers:
-                    await tg.start(_keep, keeper)
+                for keeper, resource in zip(keepers, plan.resources, strict=True):
+                    record = partial(record_answering_daemon, resource, settings.mps_control_bin, settings.proc_root)
+                    await tg.start(_keep, keeper, record)
                 log.info(
                     "daemon host running",
                     resources=[r.name for r in plan.resources],
                     pids=[keeper.pid for keeper in keepers],
                 )
+        except BaseExceptionGroup as group:
+            failures = agent_errors(group)
+            reason = "; ".join(str(e) for e in failures) if failures else "internal error"
+            if failures:
+                raise failures[0] from group  # one line, as the agent's own failures are
+            raise
         except BaseException as exc:
             reason = str(exc) or type(exc).__name__
             raise

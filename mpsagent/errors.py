@@ -37,6 +37,18 @@ class MpsAgentError(Exception):
     """Base of every error the agent raises on purpose."""
 
 
+def agent_errors(group: BaseExceptionGroup[BaseException]) -> list[MpsAgentError]:
+    """The MpsAgentErrors in a task group's exception group, however deeply nested, in order: what a supervisor
+    turns into its one-line exit message."""
+    found: list[MpsAgentError] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found += agent_errors(exc)
+        elif isinstance(exc, MpsAgentError):
+            found.append(exc)
+    return found
+
+
 class UsageError(MpsAgentError):
     """A flag or environment variable is wrong."""
 

@@ -132,8 +132,21 @@ def os_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+PID_MAX_LIMIT = 4_194_304
+"""The largest PID a 64-bit Linux kernel gives (the ceiling of /proc/sys/kernel/pid_max)."""
+
+
+def valid_pid(pid: int) -> bool:
+    """Whether `pid` can name a process the agent watches: above 1 (kill(-1) reaches every process, kill(0) the
+    caller's group, PID 1 is init) and within the kernel's range."""
+    return 1 < pid <= PID_MAX_LIMIT
+
+
 def pid_alive(pid: int) -> bool:
-    """True while a process with this PID exists (one of another user counts)."""
+    """True while a process with this PID exists (one of another user counts); False for a PID no process of
+    the agent's can have (`valid_pid`)."""
+    if not valid_pid(pid):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

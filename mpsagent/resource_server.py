@@ -119,6 +119,7 @@ class ResourceServer:
                 cap_tamper=daemon.cap_tamper_count,
                 last_cap_tamper=daemon.last_cap_tamper,
                 front_end_failure=daemon.front_end_failure,
+                record_damage=daemon.record_damage,
             ),
             registered=self.endpoint.registered,
             registrations=statistics.registrations,

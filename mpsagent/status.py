@@ -34,6 +34,7 @@ from mpsagent.status_document import (
     GrantStatus,
     LedgerStatus,
     PodResourcesStatus,
+    RecordDamage,
     ResourceStatus,
     StatusDocument,
 )
@@ -58,6 +59,8 @@ class DaemonView:
     """When (wall clock) the caps were last found changed behind the agent, and what was found."""
     front_end_failure: tuple[float, str] | None = None
     """Since when (wall clock) and why the agent cannot run the control front-end."""
+    record_damage: tuple[float, str, str] | None = None
+    """Since when (wall clock) the daemon's record is damaged, its path and what is wrong with it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,7 +135,7 @@ def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuSt
 
 def _daemon_status(daemon: DaemonView, full: Ceilings) -> DaemonStatus:
     held = daemon.ceilings
-    tamper, failure = daemon.last_cap_tamper, daemon.front_end_failure
+    tamper, failure, damage = daemon.last_cap_tamper, daemon.front_end_failure, daemon.record_damage
     return DaemonStatus(
         pid=daemon.pid,
         up=daemon.up,
@@ -146,6 +149,7 @@ def _daemon_status(daemon: DaemonView, full: Ceilings) -> DaemonStatus:
         cap_tamper=daemon.cap_tamper,
         last_cap_tamper=None if tamper is None else CapTamperEvent(at=_utc(tamper[0]), found=tamper[1]),
         front_end_failure=None if failure is None else FrontEndFailure(at=_utc(failure[0]), reason=failure[1]),
+        record_damage=None if damage is None else RecordDamage(at=_utc(damage[0]), path=damage[1], problem=damage[2]),
     )
 
 
@@ -300,6 +304,12 @@ def _daemon_events(daemon: DaemonStatus) -> list[str]:
         lines.append(
             f"  control front-end CANNOT RUN since {failing.at}: {failing.reason} "
             "(the daemon is kept; cap switches fail until it runs)"
+        )
+    damage = daemon.record_damage
+    if damage:
+        lines.append(
+            f"  daemon record {damage.path} DAMAGED since {damage.at}: {damage.problem} "
+            "(no daemon is adopted from it until it is rewritten: see docs/troubleshooting.md)"
         )
     return lines
 

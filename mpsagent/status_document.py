@@ -69,6 +69,14 @@ class FrontEndFailure(msgspec.Struct, frozen=True, kw_only=True, rename="camel")
     reason: str
 
 
+class RecordDamage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What is wrong with the daemon's record (`daemon.json`), since when: the daemon cannot be adopted from it."""
+
+    at: str
+    path: str
+    problem: str
+
+
 class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pid: int | None = None
     up: bool
@@ -82,6 +90,7 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     cap_tamper: int = 0
     last_cap_tamper: CapTamperEvent | None = None
     front_end_failure: FrontEndFailure | None = None
+    record_damage: RecordDamage | None = None
 
 
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent_testing.agents import AgentLauncher, AgentProcess
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.kubelet.podresources import FakePodResources, ListedContainer
@@ -61,11 +61,11 @@ class Node:
     def start_agent(self, *extra: str) -> AgentProcess:
         return self.agents.start(*self.common(), "--kubelet-socket", str(self.kubelet.socket_path), *extra)
 
-    def start_daemon_host(self) -> AgentProcess:
+    def start_daemon_host(self, *extra: str) -> AgentProcess:
         log_path = self.directory / f"daemon-host-{len(self.started)}.log"
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "mpsagent", "--daemon-host", "--log-format", "json", *self.common()],
+                [sys.executable, "-m", "mpsagent", "--daemon-host", "--log-format", "json", *self.common(), *extra],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -208,6 +208,84 @@ def test_daemon_host_quits_its_daemon_on_sigterm(node: Node, short_dir: Path) ->
     assert not alive(pid)
     assert not (short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").exists()
     assert "mps daemon quitting: its clients end with it" in host.log()
+
+
+def record_of(short_dir: Path) -> Path:
+    return short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json"
+
+
+DAMAGED_RECORD = '{"pid": 12'  # cut short, as a full disk or a hand edit leaves it
+
+
+def test_a_running_daemon_host_rewrites_a_damaged_record_and_the_agent_adopts_its_daemon(
+    node: Node, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    host = node.start_daemon_host()
+    host.wait_log("daemon host running")
+    pid = daemon_pid(short_dir)
+    record_of(short_dir).write_text(DAMAGED_RECORD)
+    damaged = host.wait_log("daemon state damaged")
+    assert damaged["path"] == str(record_of(short_dir))
+    assert "does not decode" in str(damaged["problem"])
+    assert host.wait_log("daemon state rewritten")["pid"] == pid
+    assert daemon_pid(short_dir) == pid
+    agent = node.start_agent("--mps-daemon", "host")
+    kubelet.wait_registered(RESOURCE)
+    assert agent.wait_log("mps daemon adopted")["pid"] == pid
+    assert "mps daemon restarting" not in host.log()
+
+
+def test_a_damaged_record_is_named_by_the_agent_and_rewritten_by_the_next_daemon_host(
+    node: Node, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    """The daemon host is gone (its daemon, in a session of its own, is not) and the record is damaged: the agent
+    says what is wrong with the file while it waits; the next daemon host finds the daemon by its control socket,
+    rewrites the record and keeps the daemon, and the agent adopts it."""
+    host = node.start_daemon_host()
+    host.wait_log("daemon host running")
+    pid = daemon_pid(short_dir)
+    host.process.kill()
+    host.process.wait(10)
+    record_of(short_dir).write_text(DAMAGED_RECORD)
+    agent = node.start_agent("--mps-daemon", "host")
+    plugin = kubelet.wait_registered(RESOURCE)
+    damaged = agent.wait_log("daemon state damaged")
+    assert (damaged["level"], damaged["path"]) == ("warning", str(record_of(short_dir)))
+    assert "does not decode" in str(damaged["problem"])
+    wait_for(lambda: {d[1] for d in plugin.latest()} == {"Unhealthy"}, 5, "replicas Unhealthy")
+    wait_for(
+        lambda: f"  daemon record {record_of(short_dir)} DAMAGED since " in status(short_dir).stdout,
+        10,
+        "--status to name the damaged record",
+    )
+    again = node.start_daemon_host()
+    rewritten = again.wait_log("daemon state rewritten")
+    assert (rewritten["pid"], rewritten["path"]) == (pid, str(record_of(short_dir)))
+    again.wait_log("daemon host running")
+    assert again.wait_log("mps daemon adopted")["pid"] == pid
+    assert agent.wait_log("mps daemon adopted", timeout=20)["pid"] == pid
+    wait_for(lambda: {d[1] for d in plugin.latest()} == {"Healthy"}, 15, "replicas Healthy")
+    assert alive(pid) and "mps daemon started" not in again.log()
+    assert [e["event"] for e in agent.log_events()].count("daemon state damaged") == 1  # once per episode
+    agent.wait_log("daemon state readable again")
+
+
+def test_a_daemon_host_that_cannot_find_the_daemon_of_a_damaged_record_says_so_in_one_line(
+    node: Node, short_dir: Path
+) -> None:
+    host = node.start_daemon_host()
+    host.wait_log("daemon host running")
+    host.process.kill()
+    host.process.wait(10)
+    record_of(short_dir).write_text(DAMAGED_RECORD)
+    (short_dir / "no-proc").mkdir()  # a /proc that shows no process: the daemon cannot be found
+    again = node.start_daemon_host("--proc-root", str(short_dir / "no-proc"))
+    assert again.process.wait(30) == 1
+    errors = [line for line in again.log().splitlines() if line.startswith("mpsagent: error:")]
+    assert len(errors) == 1, again.log()
+    assert f"{record_of(short_dir)} does not decode" in errors[0]
+    assert "no process listening on" in errors[0]
+    assert "Traceback" not in again.log() and "ExceptionGroup" not in again.log()
 
 
 def test_quit_on_exit_is_refused_with_a_daemon_host(node: Node) -> None:

@@ -12,7 +12,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from mpsagent.daemon_host import _keep
-from mpsagent.errors import DaemonError
+from mpsagent.errors import DaemonError, UnrecordedDaemonError
 from mpsagent.mps.daemon_log import forward_daemon_log
 
 
@@ -22,7 +22,11 @@ class FlakyKeeper:
     def __init__(self, failures: list[BaseException]) -> None:
         self.failures = failures
         self.runs = 0
+        self.recorded = 0
         self.pid = 4242
+
+    async def record(self) -> None:
+        self.recorded += 1
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.runs += 1
@@ -41,11 +45,11 @@ async def test_a_keeper_that_fails_after_its_start_is_run_again_and_the_host_liv
     with structlog.testing.capture_logs() as logs:
         with anyio.move_on_after(5):
             async with anyio.create_task_group() as tg:
-                await tg.start(_keep, keeper)  # type: ignore[arg-type]
+                await tg.start(_keep, keeper, keeper.record)  # type: ignore[arg-type]
                 while keeper.runs < 3:
                     await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
-    assert keeper.runs == 3
+    assert keeper.runs == keeper.recorded == 3  # a daemon its record lost is recorded again before each run
     assert [e["event"] for e in logs if e["log_level"] == "error"] == [
         "daemon keeper failed unexpectedly; the daemon is kept",
         "daemon keeper failed; the daemon is kept",
@@ -60,8 +64,20 @@ async def test_a_keeper_that_fails_before_its_start_stops_the_host() -> None:
         async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
             raise DaemonError("cannot start nvidia-cuda-mps-control")
 
+    async def record() -> None:
+        pass
+
     with pytest.raises(DaemonError), anyio.fail_after(5):
-        await _keep(Broken())  # type: ignore[arg-type]
+        await _keep(Broken(), record)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_daemon_that_cannot_be_recorded_again_before_the_start_stops_the_host() -> None:
+    async def unrecorded() -> None:
+        raise UnrecordedDaemonError("an MPS daemon answers on /pipe but /daemon.json does not decode")
+
+    with pytest.raises(UnrecordedDaemonError), anyio.fail_after(5):
+        await _keep(FlakyKeeper([]), unrecorded)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

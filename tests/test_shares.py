@@ -321,13 +321,13 @@ def test_daemon_state_records_the_ceilings_and_reads_an_older_agents_mode() -> N
     shares = plan.shares
     half = shares.ceilings([shares.share_of(ids(2))])
     state = daemon_state(
-        pid=1, visible_devices="x", ceilings=half, shares=shares, multi_user=True, original_compute_modes={}
+        pid=4242, visible_devices="x", ceilings=half, shares=shares, multi_user=True, original_compute_modes={}
     )
     written = msgspec.json.decode(msgspec.json.encode(state))
     assert written["mode"] == "capped"
     assert written["ceilings"] == {"threadPercentage": 50, "memoryMib": [71885, 143771]}
     assert recorded_ceilings(msgspec.json.decode(msgspec.json.encode(state), type=DaemonState), shares) == half
-    older = b'{"pid": 1, "visibleDevices": "x", "mode": "%s"}'
+    older = b'{"pid": 4242, "visibleDevices": "x", "mode": "%s"}'
     assert recorded_ceilings(msgspec.json.decode(older % b"full", type=DaemonState), shares) == shares.full_hardware()
     capped = msgspec.json.decode(older % b"capped", type=DaemonState)
     assert recorded_ceilings(capped, shares) == shares.smallest_caps()

@@ -69,7 +69,8 @@ def fixed_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def serving_views() -> list[ResourceView]:
     """Two resources: one serving three grants (capped, full and adopted, one never listed yet), a GPU unhealthy
-    and its caps changed behind the agent once; one whose daemon is down and never registered."""
+    and its caps changed behind the agent once; one whose daemon is down (its record damaged) and never
+    registered."""
     plan = build_plan(
         check_config(parse_config(CONFIG, "config.yaml")),
         NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
@@ -111,6 +112,11 @@ def serving_views() -> list[ResourceView]:
             ceilings=None,
             restarts=0,
             front_end_failure=(WALL - 20, "nvidia-cuda-mps-control: Permission denied"),
+            record_damage=(
+                WALL - 40,
+                "/run/nvidia/mps/nvidia.com/gpu-mem/daemon.json",
+                "does not decode: Input data was truncated",
+            ),
         ),
         registered=False,
         registrations=0,

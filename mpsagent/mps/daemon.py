@@ -126,6 +126,12 @@ class DaemonSupervisor:
     def multi_user(self) -> bool | None:
         return self._running_multi_user
 
+    @property
+    def record_damage(self) -> tuple[float, str, str] | None:
+        """Since when (wall clock) the daemon's record is damaged, its path and what is wrong; None while it reads."""
+        damage = self._state_file.damage
+        return None if damage is None else (damage[0], str(self._state_file.path), damage[1])
+
     # --- ceilings -------------------------------------------------------------------------------------------
 
     def want_ceilings(self, ceilings: Ceilings) -> None:

@@ -4,16 +4,20 @@ modes to restore).
 
 Written atomically. A write that fails (a full or read-only file system) never fails what the daemon was doing:
 it is logged once, kept, and written again by the next write or by `retry()`, which the file's owner (the daemon
-supervisor, or the daemon host's keeper) calls every liveness round.
+supervisor, or the daemon host's keeper) calls every liveness round. A record that does not read (cut short, edited
+by hand, a value out of range, not a regular file) is damage: said once per episode (`damage` keeps it for
+`--status`), and `retry()` rewrites it from the latest good record while the daemon it names lives.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
-from mpsagent.host import os_reason, write_atomically
+from mpsagent.host import PID_MAX_LIMIT, FileRefusedError, os_reason, pid_alive, read_regular_file, write_atomically
 from mpsagent.logs import get_logger
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
 from mpsagent.shares import Ceilings, ShareModel
@@ -21,23 +25,37 @@ from mpsagent.shares import Ceilings, ShareModel
 log = get_logger(__name__)
 
 STATE_FILE = "daemon.json"
+MAX_STATE_BYTES = 64 * 1024
+"""Far above any real record (a few hundred bytes for eight GPUs), far below what hurts to read."""
+DAMAGE_HINT = (
+    "the daemon host (or the agent that owns the daemon) rewrites it from the daemon it finds; "
+    "see docs/troubleshooting.md (a damaged daemon.json)"
+)
+
+Pid = Annotated[int, msgspec.Meta(ge=2, le=PID_MAX_LIMIT)]
+Percentage = Annotated[int, msgspec.Meta(ge=1, le=100)]
+MiB = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
+ComputeModeValue = Annotated[int, msgspec.Meta(ge=0, le=3)]
+"""nvmlComputeMode_t: DEFAULT, EXCLUSIVE_THREAD, PROHIBITED, EXCLUSIVE_PROCESS."""
 
 
 class RecordedCeilings(msgspec.Struct, rename="camel", kw_only=True):
-    thread_percentage: int
-    memory_mib: list[int]
+    thread_percentage: Percentage
+    memory_mib: Annotated[list[MiB], msgspec.Meta(max_length=1024)]
 
 
 class DaemonState(msgspec.Struct, rename="camel", kw_only=True):
-    pid: int
-    visible_devices: str
+    pid: Pid
+    visible_devices: Annotated[str, msgspec.Meta(max_length=4096)]
     mode: str
     """`capped` when the ceilings are below the full hardware, else `full`: what agents before ceilings read."""
     ceilings: RecordedCeilings | None = None
     """The ceilings it holds; None: recorded by an agent before ceilings (its `mode` says what it held)."""
     multi_user: bool | None = None
     """Whether it was started with `-M`; None: recorded by an agent that did not know."""
-    original_compute_modes: dict[str, int] = msgspec.field(default_factory=dict)
+    original_compute_modes: Annotated[dict[str, ComputeModeValue], msgspec.Meta(max_length=1024)] = msgspec.field(
+        default_factory=dict
+    )
 
 
 def daemon_state(
@@ -80,13 +98,44 @@ class StateFile:
     def __init__(self, directory: Path) -> None:
         self.path = directory / STATE_FILE
         self._unwritten: DaemonState | None = None
+        self._known: DaemonState | None = None
+        """The latest good record, written or read here: what a damaged or removed file is rewritten from."""
+        self.damage: tuple[float, str] | None = None
+        """Since when (wall clock) and what is wrong with the file; None while it reads, or there is none."""
 
     def read(self) -> DaemonState | None:
-        """The recorded state; None when there is none, or it cannot be read (a new daemon is then started)."""
+        """The recorded state; None when there is none, or it is damaged (said once per episode, kept in
+        `damage`)."""
         try:
-            return msgspec.json.decode(self.path.read_bytes(), type=DaemonState)
-        except (OSError, msgspec.DecodeError):
+            data = read_regular_file(
+                self.path, max_bytes=MAX_STATE_BYTES, what="the daemon state file", follow_symlinks=False
+            )
+            state = msgspec.json.decode(data, type=DaemonState)
+        except FileNotFoundError:
+            self._readable()
             return None
+        except FileRefusedError as exc:
+            self._damaged(exc.problem)
+            return None
+        except OSError as exc:
+            self._damaged(f"cannot be read ({os_reason(exc)})")
+            return None
+        except msgspec.DecodeError as exc:
+            self._damaged(f"does not decode: {exc}")
+            return None
+        self._readable()
+        self._known = state
+        return state
+
+    def _damaged(self, problem: str) -> None:
+        if self.damage is None:
+            log.warning("daemon state damaged", path=str(self.path), problem=problem, hint=DAMAGE_HINT)
+            self.damage = (time.time(), problem)
+
+    def _readable(self) -> None:
+        if self.damage is not None:
+            self.damage = None
+            log.info("daemon state readable again", path=str(self.path))
 
     def write(self, state: DaemonState) -> bool:
         """True when written; a failure is logged when it begins and when it ends, never raised."""
@@ -104,19 +153,29 @@ class StateFile:
                 )
             self._unwritten = state
             return False
+        self._known = state
+        self.damage = None
         if self._unwritten is not None:
             self._unwritten = None
             log.info("daemon state written again", path=str(self.path))
         return True
 
     def retry(self) -> None:
-        """Write the latest state again if its write failed."""
+        """Write the latest state again if its write failed; rewrite the latest good record when the file is
+        damaged or gone while the daemon it names lives (a daemon quit, or one that died, is not recorded again)."""
         if self._unwritten is not None:
             self.write(self._unwritten)
+            return
+        known = self._known
+        if self.read() is not None or known is None or not pid_alive(known.pid):
+            return
+        if self.write(known):
+            log.info("daemon state rewritten", path=str(self.path), pid=known.pid)
 
     def remove(self) -> None:
         """Logs a failure, never raises (called while stopping)."""
         self._unwritten = None
+        self._known = None
         try:
             self.path.unlink()
         except FileNotFoundError:
