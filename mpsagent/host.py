@@ -156,6 +156,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_started(pid: int, proc_root: Path = Path("/proc")) -> float | None:
+    """When (wall clock, to about a second) the process with this PID started; None when it cannot be read."""
+    try:
+        stat_line = (proc_root / str(pid) / "stat").read_text()
+        ticks = int(stat_line[stat_line.rindex(")") + 1 :].split()[19])  # starttime, after the command name
+        boot = next(line for line in (proc_root / "stat").read_text().splitlines() if line.startswith("btime "))
+        return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _create_exclusively(path: Path, mode: int) -> int:
     """A new file at `path`, never one that was there (a temporary left by a crash, or a link planted to make
     the agent write elsewhere): what is in the way is removed (the entry, not what a link points to) once."""

@@ -20,7 +20,7 @@ from mpsagent import __version__
 from mpsagent.allocation import ResourceAllocator
 from mpsagent.devices import GpuUuid, Health, gpu_of
 from mpsagent.errors import UsageError
-from mpsagent.host import FileRefusedError, pid_alive, read_regular_file, write_atomically
+from mpsagent.host import FileRefusedError, pid_alive, process_started, read_regular_file, write_atomically
 from mpsagent.inventory import Inventory
 from mpsagent.ledger import Grant
 from mpsagent.shares import Ceilings
@@ -43,6 +43,8 @@ STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
 # Far above any real status (every replica of a node in grants is a few MB), far below what hurts to read.
 MAX_STATUS_BYTES = 64 * 1024 * 1024
+START_TIME_SLACK_S = 2.0
+"""A process's start time and the file's write time are each known to about a second."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,12 +86,20 @@ def _utc(wall: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
+def _parse_utc(utc: str | None) -> float | None:
+    """A time `_utc` wrote, as wall clock; None for none, or one edited by hand."""
+    try:
+        return None if utc is None else float(calendar.timegm(time.strptime(utc, "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
 def _ago(utc: str, now: float) -> str:
     """How long before `now` (wall clock) a time `_utc` wrote was, for people: `45 s ago`, `3 min ago`, `2 d ago`."""
-    try:
-        seconds = max(0, int(now - calendar.timegm(time.strptime(utc, "%Y-%m-%dT%H:%M:%SZ"))))
-    except ValueError:  # a file edited by hand
+    wall = _parse_utc(utc)
+    if wall is None:  # a file edited by hand
         return utc
+    seconds = max(0, int(now - wall))
     for unit, size, shown_below in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
         if seconds < size * shown_below:
             return f"{seconds // size} {unit} ago"
@@ -240,15 +250,29 @@ def read_status(mps_root: Path) -> StatusDocument:
         ) from None
     except FileRefusedError as exc:
         raise UsageError(f"{exc}; remove it") from exc  # the agent writes a new one within a second
+    except RecursionError as exc:  # msgspec's own bound on nesting, below Python's stack
+        raise _unreadable(path, "it nests deeper than the agent ever writes") from exc
     except (OSError, msgspec.DecodeError) as exc:
-        raise UsageError(
-            f"cannot read the agent status {path}: {exc}; the agent rewrites it within a second, "
-            "or remove it if no agent runs"
-        ) from exc
+        raise _unreadable(path, str(exc)) from exc
 
 
-def agent_alive(document: StatusDocument) -> bool:
-    return document.pid is None or pid_alive(document.pid)  # an older file: do not claim the agent is gone
+def _unreadable(path: Path, problem: str) -> UsageError:
+    return UsageError(
+        f"cannot read the agent status {path}: {problem}; the agent rewrites it within a second, "
+        "or remove it if no agent runs"
+    )
+
+
+def agent_running(document: StatusDocument) -> bool:
+    """Whether the agent that wrote the document still runs: its PID names a live process (never PID 1, which is
+    init) that started before the document was last written; a process that started later got the PID after the
+    agent ended. An older agent's file, without a PID, is not claimed gone."""
+    if document.pid is None:
+        return True
+    if not pid_alive(document.pid):
+        return False
+    started, written = process_started(document.pid), _parse_utc(document.written_at)
+    return started is None or written is None or started <= written + START_TIME_SLACK_S
 
 
 def readiness_problems(document: StatusDocument) -> list[str]:
@@ -350,7 +374,7 @@ def _grant_line(grant: GrantStatus, now: float) -> str:
 def render_status_text(document: StatusDocument) -> str:
     now = time.time()
     pod_resources = document.pod_resources
-    alive = "" if agent_alive(document) else " -- NOT RUNNING: this is its last state"
+    alive = "" if agent_running(document) else " -- NOT RUNNING: this is its last state"
     lines = [
         f"mpsagent {document.version} (pid {document.pid}), written {document.written_at or '?'}{alive}",
         f"pod-resources: {'answering' if pod_resources.available else 'NOT answering'} "

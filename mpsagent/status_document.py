@@ -8,11 +8,17 @@ every agent wrote. Where a new field goes: into the Struct here (with a default)
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, cast
+from typing import Annotated, Literal, NamedTuple, cast
 
 import msgspec
 
 CapMode = Literal["full", "capped"]
+
+# Bounds on what `--status` reads back (the file may have been edited, or be another program's): a value outside
+# them is a one-line error naming the file and the field, not a traceback, a huge number or a negative count. A PID
+# that names no process the agent can have (-1, 1, above pid_max) reads, and is shown as not running.
+Pid = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class GpuBound(NamedTuple):
@@ -30,15 +36,15 @@ class GpuBound(NamedTuple):
 class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     """One GPU of a resource; the ceilings and escape bound are absent in an older agent's file."""
 
-    replicas: int
-    healthy: int
-    ordinal: int | None = None
-    live_grants: int | None = None
-    memory_ceiling_mib: int | None = msgspec.field(default=None, name="memoryCeilingMiB")
-    memory_mib: int | None = msgspec.field(default=None, name="memoryMiB")
-    thread_ceiling: int | None = None
-    memory_escape_mib: int | None = msgspec.field(default=None, name="memoryEscapeMiB")
-    thread_escape: int | None = None
+    replicas: Count
+    healthy: Count
+    ordinal: Count | None = None
+    live_grants: Count | None = None
+    memory_ceiling_mib: Count | None = msgspec.field(default=None, name="memoryCeilingMiB")
+    memory_mib: Count | None = msgspec.field(default=None, name="memoryMiB")
+    thread_ceiling: Count | None = None
+    memory_escape_mib: Count | None = msgspec.field(default=None, name="memoryEscapeMiB")
+    thread_escape: Count | None = None
 
     def bound(self) -> GpuBound | None:
         """The ceilings and escape bound, when the file holds them all."""
@@ -55,8 +61,8 @@ class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
 
 
 class CeilingsStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    thread_percentage: int
-    memory_mib: tuple[int, ...] = msgspec.field(name="memoryMiB")
+    thread_percentage: Count
+    memory_mib: tuple[Count, ...] = msgspec.field(name="memoryMiB")
 
 
 class CapTamperEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -78,32 +84,32 @@ class RecordDamage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
 
 class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    pid: int | None = None
+    pid: Pid | None = None
     up: bool
     cap_mode: CapMode | None = None
     ceilings: CeilingsStatus | None = None
     """What the daemon is known to hold; None while they are being set, or after a change failed."""
-    restarts: int = 0
-    restart_attempts: int = 0
+    restarts: Count = 0
+    restart_attempts: Count = 0
     multi_user: bool | None = None
     """None: not known (a daemon adopted from an older agent)."""
-    cap_tamper: int = 0
+    cap_tamper: Count = 0
     last_cap_tamper: CapTamperEvent | None = None
     front_end_failure: FrontEndFailure | None = None
     record_damage: RecordDamage | None = None
 
 
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    allocated: dict[str, int] = {}
+    allocated: dict[str, Count] = {}
     """Grants made by Allocate, by kind (full, capped)."""
-    adopted: int = 0
-    superseded: int = 0
-    released: int = 0
-    live: dict[str, int] = {}
+    adopted: Count = 0
+    superseded: Count = 0
+    released: Count = 0
+    live: dict[str, Count] = {}
 
 
 class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    grant_id: int = msgspec.field(name="id")
+    grant_id: Count = msgspec.field(name="id")
     kind: str
     share: str | None = None
     container: str | None = None
@@ -116,10 +122,10 @@ class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     name: str
     registered: bool = False
-    registrations: int = 0
-    registration_failures: int = 0
-    replicas: int = 0
-    healthy: int = 0
+    registrations: Count = 0
+    registration_failures: Count = 0
+    replicas: Count = 0
+    healthy: Count = 0
     gpus: dict[str, GpuStatus] = {}
     daemon: DaemonStatus
     ledger: LedgerStatus = LedgerStatus()
@@ -129,16 +135,16 @@ class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 class PodResourcesStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     socket: str | None = None
     available: bool
-    answers: int = 0
-    failures: int = 0
+    answers: Count = 0
+    failures: Count = 0
 
 
 class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """What status.json holds, `--status` prints, and metrics and `/readyz` read."""
 
     version: str
-    pid: int | None = None
-    tasks: int = 0
+    pid: Pid | None = None
+    tasks: Count = 0
     pod_resources: PodResourcesStatus
     unhealthy_gpus: dict[str, str] = {}
     resources: tuple[ResourceStatus, ...]

@@ -4,6 +4,7 @@ in-process, with the clocks fixed."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -275,8 +276,38 @@ def test_how_long_ago_a_waiting_grant_was_made(
             FIRST_AGENTS_FILE.replace('"up": true', '"up": "yes"'),
             "Expected `bool`, got `str` - at `$.resources[0].daemon.up`",
         ),
+        (
+            FIRST_AGENTS_FILE.replace('"pid": 4194305', f'"pid": {2**70}'),
+            "Expected `int` <= 9223372036854775807 - at `$.pid`",
+        ),
+        (
+            FIRST_AGENTS_FILE.replace('"pid": 77', f'"pid": {-(2**70)}'),
+            "Expected `int` >= -9223372036854775808 - at `$.resources[0].daemon.pid`",
+        ),
+        (
+            FIRST_AGENTS_FILE.replace('"restarts": 0', '"restarts": -3'),
+            "Expected `int` >= 0 - at `$.resources[0].daemon.restarts`",
+        ),
+        (
+            FIRST_AGENTS_FILE.replace('"replicas": 4', f'"replicas": {2**70}'),
+            "Expected `int` <= 9223372036854775807 - at `$.resources[0].replicas`",
+        ),
+        (
+            FIRST_AGENTS_FILE.replace('"unhealthyGpus": {}', '"unhealthyGpus": {}, "x": ' + "[" * 5000 + "]" * 5000),
+            "nests deeper than the agent ever writes",
+        ),
     ],
-    ids=["cut-short", "not-an-object", "no-resources", "wrong-type"],
+    ids=[
+        "cut-short",
+        "not-an-object",
+        "no-resources",
+        "wrong-type",
+        "huge-pid",
+        "huge-daemon-pid",
+        "negative-count",
+        "huge-count",
+        "5000-deep",
+    ],
 )
 def test_a_status_file_that_does_not_read_is_a_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, problem: str
@@ -290,6 +321,29 @@ def test_a_status_file_that_does_not_read_is_a_one_line_error(
     assert problem in captured.err
     assert captured.err.endswith("; the agent rewrites it within a second, or remove it if no agent runs\n")
     assert captured.err.count("\n") == 1
+
+
+def running_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], pid: int, written_at: float) -> str:
+    written = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(written_at))
+    (tmp_path / STATUS_FILE).write_text(
+        FIRST_AGENTS_FILE.replace('"pid": 4194305', f'"pid": {pid}, "writtenAt": "{written}"')
+    )
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    return capsys.readouterr().out.splitlines()[0]
+
+
+def test_the_agent_is_shown_running_only_while_its_pid_names_the_process_that_wrote_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PID 1 is init (or anything but an agent that can be checked); a live process that started after the file
+    was last written cannot have written it: its PID was reused since the agent ended."""
+    now = time.time()
+    assert running_line(tmp_path, capsys, os.getpid(), now) == f"mpsagent 0.1.0 (pid {os.getpid()}), written " + (
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    )
+    for no_agent in (-1, 0, 1, 2**22 + 1):
+        assert running_line(tmp_path, capsys, no_agent, now).endswith(" -- NOT RUNNING: this is its last state")
+    assert running_line(tmp_path, capsys, os.getpid(), now - 3600).endswith(" -- NOT RUNNING: this is its last state")
 
 
 @pytest.mark.usefixtures("fixed_clocks")
@@ -343,7 +397,7 @@ def test_metrics_read_the_published_document() -> None:
     assert scraped[("mpsagent_daemon_cap_mode", (("mode", "capped"), *gpu))] == 1
     assert scraped[("mpsagent_daemon_multi_user", gpu)] == 0
     assert scraped[("mpsagent_cap_tamper_total", gpu)] == 1
-    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4096 * 1024**2
+    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4095 * 1024**2
     assert scraped[("mpsagent_escape_thread_percent", (("gpu", gpu0), *gpu))] == 75
     assert scraped[("mpsagent_daemon_thread_ceiling_percent", gpu)] == 100
     assert scraped[("mpsagent_kubelet_registration_failures_total", gpu)] == 1
