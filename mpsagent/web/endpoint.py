@@ -61,7 +61,7 @@ class WebEndpoint:
     def _scrape(self, request: Request) -> Response:
         """prometheus_client's own WSGI application: its content negotiation, gzip and `name[]` filter."""
         environ = {
-            "REQUEST_METHOD": request.method,
+            "REQUEST_METHOD": "GET",  # HEAD too: the server sends the GET's head without its body
             "PATH_INFO": request.path,
             "QUERY_STRING": request.query,
             **{"HTTP_" + name.upper().replace("-", "_"): value for name, value in request.headers.items()},

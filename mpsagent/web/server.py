@@ -1,8 +1,9 @@
 """A small HTTP/1.1 server that no client can hold open, for the web endpoint (`web.endpoint`, which owns the
-routes): one request per connection, at most `HttpLimits.connections` connections (a new one closes the oldest
-one, unless a worker thread is answering it), a request head that must arrive whole within `request_timeout_s` and an
-exchange that ends within `deadline_s`. It runs on an event loop of its own in one thread, so that no client
-touches the agent's loop; answers that may block run in at most `threads` worker threads.
+routes): GET and HEAD only (HEAD: the GET's head without its body; any other method is answered 405 with `Allow`
+and never reaches the routes), one request per connection, at most `HttpLimits.connections` connections (a new one
+closes the oldest one, unless a worker thread is answering it), a request head that must arrive whole within
+`request_timeout_s` and an exchange that ends within `deadline_s`. It runs on an event loop of its own in one
+thread, so that no client touches the agent's loop; answers that may block run in at most `threads` worker threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from urllib.parse import unquote
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from mpsagent.errors import shown
 from mpsagent.logs import get_logger
 
 log = get_logger(__name__)
@@ -31,6 +33,7 @@ ACCEPT_RETRY_S = 0.1
 """After an accept that failed for want of resources (EMFILE, ENFILE, ENOBUFS): a pause, not a busy loop."""
 STOP_TIMEOUT_S = 2.0
 REFUSAL_LINGER_S = 1.0
+ALLOWED_METHODS = ("GET", "HEAD")
 CLOSED_LOG_INTERVAL_S = 60.0
 
 
@@ -281,6 +284,9 @@ class HttpServer:
         except BadRequest as refusal:
             await _refuse(sock, refusal)
             return None
+        if request.method not in ALLOWED_METHODS:
+            await _refuse(sock, BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, _not_allowed(request.method)))
+            return None
         response = await self._respond(request, connection, threads)
         await _send_all(sock, encode(response, head_only=request.method == "HEAD"))
         sock.shutdown(socket.SHUT_WR)
@@ -320,10 +326,17 @@ async def _receive_head(sock: socket.socket, limit: int) -> bytes | None:
             raise BadRequest(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head larger than {limit} bytes")
 
 
+def _not_allowed(method: str) -> str:
+    return f"{shown(method, 16)} is not allowed: use {' or '.join(ALLOWED_METHODS)}"
+
+
 async def _refuse(sock: socket.socket, refusal: BadRequest) -> None:
     """Answer a bad request, then read what the client still sends for a moment: closing with unread data would
-    reset the connection, and the client would lose the answer."""
-    await _send_all(sock, encode(Response.text(refusal.status, f"{refusal}\n"), head_only=False))
+    reset the connection, and the client would lose the answer (a request body, for a method refused)."""
+    response = Response.text(refusal.status, f"{refusal}\n")
+    if refusal.status == HTTPStatus.METHOD_NOT_ALLOWED:
+        response = Response(response.status, (*response.headers, ("Allow", ", ".join(ALLOWED_METHODS))), response.body)
+    await _send_all(sock, encode(response, head_only=False))
     sock.shutdown(socket.SHUT_WR)
     with anyio.move_on_after(REFUSAL_LINGER_S):
         while True:

@@ -1,0 +1,88 @@
+"""The web endpoint's routes in this process, through a real TCP socket: GET and HEAD on every path and 405 for
+anything else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
+import structlog
+from anyio.from_thread import start_blocking_portal
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mpsagent.metrics import AgentMetrics
+from mpsagent.status import starting_document
+from mpsagent.web import WebEndpoint
+from mpsagent_testing.http_clients import connect
+
+PATHS = ["/metrics", "/healthz", "/readyz", "/nope"]
+
+
+class CountingCollector(Collector):
+    """Counts how often the registry is rendered."""
+
+    def __init__(self) -> None:
+        self.renders = 0
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self.renders += 1
+        yield GaugeMetricFamily("test_renders", "Renders so far", value=self.renders)
+
+
+@contextmanager
+def endpoint_running() -> Iterator[tuple[WebEndpoint, tuple[str, int], CountingCollector]]:
+    starting = starting_document(["nvidia.com/gpu"])
+    metrics = AgentMetrics(starting=starting, gpus=(), gpu_source=None, proc_root=Path("/proc"))
+    counter = CountingCollector()
+    metrics.registry.register(counter)
+    endpoint = WebEndpoint(("127.0.0.1", 0), metrics)
+    with structlog.testing.capture_logs() as logs, start_blocking_portal() as portal:
+        future, _ = portal.start_task(endpoint.run)
+        try:
+            serving = next(e for e in logs if e["event"] == "http endpoint serving")
+            host, _, port = str(serving["address"]).rpartition(":")
+            yield endpoint, (host, int(port)), counter
+        finally:
+            future.cancel()
+            with suppress(CancelledError):
+                future.result(10)
+
+
+def exchange(address: tuple[str, int], method: str, path: str, *headers: str) -> tuple[str, dict[str, str], bytes]:
+    """(status line, headers by lower-case name, body) of one request."""
+    with connect(address, timeout=10) as sock:
+        sock.sendall("\r\n".join([f"{method} {path} HTTP/1.1", "Host: test", *headers, "", ""]).encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    return status, {name.lower(): value for name, _, value in (line.partition(": ") for line in lines)}, body
+
+
+def test_get_and_head_answer_on_every_path_and_head_has_the_same_headers_without_a_body() -> None:
+    with endpoint_running() as (_, address, _):
+        for path in PATHS:
+            status, headers, body = exchange(address, "GET", path)
+            head_status, head_headers, head_body = exchange(address, "HEAD", path)
+            assert (head_status, head_headers, head_body) == (status, headers, b""), path
+            assert int(headers["content-length"]) == len(body) > 0, path
+        assert exchange(address, "HEAD", "/metrics")[0] == "HTTP/1.1 200 OK"
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "BREW"])
+def test_other_methods_are_refused_with_405_and_the_methods_allowed(method: str) -> None:
+    with endpoint_running() as (_, address, counter):
+        for path in PATHS:
+            status, headers, body = exchange(address, method, path)
+            assert status == "HTTP/1.1 405 Method Not Allowed", (method, path)
+            assert headers["allow"] == "GET, HEAD"
+            assert body == f"{method} is not allowed: use GET or HEAD\n".encode()
+        assert counter.renders == 0
