@@ -52,8 +52,13 @@ def test_probes_follow_registration_and_metrics_follow_the_ledger(
     assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE, outcome="ok") == 1
     with pytest.raises(grpc.RpcError):
         allocate(plugin, ["GPU-nonsense::0"])
-    assert value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE, outcome="refused") == 1
     preferred(plugin, ids(GPU0, 0, 2), 1)
+    # A scrape shows the state of the last publish (every 0.5 s): rendered once per publish, not per scrape.
+    wait_for(
+        lambda: value(base, "mpsagent_allocate_duration_seconds_count", resource=RESOURCE, outcome="refused") == 1,
+        5,
+        "the refused Allocate timed",
+    )
     assert value(base, "mpsagent_preferred_allocation_duration_seconds_count", resource=RESOURCE, outcome="ok") == 1
     assert value(base, "mpsagent_daemon_restart_attempts_total", resource=RESOURCE) == 0
     assert value(base, "mpsagent_pod_resources_failures_total") == 0

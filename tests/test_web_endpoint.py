@@ -1,8 +1,9 @@
 """The web endpoint's routes in this process, through a real TCP socket: GET and HEAD on every path and 405 for
-anything else."""
+anything else, and `/metrics` rendered at most once per publish however many scrapes come in between."""
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager, suppress
@@ -86,3 +87,36 @@ def test_other_methods_are_refused_with_405_and_the_methods_allowed(method: str)
             assert headers["allow"] == "GET, HEAD"
             assert body == f"{method} is not allowed: use GET or HEAD\n".encode()
         assert counter.renders == 0
+
+
+def test_a_scrape_flood_renders_once_per_publish_and_format() -> None:
+    """What the agent's loop pays for scrapes is bounded by its publishes (every 0.5 s), not by the scrapers:
+    scrapes between two publishes get the same bytes, for each format (text or OpenMetrics, gzip or not)."""
+    with endpoint_running() as (endpoint, address, counter):
+        plain = [exchange(address, "GET", "/metrics")[2] for _ in range(50)]
+        assert counter.renders == 1
+        assert len(set(plain)) == 1
+        zipped = [exchange(address, "GET", "/metrics", "Accept-Encoding: gzip")[2] for _ in range(10)]
+        assert counter.renders == 2
+        assert len(set(zipped)) == 1 and b"test_renders 2.0" in gzip.decompress(zipped[0])
+        endpoint.publish(endpoint.metrics.document)
+        after = [exchange(address, "GET", "/metrics")[2] for _ in range(20)]
+        assert counter.renders == 3
+        assert b"test_renders 3.0" in after[0] and len(set(after)) == 1
+
+
+def test_formats_beyond_the_budget_of_a_publish_wait_for_the_next_one() -> None:
+    """A client that asks for a new format (another query) with every scrape would render each time: beyond
+    MAX_RENDERS_PER_PUBLISH renders between two publishes it is told to come back (429, Retry-After)."""
+    from mpsagent.web.endpoint import MAX_RENDERS_PER_PUBLISH  # noqa: PLC0415
+
+    with endpoint_running() as (endpoint, address, counter):
+        answers = [exchange(address, "GET", f"/metrics?x={i}") for i in range(12)]
+        assert counter.renders == MAX_RENDERS_PER_PUBLISH
+        assert [a[0] for a in answers[MAX_RENDERS_PER_PUBLISH:]] == ["HTTP/1.1 429 Too Many Requests"] * (
+            12 - MAX_RENDERS_PER_PUBLISH
+        )
+        assert answers[-1][1]["retry-after"] == "1"
+        assert exchange(address, "GET", "/metrics?x=0")[0] == "HTTP/1.1 200 OK"  # cached
+        endpoint.publish(endpoint.metrics.document)
+        assert exchange(address, "GET", "/metrics?x=11")[0] == "HTTP/1.1 200 OK"

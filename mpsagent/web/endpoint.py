@@ -2,13 +2,16 @@
 deadlines, a thread and event loop of its own), owned by one task of the supervisor.
 
 `/healthz` answers 200 while the event loop keeps publishing (a stuck loop, or a dead supervisor, stops it);
-`/readyz` answers 200 once every resource is registered with the kubelet and its MPS daemon is up.
+`/readyz` answers 200 once every resource is registered with the kubelet and its MPS daemon is up. `/metrics` is
+rendered at most once per publish and format (`_ScrapeCache`): the renders share the interpreter with the agent's
+event loop, so a flood of scrapes must cost the loop what the publishes allow, not what the scrapers ask.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from http import HTTPStatus
 
@@ -28,6 +31,73 @@ from mpsagent.web.server import HTTP_LIMITS, Blocking, HttpLimits, HttpServer, R
 log = get_logger(__name__)
 
 STALE_AFTER_S = 10.0
+MAX_RENDERS_PER_PUBLISH = 8
+"""Renders of `/metrics` between two publishes (every STATUS_INTERVAL_S): one per format asked for (Prometheus asks
+for one, a person with curl another); a scrape that would render beyond it is answered 429."""
+RETRY_AFTER_S = 1
+
+_Format = tuple[str, str, str]
+"""What picks a scrape's bytes: its Accept and Accept-Encoding headers and its query (`name[]` filters)."""
+
+
+class _ScrapeCache:
+    """`/metrics` answers, each rendered at most once per publish: the scrapes between two publishes get the same
+    bytes (a HEAD the same head), at once on the server's loop. `published()` is called by the agent's loop (the
+    only writer of the publish count); everything else runs in the server's threads."""
+
+    def __init__(self, render: Callable[[Request], Response]) -> None:
+        self._render = render
+        self._published = 0
+        self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        """One render at a time: a second scrape of a format waits for the first one's bytes."""
+        self._seen = 0
+        self._answers: dict[_Format, Response] = {}
+        """Rendered since publish `_seen`."""
+        self._renders = 0
+
+    def published(self) -> None:
+        self._published += 1
+
+    def answer(self, request: Request) -> Response | Blocking:
+        key = (request.headers.get("accept", ""), request.headers.get("accept-encoding", ""), request.query)
+        with self._lock:
+            cached = self._current().get(key)
+        return cached if cached is not None else Blocking(partial(self._rendered, key, request))
+
+    def _current(self) -> dict[_Format, Response]:
+        """The answers of the latest publish (under `_lock`)."""
+        if self._seen != self._published:
+            self._seen, self._renders = self._published, 0
+            self._answers = {}
+        return self._answers
+
+    def _rendered(self, key: _Format, request: Request) -> Response:
+        """In a worker thread."""
+        with self._render_lock:
+            with self._lock:
+                cached = self._current().get(key)
+                if cached is not None:
+                    return cached
+                if self._renders >= MAX_RENDERS_PER_PUBLISH:
+                    return _too_many()
+                self._renders += 1
+                publish = self._seen
+            response = self._render(request)
+            with self._lock:
+                answers = self._current()
+                if self._seen == publish:  # not published meanwhile: these bytes are the publish's
+                    answers[key] = response
+            return response
+
+
+def _too_many() -> Response:
+    refused = Response.text(
+        HTTPStatus.TOO_MANY_REQUESTS,
+        f"more than {MAX_RENDERS_PER_PUBLISH} formats of /metrics asked for since the last publish; "
+        f"ask again in {RETRY_AFTER_S} s\n",
+    )
+    return Response(refused.status, (*refused.headers, ("Retry-After", str(RETRY_AFTER_S))), refused.body)
 
 
 class WebEndpoint:
@@ -35,6 +105,7 @@ class WebEndpoint:
         self._address = address
         self.metrics = metrics
         self._metrics_app = make_wsgi_app(metrics.registry)
+        self._scrapes = _ScrapeCache(self._scrape)
         self._heartbeat = time.monotonic()
         self._server = HttpServer(self._answer, limits)
         metrics.registry.register(_HttpCollector(self._server))
@@ -43,11 +114,13 @@ class WebEndpoint:
         """Called by the event loop: the state scrapes and probes read, and proof that the loop is alive."""
         self.metrics.document = document
         self._heartbeat = time.monotonic()
+        self._scrapes.published()
 
     def _answer(self, request: Request) -> Response | Blocking:
-        """On the server's loop: cheap answers at once; a scrape (collectors, NVML) in a worker thread."""
+        """On the server's loop: cheap answers at once, and a scrape already rendered since the last publish; a new
+        render (collectors, NVML) in a worker thread."""
         if request.path == "/metrics":
-            return Blocking(partial(self._scrape, request))
+            return self._scrapes.answer(request)
         if request.path == "/healthz":
             age = time.monotonic() - self._heartbeat
             ok, text = age < STALE_AFTER_S, f"event loop last seen {age:.1f}s ago"
