@@ -5,7 +5,9 @@ the ledger, reconciliation, the daemon supervisor and keeper, `--once`, `--statu
 share is decided in one place.
 
 A grant holding `k` of the `N` IDs of GPU `g` (replicas, or memory units) has the share `k/N` of `g`:
-- memory cap on `g`: `floor(memory_g * k / N)` in MiB (memory units: exactly `k * unit`);
+- memory cap on `g`: `floor(memory_g * k / N)` in MiB (memory units: `k * unit`), rounded down to a limit the
+  control daemon's read-back tells apart from every larger one (`readable_mib`: below 1 GiB every MiB, from 1 GiB
+  the last MiB of a whole GiB), so that a limit lifted behind the agent, by even 1 MiB, is seen;
 - thread percentage: one value for all its GPUs (MPS has one per client), `max(1, floor(100 * min_g k/N))`;
 - `k = N` on every GPU it holds: a whole-GPU (full) grant, with no cap variables at all.
 Under `grants: equal` a grant of every ID of the resource is full and any other gets 1/replicas of every GPU.
@@ -32,6 +34,15 @@ CUDA_ERROR_MPS_MAX_CLIENTS_REACHED."""
 MAX_CLIENTS_PER_GPU_BEFORE_VOLTA = 16
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
+GIB_MIB = 1024
+
+
+def readable_mib(mib: int) -> int:
+    """The largest pinned-memory limit not above `mib` that the control daemon's read-back tells apart from every
+    larger limit: it prints a limit below 1 GiB in MiB, and one of 1 GiB or more in whole GiB rounded down (1536M
+    and 2047M both read `1G`). So `mib` itself below 1 GiB, else the last MiB of a whole GiB (5461 -> 5119, `4G`):
+    a limit lifted by even 1 MiB then reads back as another value."""
+    return mib if mib < GIB_MIB else (mib + 1) // GIB_MIB * GIB_MIB - 1
 
 
 class GrantKind(enum.StrEnum):
@@ -168,6 +179,12 @@ class ShareTally:
         return max(self._threads) if self._threads else None
 
 
+def _capped_mib(gpu: GpuSlots, mib: int) -> int:
+    """A memory cap on `gpu`: a limit the read-back tells apart from any raise, or the whole GPU's memory (which no
+    raise can exceed); never more than the GPU has."""
+    return gpu.memory_mib if mib >= gpu.memory_mib else readable_mib(mib)
+
+
 def _take(counter: Counter[int], key: int) -> None:
     counter[key] -= 1
     if counter[key] <= 0:
@@ -197,9 +214,10 @@ class ShareModel:
         return self.rule is GrantRule.EQUAL and self.unit_bytes is None
 
     def _memory_mib(self, gpu: GpuSlots, held: int) -> int:
+        """A share's memory on `gpu` (see `_capped_mib`)."""
         if self.unit_bytes is not None:
-            return held * self.unit_bytes // MIB
-        return gpu.memory_bytes * held // gpu.ids // MIB
+            return _capped_mib(gpu, held * self.unit_bytes // MIB)
+        return _capped_mib(gpu, gpu.memory_bytes * held // gpu.ids // MIB)
 
     def share_of(self, replica_ids: Iterable[ReplicaId]) -> Share:
         """The share of a grant of these (distinct) IDs; IDs of GPUs outside the resource count for nothing."""
@@ -265,7 +283,7 @@ class ShareModel:
             replicas = self.gpus[0].ids
             return Ceilings(
                 thread_percentage=FULL_THREAD_PERCENTAGE // replicas,
-                memory_mib=tuple(gpu.memory_bytes // replicas // MIB for gpu in self.gpus),
+                memory_mib=tuple(_capped_mib(gpu, gpu.memory_bytes // replicas // MIB) for gpu in self.gpus),
             )
         return Ceilings(
             thread_percentage=max(1, min(FULL_THREAD_PERCENTAGE // gpu.ids for gpu in self.gpus)),

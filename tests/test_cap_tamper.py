@@ -49,7 +49,7 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
 ) -> None:
     agent, base = serve(agents, kubelet, short_dir, "--probe-interval-seconds", "1")
     plugin = kubelet.wait_registered(RESOURCE)
-    allocate(plugin, ids(GPU0, 0))  # capped: 25 % and 4 GiB per GPU
+    allocate(plugin, ids(GPU0, 0))  # capped: 25 % and 4095 MiB per GPU
     pipe = pipe_of(short_dir)
     assert control(pipe, "get_default_active_thread_percentage") == "25.0"
 
@@ -59,7 +59,7 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
     wait_for(
         lambda: (
             control(pipe, "get_default_active_thread_percentage") == "25.0"
-            and control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
+            and control(pipe, "get_default_device_pinned_mem_limit 0") == "3G"
         ),
         3,  # the 1 s interval, and slack for a loaded machine
         "the caps to be restored",
@@ -67,7 +67,7 @@ def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
     events = wait_for(lambda: len(tampered(agent)) == 2 and tampered(agent), 5, "two tamper log lines")
     assert {(e["value"], e["expected"], e["found"], e["server"], e["level"]) for e in events} == {
         ("get_default_active_thread_percentage", "25.0", "100.0", None, "error"),
-        ("get_default_device_pinned_mem_limit 0", "4G", "16G", None, "error"),
+        ("get_default_device_pinned_mem_limit 0", "3G", "16G", None, "error"),
     }
     daemon = wait_for(
         lambda: (
@@ -96,9 +96,41 @@ def test_a_limit_taken_away_altogether_is_restored(
     allocate(plugin, ids(GPU0, 0))
     pipe = pipe_of(short_dir)
     control(pipe, "set_default_device_pinned_mem_limit 1 0")  # 0: no ceiling; the read-back then prints nothing
-    wait_for(lambda: control(pipe, "get_default_device_pinned_mem_limit 1") == "4G", 3, "the limit to be restored")
+    wait_for(lambda: control(pipe, "get_default_device_pinned_mem_limit 1") == "3G", 3, "the limit to be restored")
     (event,) = wait_for(lambda: tampered(agent), 5, "the tamper log line")
     assert (event["value"], event["found"]) == ("get_default_device_pinned_mem_limit 1", None)
+
+
+@pytest.mark.parametrize("lifted", ["6143M", "5120M"])
+def test_a_limit_lifted_by_less_than_a_gib_is_seen_and_restored(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, lifted: str
+) -> None:
+    """The daemon reads a limit back in whole GiB: a third of a 16 GiB GPU is held at 5119M (`4G`), so that any raise
+    reads back as another value (at 5461M, 6143M read back `5G` as the ceiling itself did, and was never seen)."""
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1", text=config(replicas=3))
+    plugin = kubelet.wait_registered(RESOURCE)
+    envs = allocate(plugin, ids(GPU0, 0)).container_responses[0].envs
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5119M,1=5119M"
+    pipe = pipe_of(short_dir)
+    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
+    control(pipe, f"set_default_device_pinned_mem_limit 0 {lifted}")
+    (event,) = wait_for(lambda: tampered(agent), 5, "the tamper log line")
+    assert (event["value"], event["expected"], event["found"]) == ("get_default_device_pinned_mem_limit 0", "4G", "5G")
+    # Restored to the MiB: in the daemon's log, the agent's own command follows the one that lifted the limit.
+
+    def set_after_lift() -> list[str]:
+        sets = [
+            line.split("Cmd:", 1)[1]
+            for e in agent.log_events()
+            if "Cmd:set_default_device_pinned_mem_limit 0 " in (line := str(e.get("line")))
+        ]
+        lift = f"set_default_device_pinned_mem_limit 0 {lifted}"
+        return sets[sets.index(lift) + 1 :] if lift in sets else []
+
+    assert wait_for(set_after_lift, 5, "the agent's command after the lift") == [
+        "set_default_device_pinned_mem_limit 0 5119M"
+    ]
+    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
 
 
 def test_a_full_daemon_is_held_at_full_too(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
@@ -169,8 +201,8 @@ def _sharing() -> SharingConfig:
 @pytest.mark.parametrize(
     ("replies", "changed"),
     [
-        (["25.0", "19G"], []),
-        (["100.0", "19G"], [("get_active_thread_percentage 42", "100.0")]),
+        (["25.0", "18G"], []),
+        (["100.0", "18G"], [("get_active_thread_percentage 42", "100.0")]),
         (["25.0", None], [("get_device_pinned_mem_limit 42 0", None)]),  # no limit at all
         ([None, None], []),  # a server that answers nothing is starting (or gone): read next round
     ],

@@ -354,6 +354,15 @@ CASES = [
         difference="`sharing.timeSlicing`",
     ),
     Case(
+        "pinned-memory-limit-of-a-partial-grant",
+        "version: v1\nsharing:\n  mps:\n    grants: equal\n    resources:\n    - name: nvidia.com/gpu\n"
+        "      replicas: 4\n",
+        "accepted: `set_default_device_pinned_mem_limit 0 20389M` (81559 MiB / 4)",
+        False,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=19455M,",
+        difference="the pinned-memory limit of a partial grant",
+    ),
+    Case(
         "unknown-key",
         "version: v1\nflags:\n  migStrategi: none\n" + MPS_GPU_4,
         "accepted: unknown keys are dropped",
