@@ -17,7 +17,7 @@ from mpsagent.ledger import Ledger, RecordResult
 from mpsagent.placement import preferred_replicas
 from mpsagent.plan import ResourcePlan
 from mpsagent.reconcile import Holding, ReconcileResult, reconcile
-from mpsagent.shares import Ceilings, ClientLimit, Share
+from mpsagent.shares import Ceilings, ClientLimit
 
 MAX_NAMED_IDS = 3
 
@@ -134,7 +134,4 @@ class ResourceAllocator:
 
     def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
         """Bring the ledger to the kubelet's listing of this resource (see mpsagent.reconcile)."""
-        return reconcile(self.ledger, listed, now=now, grace_s=grace_s, share_of=self._share_of)
-
-    def _share_of(self, ids: Sequence[str]) -> Share:
-        return self.resource.shares.share_of(ReplicaId(i) for i in dict.fromkeys(ids))
+        return reconcile(self.ledger, listed, now=now, grace_s=grace_s, shares=self.resource.shares)

@@ -2,8 +2,12 @@
 
 The kubelet never tells a device plugin that a container ended, and after a node reboot it re-uses checkpointed
 allocations without calling Allocate. Its pod-resources listing is therefore the truth the ledger converges to:
-- a listed container whose replicas the ledger holds as one grant names that grant's owner;
-- a listed container the ledger does not know (or knows split differently) is adopted as a grant of its own;
+- the containers of a pod that list the same IDs are one holding: the kubelet hands the IDs of a pod's init
+  containers on to its later containers (its devicemanager's "devices to reuse"), and lists a pod's (restartable)
+  init containers before its app containers, so both can list them; the holding is the last one's, and its share
+  covers each of theirs (`ShareModel.joined`), so that no listing lowers the ceilings below a live container's share;
+- a listed holding whose replicas (and share) the ledger holds as one grant names that grant's owner;
+- a listed holding the ledger does not know (or knows split differently) is adopted as a grant of its own;
 - a grant no container lists is released, but only once it has been missing for the grace period, because a pod
   admitted a moment ago may not be listed yet. The grace clock starts no earlier than the grant itself (a listing
   taken before an Allocate cannot show its grant), so every grant is given at least one full grace period.
@@ -11,12 +15,12 @@ allocations without calling Allocate. Its pod-resources listing is therefore the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mpsagent.devices import ContainerRef, ReplicaId
 from mpsagent.ledger import Grant, Ledger
-from mpsagent.shares import Share
+from mpsagent.shares import Share, ShareModel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,10 +33,20 @@ class ListedDevices:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Holding:
-    """The replicas one container holds, after deduplication across the whole listing."""
+    """The replicas one container holds, after deduplication across the whole listing, with those of the earlier
+    containers of its pod that list some of them too."""
 
     container: ContainerRef
     replica_ids: tuple[ReplicaId, ...]
+    members: tuple[tuple[ReplicaId, ...], ...] = ()
+    """Each container's own IDs, in the kubelet's order (`container` last), when several containers of the pod list
+    some of the same IDs; empty when `container` alone holds them."""
+
+    def share(self, shares: ShareModel) -> Share:
+        """What the holding needs from the ceilings: its container's share, or one that covers each member's."""
+        if len(self.members) < 2:
+            return shares.share_of(self.replica_ids)
+        return shares.joined([shares.share_of(member) for member in self.members])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,19 +66,52 @@ class ReconcileResult:
 
 
 def holdings(listing: Iterable[ListedDevices]) -> list[Holding]:
-    """Group the listing by container, each ID counted once: the first container to list an ID holds it.
+    """Group the listing into holdings, each ID counted once.
 
-    The kubelet lists a pod's init containers with the devices its app containers then re-use, so an ID can
-    appear more than once; duplicates within one container are dropped too.
+    An ID belongs to the first pod that lists it (the kubelet never lists one in two pods). Within a pod, containers
+    that list a common ID are one holding, of the last of them in the kubelet's order (its init containers come
+    first: the later container is the one that re-uses their IDs); a container's duplicates are dropped.
     """
-    owner: dict[str, ContainerRef] = {}
+    pod_of: dict[str, tuple[str, str]] = {}
+    containers: dict[ContainerRef, dict[ReplicaId, None]] = {}
     for entry in listing:
+        pod = (entry.container.namespace, entry.container.pod)
+        held = containers.setdefault(entry.container, {})
         for device_id in entry.device_ids:
-            owner.setdefault(device_id, entry.container)
-    grouped: dict[ContainerRef, list[ReplicaId]] = {}
-    for device_id, container in owner.items():
-        grouped.setdefault(container, []).append(ReplicaId(device_id))
-    return [Holding(container=c, replica_ids=tuple(ids)) for c, ids in grouped.items()]
+            if pod_of.setdefault(device_id, pod) == pod:
+                held[ReplicaId(device_id)] = None
+    by_pod: dict[tuple[str, str], list[tuple[ContainerRef, tuple[ReplicaId, ...]]]] = {}
+    for container, held in containers.items():
+        if held:
+            by_pod.setdefault((container.namespace, container.pod), []).append((container, tuple(held)))
+    return [holding for members in by_pod.values() for holding in _pod_holdings(members)]
+
+
+def _pod_holdings(containers: Sequence[tuple[ContainerRef, tuple[ReplicaId, ...]]]) -> list[Holding]:
+    """One pod's containers, in the kubelet's order, grouped by the IDs they share."""
+    group_of: dict[ReplicaId, int] = {}
+    groups: list[list[int]] = []
+    for position, (_, ids) in enumerate(containers):
+        joined = sorted({group_of[r] for r in ids if r in group_of})
+        target = joined[0] if joined else len(groups)
+        if not joined:
+            groups.append([])
+        for other in joined[1:]:
+            groups[target] += groups[other]
+            for merged in groups[other]:
+                group_of.update(dict.fromkeys(containers[merged][1], target))
+            groups[other] = []
+        groups[target].append(position)
+        group_of.update(dict.fromkeys(ids, target))
+    result = []
+    for group in groups:
+        if not group:
+            continue
+        members = tuple(containers[position][1] for position in sorted(group))
+        replica_ids = tuple(dict.fromkeys(r for ids in members for r in ids))
+        holder = containers[max(group)][0]
+        result.append(Holding(container=holder, replica_ids=replica_ids, members=members if len(members) > 1 else ()))
+    return result
 
 
 def reconcile(
@@ -73,17 +120,18 @@ def reconcile(
     *,
     now: float,
     grace_s: float,
-    share_of: Callable[[tuple[ReplicaId, ...]], Share],
+    shares: ShareModel,
 ) -> ReconcileResult:
-    """Bring the ledger to the listing; `now` is monotonic time, `share_of` gives an adopted grant its share."""
+    """Bring the ledger to the listing; `now` is monotonic time, `shares` gives a holding its share."""
     identified: list[Grant] = []
     adopted: list[Grant] = []
     replaced: list[Grant] = []
     seen: set[int] = set()
     for holding in listed:
+        share = holding.share(shares)
         holders = {grant.grant_id: grant for r in holding.replica_ids if (grant := ledger.holder(r)) is not None}
         match = next(iter(holders.values())) if len(holders) == 1 else None
-        if match is not None and set(match.replica_ids) == set(holding.replica_ids):
+        if match is not None and set(match.replica_ids) == set(holding.replica_ids) and match.share == share:
             if match.missing_since is not None:
                 match.missing_since = None
                 ledger.note_change()
@@ -93,7 +141,7 @@ def reconcile(
                 identified.append(match)
             seen.add(match.grant_id)
             continue
-        result = ledger.adopt(holding.replica_ids, share_of(holding.replica_ids), holding.container)
+        result = ledger.adopt(holding.replica_ids, share, holding.container)
         replaced.extend(result.ended)
         adopted.append(result.grant)
         seen.add(result.grant.grant_id)

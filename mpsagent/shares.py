@@ -179,6 +179,16 @@ class ShareTally:
         return max(self._threads) if self._threads else None
 
 
+def _covers(share: Share, other: Share) -> bool:
+    """Whether `share` asks the ceilings for at least what `other` does, and is a client of every GPU it is."""
+    bounds = dict(share.bounds)
+    return (
+        share.thread_percentage >= other.thread_percentage
+        and all(bounds.get(ordinal, -1) >= mib for ordinal, mib in other.bounds)
+        and {gpu.ordinal for gpu in other.gpus} <= {gpu.ordinal for gpu in share.gpus}
+    )
+
+
 def _capped_mib(gpu: GpuSlots, mib: int) -> int:
     """A memory cap on `gpu`: a limit the read-back tells apart from any raise, or the whole GPU's memory (which no
     raise can exceed); never more than the GPU has."""
@@ -258,6 +268,32 @@ class ShareModel:
             thread_percentage=thread,
             env_memory_mib=tuple(by_ordinal.get(gpu.ordinal, smallest) for gpu in self.gpus),
             bounds=tuple(by_ordinal.items()),
+        )
+
+    def joined(self, shares: Sequence[Share]) -> Share:
+        """The share of containers that hold some IDs together (the kubelet hands the IDs of a pod's init containers
+        on to its later containers, and lists both): one that covers each of theirs and no more. The one among them
+        that covers all the others, when there is one (the later container holds all of the earlier one's IDs, or a
+        part of them); else on each GPU the largest of their memory caps, and the largest thread percentage."""
+        for candidate in shares:
+            if all(_covers(candidate, other) for other in shares):
+                return candidate
+        memory: dict[int, int] = {}
+        held: dict[int, GpuShare] = {}
+        for share in shares:
+            for ordinal, mib in share.bounds:
+                memory[ordinal] = max(mib, memory.get(ordinal, 0))
+            for gpu in share.gpus:
+                if gpu.ordinal not in held or gpu.held > held[gpu.ordinal].held:
+                    held[gpu.ordinal] = gpu
+        full = all(share.full for share in shares)
+        smallest = min(memory.values())
+        return Share(
+            gpus=tuple(held[ordinal] for ordinal in sorted(held)),
+            kind=GrantKind.FULL if full else GrantKind.CAPPED,
+            thread_percentage=max(share.thread_percentage for share in shares),
+            env_memory_mib=() if full else tuple(memory.get(gpu.ordinal, smallest) for gpu in self.gpus),
+            bounds=tuple(sorted(memory.items())),
         )
 
     def _equal_share(self, held: tuple[GpuShare, ...]) -> Share:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,7 +10,7 @@ from mpsagent.config import GrantRule
 from mpsagent.devices import ContainerRef, GpuUuid, ReplicaId
 from mpsagent.ledger import Ledger
 from mpsagent.reconcile import Holding, ListedDevices, holdings, reconcile
-from mpsagent.shares import GpuSlots, GrantKind, Share, ShareModel
+from mpsagent.shares import Ceilings, GpuSlots, GrantKind, Share, ShareModel
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
 SHARES = ShareModel(
@@ -40,7 +41,7 @@ def new_ledger(clock: list[float] | None = None) -> Ledger:
 
 
 def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):
-    return reconcile(ledger, listed, now=now, grace_s=grace, share_of=share_of)
+    return reconcile(ledger, listed, now=now, grace_s=grace, shares=SHARES)
 
 
 def test_a_listed_grant_learns_its_owner_and_stays() -> None:
@@ -130,20 +131,144 @@ def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
     assert {ledger.holder(IDS[0]).owner, ledger.holder(IDS[1]).owner} == {ref("a"), ref("b")}  # type: ignore[union-attr]
 
 
-def test_holdings_deduplicate_ids_across_and_within_containers() -> None:
-    init = ref("p", "init")
-    main = ref("p", "main")
-    listed = holdings(
-        [
-            ListedDevices(container=init, device_ids=(IDS[0], IDS[0], IDS[1])),
-            ListedDevices(container=main, device_ids=(IDS[1], IDS[0])),
-            ListedDevices(container=ref("q"), device_ids=(IDS[2],)),
-        ]
-    )
-    assert listed == [
-        Holding(container=init, replica_ids=(IDS[0], IDS[1])),
-        Holding(container=ref("q"), replica_ids=(IDS[2],)),
-    ]
+# --- the kubelet's listing: which container holds what ----------------------------------------------------------
+
+TWO_GPUS = ShareModel(
+    gpus=(
+        GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, ids=4),
+        GpuSlots(uuid=GpuUuid("GPU-b"), ordinal=1, memory_bytes=16 << 30, ids=4),
+    ),
+    rule=GrantRule.PROPORTIONAL,
+    unit_bytes=None,
+    enforce=True,
+)
+A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
+B = [ReplicaId(f"GPU-b::{i}") for i in range(4)]
+WHOLE_MIB = 16384
+QUARTER_MIB, HALF_MIB = 4095, 8191
+
+# (pod, container, its IDs) in the kubelet's order: a pod's (restartable) init containers before its app containers.
+Listing = list[tuple[str, str, list[ReplicaId]]]
+
+
+def listing_of(entries: Listing) -> list[ListedDevices]:
+    return [ListedDevices(container=ref(pod, name), device_ids=tuple(ids)) for pod, name, ids in entries]
+
+
+@pytest.mark.parametrize(
+    ("entries", "held", "ceilings"),
+    [
+        pytest.param(
+            [("p", "init", A[:1]), ("p", "app", [A[0], A[1]])],
+            {"p/app": A[:2]},
+            (50, HALF_MIB, WHOLE_MIB),
+            id="the-app-reuses-the-init-containers-id",
+        ),
+        pytest.param(
+            [("p", "init", A[:2]), ("p", "app", A[:1])],
+            {"p/app": A[:2]},
+            (50, HALF_MIB, WHOLE_MIB),
+            id="the-app-reuses-part-of-the-init-containers-ids",
+        ),
+        pytest.param(
+            [("p", "init", A[:2]), ("p", "app1", A[:1]), ("p", "app2", A[1:2])],
+            {"p/app2": A[:2]},
+            (50, HALF_MIB, WHOLE_MIB),
+            id="two-apps-share-out-the-init-containers-ids",
+        ),
+        pytest.param(
+            [("p", "init", A[:2]), ("p", "app", [*A[:2], B[0]])],
+            {"p/app": [*A[:2], B[0]]},
+            (50, HALF_MIB, QUARTER_MIB),  # threads: the init container's 50 %, not the app's 25 %
+            id="no-container-covers-the-others",
+        ),
+        pytest.param(
+            [("p", "app1", A[:1]), ("p", "app2", A[1:3])],
+            {"p/app1": A[:1], "p/app2": A[1:3]},
+            (50, HALF_MIB, WHOLE_MIB),
+            id="apps-of-one-pod-hold-their-own",
+        ),
+        pytest.param(
+            [("p", "init", A[:1]), ("q", "app", [A[0], A[1]])],
+            {"p/init": A[:1], "q/app": A[1:2]},
+            (25, QUARTER_MIB, WHOLE_MIB),
+            id="an-id-listed-by-two-pods-stays-with-the-first",
+        ),
+        pytest.param(
+            [("p", "main", [A[0], A[0], A[1]]), ("q", "main", [])],
+            {"p/main": A[:2]},
+            (50, HALF_MIB, WHOLE_MIB),
+            id="duplicates-and-empty-containers",
+        ),
+    ],
+)
+def test_a_pods_containers_never_split_a_grant(
+    entries: Listing, held: dict[str, list[ReplicaId]], ceilings: tuple[int, int, int]
+) -> None:
+    """The kubelet hands the IDs of a pod's init container on to its later containers, which list them too: the
+    containers of a pod that share IDs are one grant, of their last container, with a share that covers each of
+    theirs; the daemon's ceilings are those of the listed containers' own shares, no lower and no higher."""
+    ledger = new_ledger()
+    listed = holdings(listing_of(entries))
+    reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
+    assert {str(g.owner).removeprefix("default/"): sorted(g.replica_ids) for g in ledger.live_grants()} == {
+        owner: sorted(ids) for owner, ids in held.items()
+    }
+    thread, memory0, memory1 = ceilings
+    assert TWO_GPUS.ceilings(ledger.tally) == Ceilings(thread_percentage=thread, memory_mib=(memory0, memory1))
+
+
+def test_the_apps_allocate_grant_is_kept_when_its_init_container_lists_a_part_of_it() -> None:
+    """init {A}, app {A, X}: the app's Allocate ended the init container's grant; the listing must not split the app's
+    2/4 into two 1/4 grants (the daemon went to 25 % while the app ran with 50 % caps)."""
+    ledger = new_ledger()
+    ledger.record(tuple(A[:1]), TWO_GPUS.share_of(A[:1]))
+    app = ledger.record(tuple(A[:2]), TWO_GPUS.share_of(A[:2])).grant
+    listed = holdings(listing_of([("p", "init", A[:1]), ("p", "app", [A[1], A[0]])]))
+    result = reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
+    assert (result.identified, result.adopted, result.replaced) == ((app,), (), ())
+    assert app.owner == ref("p", "app")
+    assert TWO_GPUS.ceilings(ledger.tally).thread_percentage == 50
+
+
+pods = st.sampled_from("pqr")
+names = st.sampled_from(["init", "side", "app", "app2"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    listing=st.lists(st.tuples(pods, names, st.lists(st.sampled_from(A + B), max_size=5)), max_size=8),
+    allocated=st.lists(st.lists(st.sampled_from(A + B), min_size=1, max_size=8, unique=True), max_size=4),
+)
+def test_the_ceilings_never_fall_below_a_listed_containers_share_nor_rise_above_the_largest(
+    listing: Listing, allocated: list[list[ReplicaId]]
+) -> None:
+    # The kubelet never lists an ID in two pods: give each ID to the first pod that lists it.
+    first_pod: dict[ReplicaId, str] = {}
+    for pod, _, ids in listing:
+        for replica in ids:
+            first_pod.setdefault(replica, pod)
+    entries = [(pod, name, [r for r in ids if first_pod[r] == pod]) for pod, name, ids in listing]
+    containers: dict[tuple[str, str], list[ReplicaId]] = {}
+    for pod, name, ids in entries:
+        containers.setdefault((pod, name), []).extend(r for r in ids if r not in containers.get((pod, name), []))
+    own = [TWO_GPUS.share_of(ids) for ids in containers.values() if ids]
+    # From an empty ledger: exactly the ceilings of the containers' own shares.
+    fresh = new_ledger()
+    reconcile(fresh, holdings(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
+    assert TWO_GPUS.ceilings(fresh.tally) == TWO_GPUS.ceilings(own)
+    # After Allocates of the agent: never below any listed container's share (grants not listed wait for the grace).
+    ledger = new_ledger()
+    for ids in allocated:
+        ledger.record(tuple(ids), TWO_GPUS.share_of(ids))
+    reconcile(ledger, holdings(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
+    held = TWO_GPUS.ceilings(ledger.tally)
+    for share in own:
+        assert held.thread_percentage >= share.thread_percentage
+        assert all(held.memory_mib[ordinal] >= mib for ordinal, mib in share.bounds)
+    # And once the grace period is over, exactly them again.
+    reconcile(ledger, holdings(listing_of(entries)), now=61, grace_s=60, shares=TWO_GPUS)
+    assert TWO_GPUS.ceilings(ledger.tally) == TWO_GPUS.ceilings(own)
 
 
 containers = st.sampled_from([ref(p) for p in "abcdef"])

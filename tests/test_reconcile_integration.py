@@ -85,6 +85,27 @@ def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
     assert events(agent, "grant released: its container is gone") == []
 
 
+def test_an_init_containers_ids_listed_with_the_app_that_reuses_them_keep_the_apps_share(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    """init {A}, app {A, X}: the kubelet hands the init container's ID on to the app container, and a kubelet that
+    lists restartable init containers lists it twice. The app's 2/4 stays one grant: the daemon stays at 50 %."""
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S))
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU0, 0))  # the init container
+    allocate(plugin, ids(GPU0, 0, 1))  # the app container: A again, and X
+    assert threads(short_dir) == "50.0"
+    pod_resources.set_containers(listed("p", ids(GPU0, 0), container="init"), listed("p", ids(GPU0, 0, 1)))
+    identified = agent.wait_log("grant identified", timeout=GRACE_S)
+    assert identified["container"] == "ml/p/main"
+    calls = pod_resources.calls
+    wait_for(lambda: pod_resources.calls >= calls + 1, GRACE_S, "one more reconciliation")
+    assert events(agent, "grant adopted from the kubelet") == []
+    assert events(agent, "grant replaced: the kubelet lists its replicas in other containers") == []
+    assert threads(short_dir) == "50.0"
+    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "7G"  # 8191M
+
+
 def test_when_the_full_grant_is_gone_and_a_capped_one_appears_the_daemon_is_capped(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:
