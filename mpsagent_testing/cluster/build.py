@@ -1,7 +1,7 @@
 """The node's upstream binaries, built once into the cache: kube-apiserver, kube-controller-manager,
 kube-scheduler, kubelet and kubectl from `gomod/` (a wrapper module: k8s.io/kubernetes with its staging modules
-replaced by their published releases), and helm from its own module. A changed recipe (the wrapper module or the
-flags below) builds again; otherwise nothing runs."""
+replaced by their published releases), and helm and containerd (with its runc shim and ctr) from their own modules.
+A changed recipe (the wrapper module, the flags or a version) builds again; otherwise nothing runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from mpsagent_testing.cluster.layout import BIN, COMMANDS, HELM_VERSION, KUBERNETES_VERSION
+from mpsagent_testing.cluster.layout import (
+    BIN,
+    COMMANDS,
+    CONTAINERD_COMMANDS,
+    CONTAINERD_VERSION,
+    HELM_VERSION,
+    KUBERNETES_VERSION,
+)
 
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
@@ -82,15 +89,24 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
         for name in stale:
             _stamp(name).write_text(recipe)
         took["kubernetes"] = time.monotonic() - started
-    helm_recipe = f"helm@{HELM_VERSION}"
-    if not _current("helm", helm_recipe):
+    installs = {
+        "helm": (("helm",), [f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"]),
+        "containerd": (
+            CONTAINERD_COMMANDS,
+            [f"github.com/containerd/containerd/v2/cmd/{name}@{CONTAINERD_VERSION}" for name in CONTAINERD_COMMANDS],
+        ),
+    }
+    for part, (names, modules) in installs.items():
+        recipe = " ".join(modules)
+        if all(_current(name, recipe) for name in names):
+            continue
         if log:
-            print(f"e2e-cluster: building helm {HELM_VERSION}", file=sys.stderr)
+            print(f"e2e-cluster: building {', '.join(names)} ({modules[0].rsplit('@', 1)[1]})", file=sys.stderr)
         started = time.monotonic()
-        module = f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"
-        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", module], BIN, GOBIN=str(BIN), GOFLAGS="")
-        _stamp("helm").write_text(helm_recipe)
-        took["helm"] = time.monotonic() - started
+        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", *modules], BIN, GOBIN=str(BIN), GOFLAGS="")
+        for name in names:
+            _stamp(name).write_text(recipe)
+        took[part] = time.monotonic() - started
     return took
 
 

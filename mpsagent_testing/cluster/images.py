@@ -7,11 +7,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import subprocess
 import tarfile
 from pathlib import Path
 
+from mpsagent_testing.cluster.build import binary
 from mpsagent_testing.cluster.layout import BUSYBOX_IMAGE, CONTAINERD_SOCKET, IMAGES, PAUSE_IMAGE
 
 BUSYBOX = Path("/bin/busybox")
@@ -85,11 +85,8 @@ def base_archives() -> list[Path]:
 
 def ctr(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`ctr` against the node's containerd, in the kubelet's `k8s.io` namespace."""
-    executable = shutil.which("ctr")
-    if executable is None:
-        raise ImageError("ctr is not installed: install Debian's containerd")
     return subprocess.run(
-        [executable, "--address", str(CONTAINERD_SOCKET), "--namespace", "k8s.io", *args],
+        [str(binary("ctr")), "--address", str(CONTAINERD_SOCKET), "--namespace", "k8s.io", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

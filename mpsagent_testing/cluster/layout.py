@@ -5,16 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 KUBERNETES_VERSION = "v1.36.3"
-"""The newest 1.36 patch release on the Go module proxy. 1.36 and not 1.37: kubelet 1.37 needs containerd 2.x,
-and 1.36 runs with Debian 12's containerd 1.6 (the kubelet falls back when the runtime lacks `RuntimeConfig`);
-1.36 is also the first release with consumable capacity (KEP-5075) in beta for the DRA work that builds on this
-node. The staging modules it builds against are the same patch release (`gomod/go.mod`)."""
+"""The newest 1.36 patch release on the Go module proxy: the first release with DRA consumable capacity (KEP-5075)
+and extended resources through DRA (KEP-5004) in beta, on by default, for the DRA driver that builds on this node.
+The staging modules it builds against are the same patch release (`gomod/go.mod`)."""
 HELM_VERSION = "v3.22.0"
+CONTAINERD_VERSION = "v2.4.2"
+"""containerd 2.x applies CDI device requests (Debian 12's 1.6 does not), which DRA needs; built from its module with
+its shim and ctr. runc stays Debian's."""
 
 COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+CONTAINERD_COMMANDS = ("containerd", "containerd-shim-runc-v2", "ctr")
 
 CACHE = Path("/var/cache/mpsagent-e2e") / KUBERNETES_VERSION
-"""Built once and kept: `bin/` (the commands and helm) and `images/` (image archives). Removing it rebuilds."""
+"""Built once and kept: `bin/` (the commands, containerd and helm) and `images/` (image archives). Removing it
+rebuilds."""
 BIN = CACHE / "bin"
 IMAGES = CACHE / "images"
 
@@ -26,6 +30,8 @@ LOGS = STATE / "logs"
 PIDS = STATE / "pids.json"
 KUBECONFIG = STATE / "admin.kubeconfig"
 CONTAINERD_SOCKET = RUN / "containerd.sock"
+CDI_SPEC_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+"""Where containerd reads CDI specs (its defaults)."""
 
 KUBELET_ROOT = Path("/var/lib/kubelet")
 """The kubelet's standard root, so an agent started with its defaults finds the kubelet's sockets."""

@@ -26,6 +26,8 @@ from mpsagent_testing.cluster import images
 from mpsagent_testing.cluster.build import binary
 from mpsagent_testing.cluster.layout import (
     API_PORT,
+    BIN,
+    CDI_SPEC_DIRS,
     CONTAINERD_SOCKET,
     ETCD_PORT,
     KUBECONFIG,
@@ -38,9 +40,16 @@ from mpsagent_testing.cluster.layout import (
     STATE,
 )
 
-MADE_ELSEWHERE = (Path("/var/lib/cni"), Path("/var/log/pods"), Path("/var/log/containers"))
+MADE_ELSEWHERE = (
+    Path("/var/lib/cni"),
+    Path("/var/log/pods"),
+    Path("/var/log/containers"),
+    Path("/run/containerd"),
+    *CDI_SPEC_DIRS,
+)
 """Directories outside the node's own that its parts make at fixed paths (the CNI library's results, the kubelet's
-container logs); `down` removes each that `up` found missing."""
+container logs, the shims' sockets and runc's state, containerd's CDI spec directories); `down` removes each that
+`up` found missing."""
 HOSTS = Path("/etc/hosts")
 STOP_GRACE_S = 10.0
 START_TIMEOUT_S = 90.0
@@ -104,11 +113,16 @@ def _record(process: Recorded) -> None:
     tmp.replace(PIDS)
 
 
-def _spawn(name: str, argv: list[str]) -> Recorded:
+def _spawn(name: str, argv: list[str], **env: str) -> Recorded:
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env},
         )
     start = _start_time(process.pid)
     entry = Recorded(name=name, pid=process.pid, start=start or 0, argv=argv)
@@ -317,30 +331,33 @@ def _containerd_config() -> Path:
     )
     path = STATE / "containerd.toml"
     path.write_text(
-        f"""version = 2
+        f"""version = 4
 root = "{STATE / "containerd"}"
 state = "{RUN / "containerd"}"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.internal.v1.opt",
-  "io.containerd.tracing.processor.v1.otlp"]
-[grpc]
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.erofs", "io.containerd.internal.v1.opt",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.nri.v1.nri"]
+[plugins.'io.containerd.server.v1.grpc']
   address = "{CONTAINERD_SOCKET}"
-[ttrpc]
+[plugins.'io.containerd.server.v1.ttrpc']
   address = "{CONTAINERD_SOCKET}.ttrpc"
-[metrics]
-  address = ""
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "{PAUSE_IMAGE}"
+[plugins.'io.containerd.cri.v1.runtime']
   # No CAP_SYS_RESOURCE on these machines: runc cannot lower the sandbox's oom_score_adj below the node's own.
   restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  cdi_spec_dirs = [{", ".join(f'"{d}"' for d in CDI_SPEC_DIRS)}]
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "{cni}"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
 """
     )
     return path
@@ -503,8 +520,9 @@ def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -
     step("kube-apiserver")
     _spawn("kube-controller-manager", _controller_manager_argv())
     _spawn("kube-scheduler", _scheduler_argv())
-    containerd_argv = [shutil.which("containerd") or "containerd", "--config", str(_containerd_config())]
-    containerd = _spawn("containerd", containerd_argv)
+    containerd_argv = [str(binary("containerd")), "--config", str(_containerd_config())]
+    # Its shim is found on PATH: the one built with it.
+    containerd = _spawn("containerd", containerd_argv, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     _wait(_containerd_ready, "containerd to answer", containerd)
     for archive in archives:
         images.import_archive(archive)
