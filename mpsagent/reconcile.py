@@ -7,7 +7,8 @@ allocations without calling Allocate. Its pod-resources listing is therefore the
   init containers before its app containers, so both can list them; the holding is the last one's, and its share
   covers each of theirs (`ShareModel.joined`), so that no listing lowers the ceilings below a live container's share;
 - a listed holding whose replicas (and share) the ledger holds as one grant names that grant's owner;
-- a listed holding the ledger does not know (or knows split differently) is adopted as a grant of its own;
+- a listed holding the ledger does not know (or knows split differently) is adopted as a grant of its own (one
+  naming IDs the resource does not advertise, an older configuration's, as the smallest share: `unplaced`);
 - a grant no container lists is released, but only once it has been missing for the grace period, because a pod
   admitted a moment ago may not be listed yet. The grace clock starts no earlier than the grant itself (a listing
   taken before an Allocate cannot show its grant), so every grant is given at least one full grace period.
@@ -57,6 +58,8 @@ class ReconcileResult:
     replaced: tuple[Grant, ...] = ()
     """Grants ended because the kubelet lists their replicas grouped differently."""
     released: tuple[Grant, ...] = ()
+    unplaced: tuple[Grant, ...] = ()
+    """Adopted grants naming IDs the resource does not advertise (an older configuration's): the smallest share."""
     missing: int = 0
     """Grants not listed, still inside the grace period."""
 
@@ -126,6 +129,7 @@ def reconcile(
     identified: list[Grant] = []
     adopted: list[Grant] = []
     replaced: list[Grant] = []
+    unplaced: list[Grant] = []
     seen: set[int] = set()
     for holding in listed:
         share = holding.share(shares)
@@ -144,6 +148,8 @@ def reconcile(
         result = ledger.adopt(holding.replica_ids, share, holding.container)
         replaced.extend(result.ended)
         adopted.append(result.grant)
+        if not all(shares.advertises(replica) for replica in holding.replica_ids):
+            unplaced.append(result.grant)
         seen.add(result.grant.grant_id)
 
     expired: list[int] = []
@@ -163,5 +169,6 @@ def reconcile(
         adopted=tuple(adopted),
         replaced=tuple(replaced),
         released=ledger.release(expired),
+        unplaced=tuple(unplaced),
         missing=missing,
     )

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mpsagent.config import GrantRule
-from mpsagent.devices import MIB, GpuUuid, ReplicaId, gpu_of
+from mpsagent.devices import MIB, REPLICA_SEPARATOR, GpuUuid, ReplicaId
 
 MAX_CLIENTS_PER_GPU = 48
 """MPS serves at most this many clients a GPU (Volta and later); the 49th fails with
@@ -34,6 +34,8 @@ CUDA_ERROR_MPS_MAX_CLIENTS_REACHED."""
 MAX_CLIENTS_PER_GPU_BEFORE_VOLTA = 16
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
+MAX_INDEX_DIGITS = 4
+"""A GPU has at most 256 IDs (memory units; replicas 48): a longer index is none of the resource's."""
 GIB_MIB = 1024
 
 
@@ -229,10 +231,34 @@ class ShareModel:
             return _capped_mib(gpu, held * self.unit_bytes // MIB)
         return _capped_mib(gpu, gpu.memory_bytes * held // gpu.ids // MIB)
 
+    def _place(self, replica: ReplicaId) -> tuple[GpuSlots | None, bool]:
+        """The GPU of the resource an ID names (None: none), and whether the resource advertises the ID: its index is
+        one of that GPU's, written as the agent writes it."""
+        uuid, separator, index = replica.rpartition(REPLICA_SEPARATOR)
+        gpu = self._by_uuid.get(GpuUuid(uuid)) if separator else None
+        if gpu is None:
+            return None, False
+        canonical = index.isascii() and index.isdigit() and len(index) <= MAX_INDEX_DIGITS and str(int(index)) == index
+        return gpu, canonical and int(index) < gpu.ids
+
+    def advertises(self, replica: ReplicaId) -> bool:
+        return self._place(replica)[1]
+
     def share_of(self, replica_ids: Iterable[ReplicaId]) -> Share:
-        """The share of a grant of these (distinct) IDs; IDs of GPUs outside the resource count for nothing."""
-        counts = Counter(gpu_of(replica) for replica in replica_ids)
-        key = tuple(sorted((gpu.ordinal, counts[gpu.uuid]) for uuid in counts if (gpu := self._by_uuid.get(uuid))))
+        """The share of a grant of these IDs. A grant naming any ID the resource does not advertise (of a GPU outside
+        it, or an index beyond its GPU's IDs: a grant of an older configuration, adopted from the kubelet) cannot be
+        placed: it counts as the smallest share of the resource's GPUs it names (one ID of each; every GPU's smallest
+        caps when it names none), so that it never lifts the ceilings nor counts for more than a GPU."""
+        counts: Counter[int] = Counter()
+        named: set[int] = set()
+        placed = True
+        for replica in dict.fromkeys(replica_ids):
+            gpu, advertised = self._place(replica)
+            placed = placed and advertised
+            if gpu is not None:
+                named.add(gpu.ordinal)
+                counts[gpu.ordinal] += advertised
+        key = tuple(sorted(counts.items())) if placed else tuple((ordinal, 1) for ordinal in sorted(named))
         # Allocate asks this on every request, and a resource has few distinct shares: each is worked out once.
         share = self._known_shares.get(key)
         if share is None:
@@ -253,8 +279,7 @@ class ShareModel:
             for ordinal, k in counts
         )
         if self.equal or not held:
-            # No GPU of the resource (IDs of an older configuration, adopted): the smallest share, so that a
-            # grant the agent cannot place never lifts the ceilings.
+            # No GPU of the resource (IDs of an older configuration, adopted): every GPU's smallest caps.
             return self._equal_share(held)
         if all(share.held >= share.of for share in held):
             full_bounds = tuple((share.ordinal, self.gpus[share.ordinal].memory_mib) for share in held)

@@ -231,6 +231,30 @@ def test_the_apps_allocate_grant_is_kept_when_its_init_container_lists_a_part_of
     assert TWO_GPUS.ceilings(ledger.tally).thread_percentage == 50
 
 
+@pytest.mark.parametrize(
+    ("listed_ids", "ceilings"),
+    [
+        # A restart with 4 replicas instead of 8 while pods run: 4 of the old 8 is not the whole GPU (100 % / 16G).
+        pytest.param(["GPU-a::4", "GPU-a::5", "GPU-a::6", "GPU-a::7"], (25, QUARTER_MIB, WHOLE_MIB), id="4-of-old-8"),
+        # Not "6 of 4" with a 24576 MiB ceiling on a 16384 MiB GPU.
+        pytest.param([*(f"GPU-a::{i}" for i in range(6)), "GPU-b::0"], (25, QUARTER_MIB, QUARTER_MIB), id="6-of-4"),
+        pytest.param(["GPU-gone::0"], (25, QUARTER_MIB, QUARTER_MIB), id="a-gpu-outside-the-resource"),
+    ],
+)
+def test_a_listed_grant_with_ids_the_resource_does_not_advertise_counts_as_the_smallest_share(
+    listed_ids: list[str], ceilings: tuple[int, int, int]
+) -> None:
+    ledger = new_ledger()
+    listed = holdings([ListedDevices(container=ref("old"), device_ids=tuple(listed_ids))])
+    result = reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
+    assert result.unplaced == result.adopted and len(result.adopted) == 1
+    thread, memory0, memory1 = ceilings
+    assert TWO_GPUS.ceilings(ledger.tally) == Ceilings(thread_percentage=thread, memory_mib=(memory0, memory1))
+    # Listed again, the same grant: nothing new to say.
+    again = reconcile(ledger, listed, now=2, grace_s=60, shares=TWO_GPUS)
+    assert (again.adopted, again.unplaced) == ((), ())
+
+
 pods = st.sampled_from("pqr")
 names = st.sampled_from(["init", "side", "app", "app2"])
 

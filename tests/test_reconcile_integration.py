@@ -106,6 +106,23 @@ def test_an_init_containers_ids_listed_with_the_app_that_reuses_them_keep_the_ap
     assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "7G"  # 8191M
 
 
+def test_a_pod_holding_ids_of_an_older_configuration_counts_as_the_smallest_share(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    """The agent restarted with 4 replicas instead of 8 while a pod holds `GPU0::4..7` (4 of the old 8: half the GPU):
+    adopted as the smallest share, with a warning, not as a whole GPU (the daemon went to 100 % / 16G)."""
+    pod_resources.set_containers(listed("old", ids(GPU0, 4, 5, 6, 7)))
+    agent = start(agents, kubelet, short_dir)
+    kubelet.wait_registered(RESOURCE)
+    (warning,) = events(
+        agent, "grant adopted with device IDs this resource does not advertise; it counts as the smallest share"
+    )
+    assert (warning["container"], warning["level"]) == ("ml/old/main", "warning")
+    assert f"'{GPU0}::4'" in str(warning["ids"])
+    assert threads(short_dir) == CAPPED
+    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "3G"  # 4095M, not 16G
+
+
 def test_when_the_full_grant_is_gone_and_a_capped_one_appears_the_daemon_is_capped(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:

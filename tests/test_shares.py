@@ -178,6 +178,77 @@ def test_every_capped_ceiling_reads_back_apart_from_any_raise_and_covers_the_env
                 assert mib <= ceilings.memory_mib[ordinal]
 
 
+# --- IDs the resource does not advertise ----------------------------------------------------------------------
+
+
+def gpu_ids(gpu: int, *indices: int | str) -> list[ReplicaId]:
+    return [ReplicaId(f"{uuid(gpu)}::{i}") for i in indices]
+
+
+QUARTER_OF_16GIB = 4095
+
+
+@pytest.mark.parametrize(
+    ("held", "thread", "memory"),
+    [
+        # After a restart with 4 replicas instead of 8: 4 of the old 8 (half the GPU) is not the whole GPU.
+        pytest.param(gpu_ids(0, 4, 5, 6, 7), 25, (QUARTER_OF_16GIB, 16384), id="old-indices-only"),
+        # Not "6 of 4" (24576 MiB of a 16384 MiB GPU): the smallest share of both GPUs it names.
+        pytest.param(
+            gpu_ids(0, 0, 1, 2, 3, 4, 5) + gpu_ids(1, 0), 25, (QUARTER_OF_16GIB, QUARTER_OF_16GIB), id="six-of-four"
+        ),
+        pytest.param(gpu_ids(0, 0, 1, 9), 25, (QUARTER_OF_16GIB, 16384), id="one-old-index-among-current-ones"),
+        pytest.param(gpu_ids(0, "01", "x", "-1", "", "9" * 5000), 25, (QUARTER_OF_16GIB, 16384), id="no-index"),
+        # A GPU outside the resource: the smallest caps of every GPU, as before.
+        pytest.param(
+            [ReplicaId("GPU-gone::0"), ReplicaId("not an id")],
+            25,
+            (QUARTER_OF_16GIB, QUARTER_OF_16GIB),
+            id="no-gpu-of-the-resource",
+        ),
+    ],
+)
+def test_ids_the_resource_does_not_advertise_count_as_the_smallest_share(
+    held: list[ReplicaId], thread: int, memory: tuple[int, int]
+) -> None:
+    plan = resource("{name: gpu, replicas: 4}", gpus=2, memory_bytes=16 * GIB)
+    share = plan.shares.share_of(held)
+    assert share.kind is GrantKind.CAPPED
+    assert plan.shares.ceilings([share]) == Ceilings(thread_percentage=thread, memory_mib=memory)
+    assert all(plan.shares.advertises(r) is False for r in held if not r.endswith(("::0", "::1", "::2", "::3")))
+    assert all(plan.shares.advertises(r) for r in plan.device_ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    layout=st.tuples(st.sampled_from([1, 2, 3, 4, 8, 48]), st.integers(1, 3)),
+    units=st.booleans(),
+)
+def test_no_listing_of_any_ids_lifts_a_ceiling_above_its_gpu(data: st.DataObject, layout, units: bool) -> None:
+    """Whatever IDs a grant names (indices beyond the resource's, duplicates, GPUs outside it, no IDs at all), no
+    share asks more than a GPU has and no ceiling is above a GPU's memory."""
+    replicas, gpus = layout
+    entry = "{name: gpu-mem, memoryUnit: 4Gi}" if units else f"{{name: gpu, replicas: {replicas}}}"
+    plan = resource(entry, gpus=gpus, memory_bytes=16 * GIB)
+    anything = st.builds(
+        lambda g, i: ReplicaId(f"{uuid(g)}::{i}"), st.integers(0, 3), st.integers(0, 60) | st.text(max_size=3)
+    )
+    live = [
+        plan.shares.share_of(data.draw(st.lists(anything | st.sampled_from(plan.device_ids), max_size=12)))
+        for _ in range(data.draw(st.integers(0, 4)))
+    ]
+    for share in live:
+        assert 1 <= share.thread_percentage <= 100
+        assert all(held.held <= held.of for held in share.gpus)
+        for ordinal, mib in (*share.bounds, *enumerate(share.env_memory_mib)):
+            assert mib <= plan.shares.gpus[ordinal].memory_mib
+    ceilings = plan.shares.ceilings(live)
+    full = plan.shares.full_hardware()
+    assert all(c <= f for c, f in zip(ceilings.memory_mib, full.memory_mib, strict=True))
+    assert ceilings.thread_percentage <= 100
+
+
 # --- ceilings and the escape bound -----------------------------------------------------------------------------
 
 

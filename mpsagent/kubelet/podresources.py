@@ -19,7 +19,7 @@ from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from mpsagent._proto import v1 as podresources
-from mpsagent.allocation import ResourceAllocator
+from mpsagent.allocation import ResourceAllocator, describe_ids
 from mpsagent.devices import ContainerRef
 from mpsagent.logs import get_logger
 from mpsagent.reconcile import ListedDevices, ReconcileResult, holdings
@@ -184,6 +184,16 @@ def _log_result(resource: str, result: ReconcileResult) -> None:
             kind=grant.kind.value,
             replicas=len(grant.replica_ids),
             container=str(grant.owner),
+        )
+    for grant in result.unplaced:
+        log.warning(
+            "grant adopted with device IDs this resource does not advertise; it counts as the smallest share",
+            resource=resource,
+            grant=grant.grant_id,
+            container=str(grant.owner),
+            ids=describe_ids(grant.replica_ids),
+            hint="a grant of an earlier configuration (other replicas, memory unit or GPUs): it keeps the smallest "
+            "share's ceilings until its pod ends; restart such pods to give them their share",
         )
     for grant in result.released:
         log.info(
