@@ -125,6 +125,7 @@ class ResourceAllocator:
             policy=self.resource.allocation_policy,
             resource=self.resource.name,
             memory_units=self.resource.memory_units,
+            equal_grants=self.resource.shares.equal,
             full_gpus=self.resource.shares.full_gpus(self.ledger.tally),
         )
 

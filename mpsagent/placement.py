@@ -18,6 +18,7 @@ def preferred_replicas(
     policy: AllocationPolicy,
     resource: str,
     memory_units: bool = False,
+    equal_grants: bool = False,
     full_gpus: frozenset[GpuUuid] = frozenset(),
 ) -> list[ReplicaId]:
     """Choose `size` replicas from `available`, `must_include` first.
@@ -29,6 +30,9 @@ def preferred_replicas(
     - replicas, at most one GPU's worth: one GPU that has room (fewest GPUs touched), chosen by the policy;
     - memory units: all on one GPU, best fit (the fullest GPU that still fits), else the fewest GPUs;
     - otherwise one at a time: `distributed` from the GPU with the fewest IDs in use, `packed` the most.
+    `equal_grants` (`grants: equal`): always one at a time, as the NVIDIA plugin does: every partial grant is
+    1/replicas of each GPU it touches, so keeping a request on few GPUs buys the container nothing, and
+    `distributed` spreads the load.
     """
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
@@ -47,6 +51,8 @@ def preferred_replicas(
     in_use = {gpu: len(gpu_replicas[gpu]) - len(per_gpu[gpu]) for gpu in gpu_replicas}
     if memory_units:
         return chosen + _fewest_gpus(per_gpu, order, remaining)
+    if equal_grants:
+        return chosen + _one_at_a_time(per_gpu, in_use, order, policy, remaining)
     replicas_per_gpu = max((len(r) for r in gpu_replicas.values()), default=0)
     if replicas_per_gpu and remaining % replicas_per_gpu == 0:
         whole = [gpu for gpu, replicas in per_gpu.items() if len(replicas) == len(gpu_replicas[gpu])]
@@ -58,11 +64,23 @@ def preferred_replicas(
         touched = {gpu_of(r) for r in chosen}
         fits = [gpu for gpu in fits if gpu in touched] or fits  # fewest GPUs touched
         return chosen + per_gpu[_by_policy(fits, in_use, order, policy)][:remaining]
-    for _ in range(remaining):
+    return chosen + _one_at_a_time(per_gpu, in_use, order, policy, remaining)
+
+
+def _one_at_a_time(
+    per_gpu: dict[GpuUuid, list[ReplicaId]],
+    in_use: dict[GpuUuid, int],
+    order: list[GpuUuid],
+    policy: AllocationPolicy,
+    wanted: int,
+) -> list[ReplicaId]:
+    """Replica by replica, each from the GPU the policy picks given the ones taken before it."""
+    taken = []
+    for _ in range(wanted):
         gpu = _by_policy([gpu for gpu in order if per_gpu[gpu]], in_use, order, policy)
-        chosen.append(per_gpu[gpu].pop(0))
+        taken.append(per_gpu[gpu].pop(0))
         in_use[gpu] += 1
-    return chosen
+    return taken
 
 
 def _by_policy(

@@ -158,3 +158,12 @@ def test_reconciling_adopts_a_listed_grant_with_its_share(allocator: ResourceAll
     (adopted,) = result.adopted
     assert (adopted.owner, adopted.replica_ids, adopted.kind) == (owner, tuple(ids(GPU1, 0, 1)), GrantKind.CAPPED)
     assert allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(16 * GIB_MIB, 8 * GIB_MIB - 1))
+
+
+def test_a_preferred_allocation_under_equal_grants_spreads_as_the_nvidia_plugin(node_file: Path) -> None:
+    # grants: equal and the default distributed policy: 2 replicas on a two-GPU node come one from each GPU.
+    equal = allocator_for(node_file, config(grants="equal"))
+    chosen = equal.preferred(ALL, [], 2)
+    assert chosen == [ids(GPU0, 0)[0], ids(GPU1, 0)[0]]
+    # Proportional grants keep them on one GPU: a 2/4 share of it.
+    assert allocator_for(node_file).preferred(ALL, [], 2) == ids(GPU0, 0, 1)

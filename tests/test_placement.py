@@ -242,3 +242,32 @@ def test_property_must_include_outside_available(gpus: int, replicas: int, data:
     assert len(set(result)) == size
     assert set(result) <= set(available) | set(must)
     assert result[: len(must)] == must
+
+
+@pytest.mark.parametrize(
+    ("policy", "used", "size", "expected"),
+    [
+        # The NVIDIA plugin's rule: distributed spreads replica by replica from the idlest GPU, so a container of two
+        # replicas holds 1/replicas of two GPUs instead of two of one (the same caps either way under `equal`).
+        pytest.param(DISTRIBUTED, (), 2, [(0, 0), (1, 0)], id="two-spread"),
+        pytest.param(DISTRIBUTED, ((0, 0),), 3, [(1, 0), (0, 1), (1, 1)], id="three-from-the-idlest"),
+        # A whole GPU's worth is no whole GPU under `equal`: spread too.
+        pytest.param(DISTRIBUTED, (), 4, [(0, 0), (1, 0), (0, 1), (1, 1)], id="four-spread"),
+        # packed keeps filling the busiest GPU.
+        pytest.param(PACKED, ((1, 0),), 2, [(1, 1), (1, 2)], id="packed-busiest"),
+    ],
+)
+def test_equal_grants_follow_the_policy_replica_by_replica(
+    policy: AllocationPolicy, used: tuple[tuple[int, int], ...], size: int, expected: list[tuple[int, int]]
+) -> None:
+    taken = {rid(*pair) for pair in used}
+    chosen = preferred_replicas(
+        gpu_replicas=layout(2, 4),
+        available=[r for r in everything(2, 4) if r not in taken],
+        must_include=[],
+        size=size,
+        policy=policy,
+        resource="nvidia.com/gpu",
+        equal_grants=True,
+    )
+    assert chosen == pairs(*expected)
