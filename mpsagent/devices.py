@@ -22,6 +22,10 @@ set-up and every request over its replica IDs can cost."""
 MAX_GPU_MEMORY_BYTES = 16 << 40
 MAX_GPU_NAME_CHARS = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE
 MAX_NUMA_NODE = 1023  # Linux's largest MAX_NUMNODES
+MAX_COMPUTE_CAPABILITY_MAJOR = 19
+MAX_COMPUTE_CAPABILITY_MINOR = 9
+"""NVIDIA's compute capabilities run from 1.0 to 12.x today, every minor a single digit: room for generations to
+come, and nothing like 99.99."""
 GPU_UUID_FORM = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hexadecimal"
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _PCI_BUS_ID = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
@@ -76,8 +80,12 @@ def gpu_problem(gpu: Gpu) -> tuple[str, str] | None:
         return "name", f"must be printable ASCII, not `{shown(gpu.name)}`"
     if not MIB <= gpu.memory_bytes <= MAX_GPU_MEMORY_BYTES:
         return "memoryBytes", f"must be between 1 MiB and 16 TiB, not {shown(gpu.memory_bytes)}"
-    if not (1 <= gpu.compute_capability[0] <= 99 and 0 <= gpu.compute_capability[1] <= 99):
-        return "computeCapability", f'must look like "9.0", not {gpu.compute_capability_text}'
+    major, minor = gpu.compute_capability
+    if not (1 <= major <= MAX_COMPUTE_CAPABILITY_MAJOR and 0 <= minor <= MAX_COMPUTE_CAPABILITY_MINOR):
+        return "computeCapability", (
+            f'must look like "9.0" (major 1 to {MAX_COMPUTE_CAPABILITY_MAJOR}, minor 0 to '
+            f"{MAX_COMPUTE_CAPABILITY_MINOR}), not {gpu.compute_capability_text}"
+        )
     if gpu.pci_bus_id and not _PCI_BUS_ID.fullmatch(gpu.pci_bus_id):
         return "pciBusId", f"must be DOMAIN:BUS:DEVICE.FUNCTION (00000000:18:00.0), not `{shown(gpu.pci_bus_id)}`"
     if gpu.numa_node is not None and not 0 <= gpu.numa_node <= MAX_NUMA_NODE:

@@ -177,6 +177,21 @@ def _share_model(spec: ResourceSpec, sharing: SharingConfig, gpus: tuple[Gpu, ..
     )
 
 
+def _check_caps(spec: ResourceSpec, gpus: tuple[Gpu, ...], shares: ShareModel) -> None:
+    """Refuse replicas that would cap a GPU's memory at 0 MiB: MPS reads a limit of 0 as none at all (and the
+    daemon's read-back then prints nothing, so no capped Allocate could ever succeed)."""
+    if spec.replicas is None:
+        return  # a memory unit is at least 1 MiB
+    for gpu, mib in zip(gpus, shares.smallest_caps().memory_mib, strict=True):
+        if mib < 1:
+            raise ConfigError(
+                f"{spec.path}.replicas",
+                f"gives GPU {gpu.index} ({gpu.uuid}, {gpu.memory_mib} MiB) a memory cap of 0 MiB for one replica, "
+                f"which MPS reads as no limit at all; use at most {gpu.memory_mib} replicas, or leave the GPU out of "
+                "this resource",
+            )
+
+
 def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePlan:
     """Combine the checked config with the node's GPUs; raises ConfigError naming the key path."""
     owners: dict[GpuUuid, str] = {}
@@ -193,6 +208,8 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 )
             owners[gpu.uuid] = spec.path
         ids = _ids_per_gpu(spec, gpus)
+        shares = _share_model(spec, sharing, gpus, ids)
+        _check_caps(spec, gpus, shares)
         resources.append(
             ResourcePlan(
                 config_path=spec.path,
@@ -209,7 +226,7 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 device_list_strategy=sharing.device_list_strategy,
                 device_id_strategy=sharing.device_id_strategy,
                 allocation_policy=sharing.allocation_policy,
-                shares=_share_model(spec, sharing, gpus, ids),
+                shares=shares,
                 multi_user=sharing.multi_user,
                 memory_unit_bytes=spec.memory_unit_bytes,
             )

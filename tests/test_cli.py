@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mpsagent_testing.node import small_node
 from mpsagent_testing.nvml.build import fake_nvml_env
 from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
@@ -267,4 +268,18 @@ def test_a_bad_memory_unit_exits_2_naming_the_key(tmp_path: Path, unit: str, mes
     result = mpsagent("--once", "--node-snapshot", str(H100_NODE), "--config-file", str(config))
     assert result.returncode == 2
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_replicas_that_would_cap_a_gpu_at_0_mib_exit_2_at_start(tmp_path: Path) -> None:
+    """A 47 MiB GPU of 48 replicas: 0M is no limit to MPS, and the running agent refused every capped Allocate."""
+    node = small_node(tmp_path / "node.json", gpus=1, memory_bytes=47 * 1024**2)
+    config = tmp_path / "c.yaml"
+    config.write_text("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 48\n")
+    result = mpsagent("--once", "--node-snapshot", str(node), "--config-file", str(config))
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "mpsagent: error: sharing.mps.resources[0].replicas: gives GPU 0 (GPU-00000000-aaaa-bbbb-cccc-dddddddddddd, "
+        "47 MiB) a memory cap of 0 MiB for one replica, which MPS reads as no limit at all; use at most 47 replicas"
+    ), result.stderr
     assert "Traceback" not in result.stderr

@@ -198,6 +198,13 @@ def test_absurd_nesting_and_numbers_are_refused(tmp_path: Path, which: str, text
         pytest.param({"index": -1}, "gpus[1].index", "from 0 to 63", id="index-negative"),
         pytest.param({"index": 64}, "gpus[1].index", "from 0 to 63", id="index-large"),
         pytest.param({"computeCapability": "900.0"}, "gpus[1].computeCapability", 'like "9.0"', id="capability"),
+        pytest.param(
+            {"computeCapability": "99.99"},
+            "gpus[1].computeCapability",
+            'must look like "9.0" (major 1 to 19, minor 0 to 9), not 99.99',
+            id="capability-99.99",
+        ),
+        pytest.param({"computeCapability": "12.10"}, "gpus[1].computeCapability", "not 12.10", id="capability-minor"),
         pytest.param({"numaNode": 5000}, "gpus[1].numaNode", "from 0 to 1023", id="numa"),
         pytest.param({"pciBusId": "00000000:18:00.0,x"}, "gpus[1].pciBusId", "DOMAIN:BUS:DEVICE.FUNCTION", id="pci"),
         pytest.param({"name": "H100\nX"}, "gpus[1].name", "printable", id="name-newline"),

@@ -17,7 +17,7 @@ from mpsagent.container import (
     container_grant,
     container_pipe_directory,
 )
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.errors import ConfigError
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch
 from mpsagent.nfd import node_labels
@@ -227,6 +227,21 @@ def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
             "sharing.mps.resources[0].replicas",
             "GPU 1 has compute capability 6.1",
             id="one-pascal-among-turing",
+        ),
+        pytest.param(
+            (gpu(0), gpu(1, memory_bytes=47 * MIB)),
+            "{name: gpu, replicas: 48}",
+            "sharing.mps.resources[0].replicas",
+            "gives GPU 1 (GPU-00000001-aaaa-bbbb-cccc-dddddddddddd, 47 MiB) a memory cap of 0 MiB for one replica, "
+            "which MPS reads as no limit at all; use at most 47 replicas, or leave the GPU out of this resource",
+            id="a-0-MiB-cap",
+        ),
+        pytest.param(
+            (gpu(0, memory_bytes=47 * MIB),),
+            "{name: gpu, replicas: 48}",
+            "sharing.mps.resources[0].replicas",
+            "gives GPU 0 (GPU-00000000-aaaa-bbbb-cccc-dddddddddddd, 47 MiB) a memory cap of 0 MiB for one replica",
+            id="a-0-MiB-cap-on-the-only-gpu",
         ),
     ],
 )
