@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -37,8 +39,9 @@ DeviceSelector = Literal["all"] | int | list[int | str]
 class MpsResource(_Strict, frozen=True):
     name: str
     replicas: int | msgspec.UnsetType = msgspec.UNSET
-    # A Kubernetes quantity (`8Gi`): each device ID is that much memory of one GPU, instead of `replicas`.
-    memory_unit: int | str | None = None
+    # A Kubernetes quantity (`8Gi`, `8e9`; a JSON number too): each device ID is that much memory of one GPU, instead
+    # of `replicas`.
+    memory_unit: int | float | str | None = None
     rename: str | None = None
     # A float too: the NVIDIA plugin reads its files through YAML-to-JSON, so `devices: 2.0` means a count of 2.
     devices: Literal["all"] | int | float | list[int | str] = "all"
@@ -313,7 +316,12 @@ def _device_list_strategy(value: str | list[str] | None) -> DeviceListStrategy:
     return _one_of(DeviceListStrategy, value, DeviceListStrategy.ENVVAR, path)
 
 
-_QUANTITY = re.compile(r"(?P<number>[0-9]{1,20}(?:\.[0-9]{1,20})?)(?P<suffix>[KMGTPE]i|[kMGTPE])?")
+# A Kubernetes quantity: a signed number (`1`, `1.5`, `1.`, `.5`), then a binary or decimal SI suffix, or a decimal
+# exponent (`1e9`, `25e+8`, `1E-3`: `E` alone is the exa suffix). Bounded: 20 digits a part, 3 for an exponent.
+_QUANTITY = re.compile(
+    r"(?P<sign>[+-]?)(?P<number>[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})"
+    r"(?:(?P<suffix>[KMGTPE]i|[kMGTPE])|[eE](?P<exponent>[+-]?[0-9]{1,3}))?"
+)
 _QUANTITY_FACTORS: dict[str | None, int] = {
     None: 1,
     **{f"{prefix}i": 1024 ** (power + 1) for power, prefix in enumerate("KMGTPE")},
@@ -322,14 +330,20 @@ _QUANTITY_FACTORS: dict[str | None, int] = {
 
 
 def parse_quantity(text: str) -> int | None:
-    """Bytes of a Kubernetes quantity (`512Mi`, `8G`, `1.5Gi`), rounded down; None when it is not one."""
+    """Bytes of a Kubernetes quantity (`512Mi`, `8G`, `1.5Gi`, `1e9`), rounded down; None when it is not one."""
     match = _QUANTITY.fullmatch(text.strip())
     if match is None:
         return None
     whole, _, fraction = match.group("number").partition(".")
-    factor = _QUANTITY_FACTORS[match.group("suffix")]
-    scale = int("1" + "0" * len(fraction))
-    return int(whole) * factor + int(fraction or "0") * factor // scale
+    value = Fraction(int(whole or "0") * 10 ** len(fraction) + int(fraction or "0"), 10 ** len(fraction))
+    exponent = match.group("exponent")
+    value *= Fraction(10) ** int(exponent) if exponent else _QUANTITY_FACTORS[match.group("suffix")]
+    return math.floor(-value if match.group("sign") == "-" else value)
+
+
+def _quantity_text(value: int | float | str) -> str:
+    """A memory unit as a quantity's text: a JSON number (1.5e9) as Kubernetes reads it, by its digits."""
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _memory_unit(path: str, entry: MpsResource) -> int | None:
@@ -339,7 +353,7 @@ def _memory_unit(path: str, entry: MpsResource) -> int | None:
     if not isinstance(entry.replicas, msgspec.UnsetType):
         raise ConfigError(path, "give either `replicas` or `memoryUnit`, not both")
     value = entry.memory_unit
-    unit: int | None = value if isinstance(value, int) else parse_quantity(value)
+    unit: int | None = value if isinstance(value, int) else parse_quantity(_quantity_text(value))
     if unit is None:
         raise ConfigError(path, f"`{shown(value)}` is not a Kubernetes quantity; write it like 1Gi, 512Mi or 8G")
     if unit < MIB_BYTES:

@@ -299,11 +299,39 @@ def test_a_memory_unit_resource_advertises_what_fits() -> None:
 
 @pytest.mark.parametrize(
     ("unit", "mib"),
-    [("1Gi", 1023), ("512Mi", 512), ("8G", 7167), ("1.5Gi", 1023), ("2Gi", 2047), (1073741824, 1023)],
+    [
+        ("1Gi", 1023),
+        ("512Mi", 512),
+        ("8G", 7167),
+        ("1.5Gi", 1023),
+        ("2Gi", 2047),
+        (1073741824, 1023),
+        # The exponent form Kubernetes accepts too (1e9 bytes is 953 MiB), and its other number forms.
+        ("1e9", 953),
+        ("1E9", 953),
+        ("2.5e9", 2047),
+        ("25e+8", 2047),
+        ("3000e-3M", None),
+        (".5Gi", 512),
+        ("+1Gi", 1023),
+        ("4294967296e-1", 409),
+        ('"8e9"', 7167),
+    ],
 )
-def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int) -> None:
+def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int | None) -> None:
+    if mib is None:  # an exponent with a suffix is not a quantity
+        with pytest.raises(ConfigError, match="is not a Kubernetes quantity"):
+            resource(f"{{name: gpu-mem, memoryUnit: {unit}}}", memory_bytes=T4_BYTES)
+        return
     plan = resource(f"{{name: gpu-mem, memoryUnit: {unit}}}", memory_bytes=T4_BYTES)
     assert envs(plan, ids(1))[ENV_PINNED_MEM_LIMIT] == f"0={mib}M"
+
+
+def test_a_memory_unit_in_json_may_be_a_number_in_exponent_form() -> None:
+    """JSON (and so a config file written as JSON) carries 1.5e9 as a number; Kubernetes reads it as 1500000000."""
+    text = '{"version": "v1", "sharing": {"mps": {"resources": [{"name": "m", "memoryUnit": 1.5e9}]}}}'
+    (spec,) = check_config(parse_config(text, "config.json")).resources
+    assert spec.memory_unit_bytes == 1_500_000_000
 
 
 @pytest.mark.parametrize(
@@ -313,6 +341,10 @@ def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int) -> No
         ("{name: m, memoryUnit: 0}", "at least 1Mi"),
         ("{name: m, memoryUnit: eight}", "`eight` is not a Kubernetes quantity"),
         ("{name: m, memoryUnit: 8GB}", "`8GB` is not a Kubernetes quantity"),
+        ("{name: m, memoryUnit: 1e3}", "`1e3` is less than 1Mi"),
+        ("{name: m, memoryUnit: -1Gi}", "`-1Gi` is less than 1Mi"),
+        ("{name: m, memoryUnit: 1e99999}", "`1e99999` is not a Kubernetes quantity"),
+        ("{name: m, memoryUnit: 1e30}", "larger than GPU 0's memory (143771 MiB)"),
         ("{name: m, memoryUnit: 200Gi}", "larger than GPU 0's memory (143771 MiB)"),
         (
             "{name: m, memoryUnit: 1Mi}",
