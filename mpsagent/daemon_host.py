@@ -85,7 +85,10 @@ async def run_daemon_host(settings: Settings, plan: NodePlan) -> None:
                     hint="one daemon owner per resource: an agent started with --mps-daemon host, and one daemon host",
                 )
             )
-        keepers = [DaemonKeeper(resource=r, control_bin=settings.mps_control_bin) for r in plan.resources]
+        keepers = [
+            DaemonKeeper(resource=r, control_bin=settings.mps_control_bin, probe_interval_s=settings.probe_interval_s)
+            for r in plan.resources
+        ]
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg.cancel_scope)

@@ -198,6 +198,7 @@ def test_commands_that_could_inject_another_line_are_refused(command: str) -> No
         ("[2026-11-30 09:32:57.976 Control 17694] Cmd:get_default_active_thread_percentage", "DEBUG"),
         ("[2026-11-30 09:32:57.976 Control 17694] 25.0", "DEBUG"),
         ("[2026-11-30 09:32:57.976 Control 17694] 0=19G,1=19G", "DEBUG"),
+        ("[2026-11-30 09:32:57.976 Control 17694] User did not send valid credentials", "DEBUG"),  # liveness check
         ("[2026-11-30 09:32:57.976 Control 17694] Starting control daemon using socket /run/x/pipe/control", "INFO"),
         ("[2026-11-30 09:32:57.976 Control 17694] Server 4242 exited with status 1", "INFO"),
         ("[2026-11-30 09:32:57.976 Control 17694] Failed to start the MPS server", "WARNING"),

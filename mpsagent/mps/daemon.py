@@ -44,6 +44,7 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
+from mpsagent.mps.liveness import hung_reason
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import ResourcePlan
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
@@ -338,7 +339,8 @@ class DaemonSupervisor:
         self._log.info("mps daemon started", pid=self._pid, multi_user=self._multi_user)
 
     async def _wait_for_failure(self) -> None:
-        """Return when the daemon exits (noticed at once) or stops answering the periodic round."""
+        """Return when the daemon exits (noticed at once) or is hung (mps.liveness); meanwhile the rounds read
+        its caps back and restore what changed."""
         async with anyio.create_task_group() as tg:
 
             async def exited() -> None:
@@ -346,42 +348,47 @@ class DaemonSupervisor:
                 self._log.error("mps daemon exited", pid=self._pid)
                 tg.cancel_scope.cancel()
 
-            async def unanswered() -> None:
-                await self._watch_rounds()
+            async def hung() -> None:
+                reason = await self._watch_liveness()
+                self._log.error("mps daemon does not answer", pid=self._pid, reason=reason)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(exited)
-            tg.start_soon(unanswered)
+            tg.start_soon(hung)
+            tg.start_soon(self._watch_rounds)
+
+    async def _watch_liveness(self) -> str:
+        """Why the daemon counts as hung, once it does: checked every probe interval without a front-end session
+        or any lock, so never behind queued RPC work, and never fooled by another session keeping it busy."""
+        assert self._pid is not None
+        while True:
+            await anyio.sleep(self._probe_interval)
+            try:
+                reason = await hung_reason(self._resource.pipe_directory, self._pid)
+            except ControlRunError as exc:  # the agent's own failure: no answer about the daemon
+                self._log.debug("mps daemon liveness not checked", reason=str(exc))
+                continue
+            if reason is not None:
+                return reason
 
     async def _watch_rounds(self) -> None:
-        """A round every probe interval; returns when the daemon does not answer. When the agent cannot run the
-        front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S) and the daemon is kept."""
+        """A round every probe interval: the daemon's caps read back, what changed restored. When the agent
+        cannot run the front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S). Whether the daemon lives is
+        the liveness watch's to say, never a round's."""
         wait = self._probe_interval
         while True:
             await anyio.sleep(wait)
             try:
-                answered = await self._round()
+                await self._hold(verify=True)
             except ControlRunError as exc:
                 wait = min(wait * 2, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
                 self._front_end_failed(exc, retry_in_s=wait)
                 continue
-            if not answered:
-                return
+            except DaemonCommandError as exc:
+                self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
             self._front_end_recovered()
             self._state_file.retry()
             wait = self._probe_interval
-
-    async def _round(self) -> bool:
-        """Check that the daemon holds the wanted ceilings, restoring what changed; False when it does not answer."""
-        try:
-            await self._hold(verify=True)
-        except DaemonCommandError as exc:
-            if not await self._channel.probe(attempts=1):
-                self._log.error("mps daemon does not answer", pid=self._pid, reason=str(exc))
-                return False
-            # It answers, but does not hold what it is given: the next round tries again.
-            self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
-        return True
 
     def _front_end_failed(self, exc: ControlRunError, *, retry_in_s: float) -> None:
         if self.front_end_failure is None:

@@ -40,9 +40,11 @@ async def forward_daemon_log(path: Path, log: FilteringBoundLogger) -> None:
                 log.log(daemon_log_level(text), "mps daemon log", line=text[:MAX_LINE_BYTES])
 
 
-# The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them.
+# The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them,
+# and for the liveness check's connection, which closes once the daemon greets it (mps.liveness).
 _CONTROL_CHATTER = re.compile(
-    r"\] (Accepting connection\.\.\.|NEW UI|UI closed|Cmd:(get|set)_\S*.*|[\d.]+[MG]?|(\d+=\d+[MG],?)+)$"
+    r"\] (Accepting connection\.\.\.|NEW UI|UI closed|Cmd:(get|set)_\S*.*|[\d.]+[MG]?|(\d+=\d+[MG],?)+"
+    r"|User did not send valid credentials)$"
 )
 
 

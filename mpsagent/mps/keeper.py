@@ -4,8 +4,9 @@ the daemon, and with it every CUDA client on the node.
 
 The keeper starts the daemon (capped, as a new daemon is until the agent knows the live grants), records it in
 `daemon.json` for the agent to adopt, forwards its log, and restarts it only when it must: when it exited, or
-when it stopped answering; each restart is logged with its reason. The agent (`--mps-daemon host`) drives the
-caps; the keeper never changes them after the start.
+when it is hung (mps.liveness: its socket greets no connection); each restart is logged with its reason. The
+agent (`--mps-daemon host`) drives the caps; the keeper never changes them after the start, and opens no front-end
+session after it, so it never collides with the agent's.
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
+from mpsagent.mps.liveness import hung_reason
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent.plan import ResourcePlan
+from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S
 
 log = get_logger(__name__)
 
-PROBE_INTERVAL_S = 3.0
-# The agent's front-end sessions share the daemon, which refuses a session while another is open: one failed
-# round is a collision more often than a hung daemon. Restarting ends every client, so it takes three in a row.
-HUNG_AFTER_FAILED_ROUNDS = 3
 RESTART_BACKOFF_INITIAL_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 # On SIGTERM (the pod is being deleted): clients get this long to finish before the daemon ends them.
@@ -45,9 +44,12 @@ QUIT_TIMEOUT_S = 20
 
 
 class DaemonKeeper:
-    def __init__(self, *, resource: ResourcePlan, control_bin: str) -> None:
+    def __init__(
+        self, *, resource: ResourcePlan, control_bin: str, probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
+    ) -> None:
         self._resource = resource
         self._control_bin = control_bin
+        self._probe_interval = probe_interval_s
         self._channel = ControlChannel(control_bin, resource.pipe_directory)
         self._state_file = StateFile(resource.directory)
         self._multi_user = False
@@ -135,7 +137,7 @@ class DaemonKeeper:
         self._log.info("mps daemon started", pid=self._pid, ceilings=ceilings.describe(), multi_user=self._multi_user)
 
     async def _wait_for_failure(self) -> str:
-        """Why the daemon must be restarted: it exited (noticed at once), or it stopped answering."""
+        """Why the daemon must be restarted: it exited (noticed at once), or it is hung."""
         reason = ""
         async with anyio.create_task_group() as tg:
 
@@ -146,29 +148,33 @@ class DaemonKeeper:
 
             async def hung() -> None:
                 nonlocal reason
-                failed_rounds = 0
-                front_end_failing = False
-                while failed_rounds < HUNG_AFTER_FAILED_ROUNDS:
-                    await anyio.sleep(PROBE_INTERVAL_S)
-                    try:
-                        answered = await self._channel.probe()
-                    except ControlRunError as exc:
-                        # The keeper's own failure to run the front-end says nothing about the daemon: kept.
-                        if not front_end_failing:
-                            self._log.error("mps control front-end cannot run; the daemon is kept", reason=str(exc))
-                        front_end_failing = True
-                        continue
-                    if front_end_failing:
-                        self._log.info("mps control front-end runs again")
-                    front_end_failing = False
-                    failed_rounds = 0 if answered else failed_rounds + 1
-                    self._state_file.retry()
-                reason = f"it did not answer on {self._resource.pipe_directory} for {failed_rounds} rounds"
+                reason = await self._watch_liveness()
                 tg.cancel_scope.cancel()
 
             tg.start_soon(exited)
             tg.start_soon(hung)
         return reason
+
+    async def _watch_liveness(self) -> str:
+        """Why the daemon counts as hung, once it does: checked every probe interval (mps.liveness), without a
+        front-end session. The keeper's own failure to check (out of descriptors) says nothing about the daemon."""
+        assert self._pid is not None
+        failing = False
+        while True:
+            await anyio.sleep(self._probe_interval)
+            try:
+                reason = await hung_reason(self._resource.pipe_directory, self._pid)
+            except ControlRunError as exc:
+                if not failing:
+                    self._log.error("mps daemon liveness cannot be checked; the daemon is kept", reason=str(exc))
+                failing = True
+                continue
+            if failing:
+                self._log.info("mps daemon liveness checked again")
+            failing = False
+            if reason is not None:
+                return reason
+            self._state_file.retry()
 
     async def _wait_exit(self) -> str:
         assert self._pid is not None

@@ -1,5 +1,6 @@
 """Asking the MPS control daemon that an agent under test started: through the real `nvidia-cuda-mps-control`
-(Debian's nvidia-cuda-mps package; `scripts/install-system-deps.sh` installs it), where its pipe is, its PID."""
+(Debian's nvidia-cuda-mps package; `scripts/install-system-deps.sh` installs it), where its pipe is, its PID; a
+daemon of a test's own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import os
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,3 +52,28 @@ def pipe_of(short_dir: Path) -> Path:
 def daemon_pid(short_dir: Path) -> int:
     """The PID that `nvidia.com/gpu`'s daemon record under `short_dir / "mps"` names."""
     return int(json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"])
+
+
+@contextmanager
+def plain_daemon(directory: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """A control daemon of its own (no agent) with its pipe and log directories under `directory`, in a session of
+    its own; its pipe directory and process, killed and reaped when the block ends."""
+    if REAL_BIN is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
+    pipe, logs = directory / "pipe", directory / "log"
+    pipe.mkdir(parents=True)
+    logs.mkdir()
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    daemon = subprocess.Popen(
+        [REAL_BIN, "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while control(pipe, "get_default_active_thread_percentage") != "100.0":
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the control daemon on {pipe} did not answer")
+            time.sleep(0.02)
+        yield pipe, daemon
+    finally:
+        daemon.kill()
+        daemon.wait(10)
