@@ -15,6 +15,7 @@ MpsAgentError                 base, never raised itself
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
     ├── DaemonCommandError    one control command failed or timed out: the daemon's failure
     ├── ControlRunError       the agent could not run the control front-end at all: the agent's failure
+    ├── DaemonBusyError       the daemon refused sessions while another one is open: busy, not hung
     └── UnrecordedDaemonError a daemon answers on the pipe directory, but daemon.json names no live PID for it
 """
 
@@ -119,3 +120,9 @@ class UnrecordedDaemonError(DaemonError):
 class ControlRunError(DaemonError):
     """The agent could not run the control front-end (a missing binary, EMFILE, ENOMEM): this says nothing about
     the daemon, which must never be killed for it."""
+
+
+class DaemonBusyError(DaemonError):
+    """The daemon refused the agent's sessions for the bounded wait because another session is open (an
+    administrator at the prompt, a root process in a client container): it lives and is busy, never to be killed
+    for it. Nothing was sent."""

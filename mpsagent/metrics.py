@@ -113,6 +113,16 @@ class _StateCollector(Collector):
             "1 when the daemon runs one MPS server for every user (-M), 0 when one per user",
             labels=["resource"],
         )
+        busy = GaugeMetricFamily(
+            "mpsagent_daemon_busy",
+            "1 while another control session keeps the MPS control daemon busy (it lives; cap switches fail)",
+            labels=["resource"],
+        )
+        busy_episodes = CounterMetricFamily(
+            "mpsagent_daemon_busy_episodes",
+            "Times another control session kept the MPS control daemon busy beyond the agent's bounded wait",
+            labels=["resource"],
+        )
         cap_tamper = CounterMetricFamily(
             "mpsagent_cap_tamper",
             "Daemon values found changed behind the agent (and restored)",
@@ -149,6 +159,8 @@ class _StateCollector(Collector):
             if daemon.multi_user is not None:
                 multi_user.add_metric([name], 1 if daemon.multi_user else 0)
             cap_tamper.add_metric([name], daemon.cap_tamper)
+            busy.add_metric([name], 0 if daemon.busy is None else 1)
+            busy_episodes.add_metric([name], daemon.busy_episodes)
             shares.add_daemon(name, daemon.ceilings)
             registrations.add_metric([name], res.registrations)
             registered.add_metric([name], 1 if res.registered else 0)
@@ -162,7 +174,7 @@ class _StateCollector(Collector):
         )
         pod_resources_failures.add_metric([], document.pod_resources.failures)
         yield from (replicas, grants, adopted, released, active, daemon_up, restarts, restart_attempts, cap_mode)
-        yield from (multi_user, cap_tamper, registrations, registered, registration_failures)
+        yield from (multi_user, cap_tamper, busy, busy_episodes, registrations, registered, registration_failures)
         yield from shares.families()
         yield from (pod_resources, pod_resources_failures)
 

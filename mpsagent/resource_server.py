@@ -119,6 +119,8 @@ class ResourceServer:
                 cap_tamper=daemon.cap_tamper_count,
                 last_cap_tamper=daemon.last_cap_tamper,
                 front_end_failure=daemon.front_end_failure,
+                busy=daemon.busy,
+                busy_episodes=daemon.busy_episodes,
                 record_damage=daemon.record_damage,
             ),
             registered=self.endpoint.registered,

@@ -28,6 +28,7 @@ from mpsagent.status_document import (
     CapMode,
     CapTamperEvent,
     CeilingsStatus,
+    DaemonBusy,
     DaemonStatus,
     FrontEndFailure,
     GpuStatus,
@@ -63,6 +64,9 @@ class DaemonView:
     """Since when (wall clock) and why the agent cannot run the control front-end."""
     record_damage: tuple[float, str, str] | None = None
     """Since when (wall clock) the daemon's record is damaged, its path and what is wrong with it."""
+    busy: tuple[float, str] | None = None
+    """Since when (wall clock) and why another control session keeps the daemon busy."""
+    busy_episodes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,6 +164,8 @@ def _daemon_status(daemon: DaemonView, full: Ceilings) -> DaemonStatus:
         last_cap_tamper=None if tamper is None else CapTamperEvent(at=_utc(tamper[0]), found=tamper[1]),
         front_end_failure=None if failure is None else FrontEndFailure(at=_utc(failure[0]), reason=failure[1]),
         record_damage=None if damage is None else RecordDamage(at=_utc(damage[0]), path=damage[1], problem=damage[2]),
+        busy=None if daemon.busy is None else DaemonBusy(at=_utc(daemon.busy[0]), reason=daemon.busy[1]),
+        busy_episodes=daemon.busy_episodes,
     )
 
 
@@ -277,13 +283,17 @@ def agent_running(document: StatusDocument) -> bool:
 
 def readiness_problems(document: StatusDocument) -> list[str]:
     """What keeps the agent from being ready: each resource must be registered with the kubelet and its MPS daemon
-    up. Empty when ready."""
+    up, and not kept busy by another control session (its cap switches fail meanwhile). Empty when ready."""
     problems = []
     for res in document.resources:
         if not res.registered:
             problems.append(f"{res.name}: not registered with the kubelet")
         if not res.daemon.up:
             problems.append(f"{res.name}: mps daemon down")
+        elif res.daemon.busy is not None:
+            problems.append(
+                f"{res.name}: mps control daemon busy since {res.daemon.busy.at} (another control session is open)"
+            )
     return problems
 
 
@@ -335,6 +345,9 @@ def _daemon_events(daemon: DaemonStatus) -> list[str]:
             f"  daemon record {damage.path} DAMAGED since {damage.at}: {damage.problem} "
             "(no daemon is adopted from it until it is rewritten: see docs/troubleshooting.md)"
         )
+    busy = daemon.busy
+    if busy:
+        lines.append(f"  control daemon BUSY since {busy.at} (kept; cap switches fail until it answers): {busy.reason}")
     return lines
 
 

@@ -83,6 +83,14 @@ class RecordDamage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     problem: str
 
 
+class DaemonBusy(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Another control session keeps the daemon busy, since when: it lives (nothing is killed), and a cap switch
+    waits for it, boundedly, then fails."""
+
+    at: str
+    reason: str
+
+
 class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pid: Pid | None = None
     up: bool
@@ -97,6 +105,8 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     last_cap_tamper: CapTamperEvent | None = None
     front_end_failure: FrontEndFailure | None = None
     record_damage: RecordDamage | None = None
+    busy: DaemonBusy | None = None
+    busy_episodes: Count = 0
 
 
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

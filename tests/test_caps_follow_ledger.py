@@ -21,14 +21,15 @@ require_real_control()  # the agents these tests start run the real MPS control 
 
 # A front-end that passes everything to the real one, except that once `fault` holds "read-back", the session that
 # reads the defaults back after the next switch to the full hardware fails (once): the daemon switched, and the
-# agent cannot know that it holds what it was told.
+# agent cannot know that it holds what it was told. (Not "Cannot send command": from a daemon that greets, that is
+# a session refused because another is open, which the agent asks again.)
 FRONT_END = """#!/bin/sh
 fault="{fault}"
 [ $# -gt 0 ] && exec "{real}" "$@"
 input=$(cat)
 case "$(cat "$fault" 2>/dev/null):$input" in
   read-back:*"set_default_active_thread_percentage 100"*) echo armed > "$fault" ;;
-  armed:*get_default_device_pinned_mem_limit*) rm -f "$fault"; echo "Cannot send command: test fault"; exit 1 ;;
+  armed:*get_default_device_pinned_mem_limit*) rm -f "$fault"; echo "Invalid reply: test fault"; exit 1 ;;
 esac
 printf '%s\\n' "$input" | exec "{real}"
 """

@@ -1,5 +1,9 @@
-"""A hung control daemon is noticed whatever the RPC load: through the real `nvidia-cuda-mps-control`. The daemon
-greets every connection to its control socket; a stopped one (SIGSTOP) does not."""
+"""A busy control daemon is not a hung one, and a hung one is noticed whatever the RPC load: through the real
+`nvidia-cuda-mps-control`.
+
+While any root session is open (an administrator at the prompt, or a root process in a client container, which has
+the pipe directory), the daemon refuses every other session with "Cannot send command to MPS control daemon
+process"; it still greets a connection to its control socket. A stopped daemon (SIGSTOP) does neither."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import anyio
 import grpc
 import pytest
 
+from mpsagent.errors import DaemonBusyError, DaemonCommandError
+from mpsagent.mps.control import BUSY_WAIT_S, ControlChannel
 from mpsagent.mps.liveness import (
     GREETING_TIMEOUT_S,
     HUNG_AFTER_MISSES,
@@ -24,19 +30,31 @@ from mpsagent.mps.liveness import (
     hung_reason,
 )
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S
-from mpsagent_testing.agents import AgentLauncher, AgentProcess, start
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 from mpsagent_testing.kubelet.stubs import dp_pb2
-from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of, plain_daemon, require_real_control
+from mpsagent_testing.metrics import get, value
+from mpsagent_testing.mps.daemon import (
+    REAL_BIN,
+    control,
+    daemon_pid,
+    held_session,
+    pipe_of,
+    plain_daemon,
+    require_real_control,
+)
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids, small_node, write_config
 from mpsagent_testing.processes import alive
 from mpsagent_testing.repo import ROOT
 
 require_real_control()
 
+BUSY = "control daemon busy"
+AGAIN = "control daemon answers again"
 HUNG = "mps daemon does not answer"
 PROBE_INTERVAL_S = 1.0
+HELD_S = 3.5 * PROBE_INTERVAL_S  # longer than three probe intervals: the daemon host used to restart at three
 SLACK_S = 3.0  # for a loaded 2-core machine
 
 
@@ -58,15 +76,17 @@ def stopped() -> Iterator[list[int]]:
             os.kill(pid, signal.SIGCONT)
 
 
-# --- the liveness check, against a daemon of the test's own --------------------------------
+# --- the channel and the liveness check, against a daemon of the test's own --------------------------------
 
 
-def test_a_running_daemon_greets_and_a_stopped_or_gone_one_does_not(short_dir: Path, stopped: list[int]) -> None:
+def test_a_busy_daemon_greets_and_a_stopped_or_gone_one_does_not(short_dir: Path, stopped: list[int]) -> None:
     with plain_daemon(short_dir) as (pipe, daemon):
 
         async def while_running() -> None:
             assert await greeting(pipe, 1) is Liveness.ANSWERS
-            assert await hung_reason(pipe, daemon.pid, timeout_s=1) is None
+            with held_session(pipe):
+                assert await greeting(pipe, 1) is Liveness.ANSWERS
+                assert await hung_reason(pipe, daemon.pid, timeout_s=1) is None
             os.kill(daemon.pid, signal.SIGSTOP)
             stopped.append(daemon.pid)
             began = time.monotonic()
@@ -104,7 +124,88 @@ def test_a_running_daemon_greets_and_a_stopped_or_gone_one_does_not(short_dir: P
         anyio.run(sockets_left_behind)
 
 
+def test_a_session_refused_while_another_is_open_is_asked_again_until_it_closes(short_dir: Path) -> None:
+    with plain_daemon(short_dir) as (pipe, _):
+        channel = ControlChannel(str(REAL_BIN), pipe)
+        with held_session(pipe) as session:
+            assert session.stdin is not None
+            closing = threading.Timer(0.5, session.stdin.close)
+            closing.start()
+            began = time.monotonic()
+            assert anyio.run(channel.send, "get_default_active_thread_percentage") == "100.0"
+            assert time.monotonic() - began < BUSY_WAIT_S
+            closing.join()
+
+
+def test_a_daemon_busy_beyond_the_bound_fails_as_busy_and_not_as_a_failed_daemon(short_dir: Path) -> None:
+    with plain_daemon(short_dir) as (pipe, _):
+        channel = ControlChannel(str(REAL_BIN), pipe)
+
+        async def main() -> None:
+            with held_session(pipe):
+                began = time.monotonic()
+                with pytest.raises(DaemonBusyError) as busy:
+                    await channel.send("get_default_active_thread_percentage")
+                assert BUSY_WAIT_S <= time.monotonic() - began < BUSY_WAIT_S + SLACK_S
+                assert not isinstance(busy.value, DaemonCommandError)
+                assert "another control session is open" in str(busy.value)
+                assert "close that session" in str(busy.value)
+                # The same episode: a later call tries once and does not wait again.
+                began = time.monotonic()
+                with pytest.raises(DaemonBusyError):
+                    await channel.send("get_server_list")
+                assert time.monotonic() - began < 1.0
+                assert await channel.probe() is True  # busy is an answer: the daemon lives
+            assert await channel.send("get_default_active_thread_percentage") == "100.0"
+
+        anyio.run(main)
+
+
 # --- the agent route: the agent starts and supervises the daemon --------------------------------------------
+
+
+def test_a_held_root_session_leaves_the_agents_daemon_alone(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent, base = serve(agents, kubelet, short_dir, "--probe-interval-seconds", str(int(PROBE_INTERVAL_S)))
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU0, 0))  # capped: 25 %, 4 GiB on GPU 0
+    pid, pipe = daemon_pid(short_dir), pipe_of(short_dir)
+    seen = len(plugin.updates)
+
+    with held_session(pipe):
+        held = time.monotonic()
+        wait_for(lambda: events(agent, BUSY) or daemon_pid(short_dir) != pid or not alive(pid), 15, "busy")
+        assert alive(pid) and daemon_pid(short_dir) == pid, "the agent killed a daemon that was only busy"
+        (busy,) = events(agent, BUSY)
+        assert busy["level"] == "warning" and busy["pid"] == pid
+        assert "another control session is open" in str(busy["reason"])
+        wait_for(lambda: value(base, "mpsagent_daemon_busy", resource=RESOURCE) == 1, 5, "the busy gauge")
+        assert value(base, "mpsagent_daemon_busy_episodes_total", resource=RESOURCE) == 1
+        code, text = get(base + "/readyz")
+        assert code == 503 and f"{RESOURCE}: mps control daemon busy since " in text
+        # An Allocate that needs no cap switch is answered; one that does answers UNAVAILABLE within the bound,
+        # and nothing is withdrawn beyond its own grant.
+        allocate(plugin, ids(GPU0, 3))
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(plugin, ids(GPU0, 1, 2))
+        assert time.monotonic() - began < BUSY_WAIT_S + SLACK_S
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "busy" in str(refused.value.details())
+        allocate(plugin, ids(GPU0, 1))
+        time.sleep(max(0.0, HELD_S - (time.monotonic() - held)))  # the scenario: a session held this long
+
+    wait_for(lambda: events(agent, AGAIN), 10, "the daemon to answer again")
+    assert len(events(agent, BUSY)) == 1
+    assert alive(pid) and daemon_pid(short_dir) == pid
+    assert events(agent, HUNG) == [] and events(agent, "mps daemon down; replicas unhealthy") == []
+    assert all(health == "Healthy" for update in plugin.updates[seen:] for _, health, _ in update)
+    wait_for(lambda: get(base + "/readyz") == (200, "ready\n"), 5, "ready again")
+    assert value(base, "mpsagent_daemon_busy", resource=RESOURCE) == 0
+    # The rounds read the caps back again: a change is restored.
+    control(pipe, "set_default_active_thread_percentage 100")
+    wait_for(lambda: control(pipe, "get_default_active_thread_percentage") == "25.0", 5, "the caps restored")
 
 
 def allocate_in_background(plugin: Plugin, device_ids: list[str]) -> tuple[list[threading.Thread], list[str]]:
@@ -173,6 +274,28 @@ class HostNode:
         self.agent.wait_log("mps daemon healthy")
 
 
+def test_a_held_root_session_leaves_the_daemon_hosts_daemon_alone(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    node = HostNode(short_dir, agents, kubelet)
+    allocate(node.plugin, ids(GPU0, 0))
+    pid, pipe = daemon_pid(short_dir), pipe_of(short_dir)
+    seen = len(node.plugin.updates)
+    with held_session(pipe):
+        held = time.monotonic()
+        wait_for(lambda: events(node.agent, BUSY) or daemon_pid(short_dir) != pid, 15, "busy")
+        time.sleep(max(0.0, HELD_S - (time.monotonic() - held)))  # the scenario: a session held this long
+        assert events(node.host, "mps daemon restarting") == [], "the daemon host restarted a daemon only busy"
+    wait_for(lambda: events(node.agent, AGAIN), 10, "the daemon to answer again")
+    assert alive(pid) and daemon_pid(short_dir) == pid
+    assert len(events(node.agent, BUSY)) == 1
+    assert events(node.agent, "mps daemon down; replicas unhealthy") == []
+    assert all(health == "Healthy" for update in node.plugin.updates[seen:] for _, health, _ in update)
+    control(pipe, "set_default_active_thread_percentage 100")
+    wait_for(lambda: control(pipe, "get_default_active_thread_percentage") == "25.0", 5, "the caps restored")
+    assert events(node.host, "mps daemon restarting") == []
+
+
 def test_a_stopped_daemon_is_restarted_by_the_daemon_host_within_the_bound(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, stopped: list[int]
 ) -> None:
@@ -201,3 +324,4 @@ def test_operations_md_states_the_bound_the_code_keeps() -> None:
     extra = hung_bound_s(DEFAULT_PROBE_INTERVAL_S) - DEFAULT_PROBE_INTERVAL_S
     assert extra == HUNG_AFTER_MISSES * GREETING_TIMEOUT_S
     assert f"`--probe-interval-seconds` + {extra:g} s ({hung_bound_s(DEFAULT_PROBE_INTERVAL_S):g} s by default" in text
+    assert f"until {BUSY_WAIT_S:g} s after the episode's first refusal" in text

@@ -3,6 +3,7 @@ in-process, with the clocks fixed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -99,6 +100,8 @@ def serving_views() -> list[ResourceView]:
             multi_user=False,
             cap_tamper=1,
             last_cap_tamper=(WALL - 10, "active thread percentage 100, set 50"),
+            busy=(WALL - 5, "`get_server_list` and 2 more not sent: the MPS control daemon is busy"),
+            busy_episodes=2,
         ),
         registered=True,
         registrations=2,
@@ -348,7 +351,8 @@ def test_the_agent_is_shown_running_only_while_its_pid_names_the_process_that_wr
 
 @pytest.mark.usefixtures("fixed_clocks")
 def test_readiness_and_the_systemd_line_read_the_document() -> None:
-    serving, _ = serving_views()
+    busy, _ = serving_views()
+    serving = dataclasses.replace(busy, daemon=dataclasses.replace(busy.daemon, busy=None))
     pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
     ready = status_document(
         version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[serving]
@@ -358,6 +362,13 @@ def test_readiness_and_the_systemd_line_read_the_document() -> None:
     both = msgspec.structs.replace(ready, resources=(*ready.resources, *starting_document(["b"]).resources))
     assert readiness_problems(both) == ["b: not registered with the kubelet", "b: mps daemon down"]
     assert summary(both) == "b: not registered with the kubelet; b: mps daemon down"
+    # A daemon that another control session keeps busy lives, but cap switches fail meanwhile: not ready.
+    kept_busy = status_document(
+        version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[busy]
+    )
+    assert readiness_problems(kept_busy) == [
+        "nvidia.com/gpu: mps control daemon busy since 2025-11-30T23:59:55Z (another control session is open)"
+    ]
 
 
 def test_the_starting_document_names_every_resource_not_ready() -> None:
@@ -397,6 +408,9 @@ def test_metrics_read_the_published_document() -> None:
     assert scraped[("mpsagent_daemon_cap_mode", (("mode", "capped"), *gpu))] == 1
     assert scraped[("mpsagent_daemon_multi_user", gpu)] == 0
     assert scraped[("mpsagent_cap_tamper_total", gpu)] == 1
+    assert scraped[("mpsagent_daemon_busy", gpu)] == 1
+    assert scraped[("mpsagent_daemon_busy_episodes_total", gpu)] == 2
+    assert scraped[("mpsagent_daemon_busy", (("resource", "nvidia.com/gpu-mem"),))] == 0
     assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4095 * 1024**2
     assert scraped[("mpsagent_escape_thread_percent", (("gpu", gpu0), *gpu))] == 75
     assert scraped[("mpsagent_daemon_thread_ceiling_percent", gpu)] == 100

@@ -7,8 +7,15 @@ a batch of `get_` commands whose line count does not match is asked again comman
 printed nothing. A batch of `set_` commands is only checked for failures. A cap switch on 8 GPUs is then 2
 sessions, not 18, and a liveness round that finds everything as it should be is one.
 
+While any session is open (one of another process: an administrator at the prompt, a root process in a client
+container, the daemon host's), the daemon refuses every other one: it closes it unanswered, and the front-end
+prints "Cannot send command to MPS control daemon process", or nothing at all. Every session but `quit` therefore
+ends with a command that always prints a line, so that an unanswered session shows. A refusal from a daemon that
+still greets a connection (mps.liveness) is busy, not failed: the session is asked again, with backoff, until
+BUSY_WAIT_S after the episode's first refusal, then DaemonBusyError.
+
 Failing to run the front-end at all (ControlRunError) is the agent's failure; a front-end that runs but gets no
-answer or a refusal (DaemonCommandError) is the daemon's."""
+answer or a refusal (DaemonCommandError) is the daemon's; a busy daemon (DaemonBusyError) is nobody's."""
 
 from __future__ import annotations
 
@@ -16,13 +23,15 @@ import contextlib
 import os
 import re
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 
-from mpsagent.errors import ControlRunError, DaemonCommandError
+from mpsagent.errors import ControlRunError, DaemonBusyError, DaemonCommandError
 from mpsagent.mps.commands import ControlStep
+from mpsagent.mps.liveness import Liveness, greeting
 
 COMMAND_TIMEOUT_S = 5.0
 _SAFE_COMMAND = re.compile(r"[a-z_]+( [A-Za-z0-9.=,-]+)*")
@@ -34,6 +43,17 @@ _SERVER_LIST_LINE = re.compile(r"\d+( \d+)*")
 _SERVER_GONE = re.compile(r"Server \d+ not found")
 MULTI_USER_OPTION = "--multiuser-server"
 HELP_TIMEOUT_S = 5.0
+# What the front-end prints, about three times in four, when the daemon closed its session unanswered: another
+# session is open, or it died. The fourth time it prints nothing at all, with exit status 0.
+_BUSY_MARKER = "Cannot send command"
+# Ends every session but `quit`: it always prints a line, so a session that printed nothing went unanswered.
+_ANSWER_CHECK = "get_default_active_thread_percentage"
+BUSY_WAIT_S = 3.0
+"""How long after a busy episode's first refusal (no session answered since) a session is asked again; a session
+begun later in the episode is asked once. An RPC that needs the daemon waits at most this long for it."""
+_BUSY_RETRY_INITIAL_S = 0.02
+_BUSY_RETRY_MAX_S = 0.5
+_BUSY_GREETING_TIMEOUT_S = 1.0
 
 
 def check_command(command: str) -> str:
@@ -55,32 +75,76 @@ class ControlChannel:
 
     def __init__(self, control_bin: str, pipe_directory: Path, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
         self._bin = control_bin
+        self._pipe = pipe_directory
         self._env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_directory)}
         self._timeout = timeout_s
-        # Several front-end sessions at once confuse the daemon: one at a time.
+        # The daemon refuses a session while another is open: the agent's own take turns.
         self._lock = anyio.Lock()
+        self._busy_since: float | None = None
+        """When (monotonic) the daemon first refused a session as busy, none answered since; None: not busy."""
 
     async def send(self, command: str) -> str:
         """Send one command; returns the daemon's reply (stripped), raises DaemonCommandError on any failure."""
         return await self.send_all([command])
 
     async def send_all(self, commands: Sequence[str]) -> str:
-        """Send commands in one session; returns all replies (stripped), raises DaemonCommandError on any failure."""
+        """Send commands in one session; returns all replies (stripped). Raises DaemonCommandError on any failure,
+        DaemonBusyError when another session kept the daemon busy for the whole wait (nothing was sent)."""
+        what = f"`{commands[0]}`" + (f" and {len(commands) - 1} more" if len(commands) > 1 else "")
+        reply = await self._send([*commands, _ANSWER_CHECK], what, checked=True)
+        return reply.rpartition("\n")[0].rstrip()  # without the check's own line
+
+    async def quit(self, timeout_s: int) -> None:
+        """Ask the daemon to quit, giving its clients `timeout_s` to finish; raises DaemonError when it cannot be
+        asked. (No answer check: a quitting daemon answers no more.)"""
+        await self._send([f"quit -t {timeout_s}"], "`quit`", checked=False)
+
+    async def _send(self, commands: Sequence[str], what: str, *, checked: bool) -> str:
         for command in commands:
             check_command(command)
-        what = f"`{commands[0]}`" + (f" and {len(commands) - 1} more" if len(commands) > 1 else "")
         async with self._lock:
-            try:
-                with anyio.fail_after(self._timeout):
-                    returncode, output = await self._exchange(commands)
-            except TimeoutError:
-                raise DaemonCommandError(f"{what} got no answer within {self._timeout:g}s") from None
-            except OSError as exc:
-                raise _cannot_run(self._bin, exc) from exc
-        reply = output.decode(errors="replace").strip()
+            returncode, reply = await self._answered_session(commands, what, checked=checked)
         if returncode != 0 or any(marker in reply for marker in _FAILURE_MARKERS):
             raise DaemonCommandError(f"{what} failed: {reply or f'exit status {returncode}'}")
         return reply
+
+    async def _answered_session(self, commands: Sequence[str], what: str, *, checked: bool) -> tuple[int, str]:
+        """A session the daemon did not refuse; one refused while the daemon greets (another session is open) is
+        asked again, with backoff, until BUSY_WAIT_S after the busy episode's first refusal. `checked`: the last
+        command always prints, so a session that printed nothing was refused too."""
+        delay = _BUSY_RETRY_INITIAL_S
+        while True:
+            returncode, reply = await self._session(commands, what)
+            if _BUSY_MARKER not in reply and (reply or not checked):
+                self._busy_since = None
+                return returncode, reply
+            if await greeting(self._pipe, _BUSY_GREETING_TIMEOUT_S) is not Liveness.ANSWERS:
+                raise DaemonCommandError(
+                    f"{what} got no answer: {reply or 'the daemon closed the session unanswered'}, and it greets no "
+                    f"connection to {self._pipe}"
+                )
+            now = time.monotonic()
+            self._busy_since = now if self._busy_since is None else self._busy_since
+            waited = now - self._busy_since
+            if waited >= BUSY_WAIT_S:
+                raise DaemonBusyError(
+                    f"{what} not sent: the MPS control daemon on {self._pipe} is busy, refusing every session for "
+                    f"{waited:.1f}s because another control session is open (an administrator at the "
+                    "nvidia-cuda-mps-control prompt, or a root process with the pipe directory); close that session"
+                )
+            await anyio.sleep(min(delay, BUSY_WAIT_S - waited))
+            delay = min(delay * 2, _BUSY_RETRY_MAX_S)
+
+    async def _session(self, commands: Sequence[str], what: str) -> tuple[int, str]:
+        """One front-end session, bounded; its exit status and what it printed (stripped)."""
+        try:
+            with anyio.fail_after(self._timeout):
+                returncode, output = await self._exchange(commands)
+        except TimeoutError:
+            raise DaemonCommandError(f"{what} got no answer within {self._timeout:g}s") from None
+        except OSError as exc:
+            raise _cannot_run(self._bin, exc) from exc
+        return returncode, output.decode(errors="replace").strip()
 
     async def _exchange(self, commands: Sequence[str]) -> tuple[int, bytes]:
         """One front-end session: the commands on stdin, then EOF; the replies are whatever it prints until it
@@ -118,6 +182,10 @@ class ControlChannel:
     async def apply(self, steps: Sequence[ControlStep]) -> None:
         """Send the `set_` commands, then read each back: the daemon must hold exactly what was asked for."""
         await self.send_all([step.command for step in steps])
+        await self.check_held(steps)
+
+    async def check_held(self, steps: Sequence[ControlStep]) -> None:
+        """Read each step's value back; raises DaemonCommandError naming the first that is not what it set."""
         for step, held in zip(steps, await self.read([step.read_back for step in steps]), strict=True):
             if held != step.expected:
                 raise DaemonCommandError(
@@ -126,11 +194,14 @@ class ControlChannel:
                 )
 
     async def probe(self, attempts: int = 2) -> bool:
-        """True when the daemon answers a round trip; a failed probe is retried before the daemon is called dead.
-        Raises ControlRunError when the agent cannot run the front-end: that is no answer about the daemon."""
+        """True when the daemon answers a round trip, or refuses it only because another session is open (it lives);
+        a failed probe is retried before the daemon is called dead. Raises ControlRunError when the agent cannot
+        run the front-end: that is no answer about the daemon."""
         for _ in range(attempts):
             try:
                 await self.send("get_default_active_thread_percentage")
+            except DaemonBusyError:
+                return True
             except DaemonCommandError:  # not ControlRunError: that is no answer about the daemon
                 continue
             return True

@@ -22,7 +22,14 @@ import anyio
 from anyio.abc import Process, TaskStatus
 
 from mpsagent.devices import GpuUuid
-from mpsagent.errors import ControlRunError, DaemonCommandError, DaemonError, GpuDiscoveryError, UnrecordedDaemonError
+from mpsagent.errors import (
+    ControlRunError,
+    DaemonBusyError,
+    DaemonCommandError,
+    DaemonError,
+    GpuDiscoveryError,
+    UnrecordedDaemonError,
+)
 from mpsagent.gpu.port import ComputeMode, GpuSource
 from mpsagent.inventory import Inventory
 from mpsagent.logs import get_logger
@@ -44,7 +51,7 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
-from mpsagent.mps.liveness import hung_reason
+from mpsagent.mps.liveness import BusyEpisodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 from mpsagent.plan import ResourcePlan
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
@@ -109,6 +116,7 @@ class DaemonSupervisor:
         self.front_end_failure: tuple[float, str] | None = None
         """Since when (wall clock) and why the agent cannot run the control front-end; None while it can."""
         self._log = log.bind(resource=resource.name)
+        self._busy = BusyEpisodes(self._log)
 
     @property
     def pid(self) -> int | None:
@@ -126,6 +134,15 @@ class DaemonSupervisor:
     @property
     def multi_user(self) -> bool | None:
         return self._running_multi_user
+
+    @property
+    def busy(self) -> tuple[float, str] | None:
+        """Since when (wall clock) and why another session keeps the daemon busy; None while it answers."""
+        return self._busy.current
+
+    @property
+    def busy_episodes(self) -> int:
+        return self._busy.count
 
     @property
     def record_damage(self) -> tuple[float, str, str] | None:
@@ -156,26 +173,56 @@ class DaemonSupervisor:
         await self._hold(verify=verify)
 
     async def _hold(self, *, verify: bool = False) -> None:
-        """Bring the daemon to the latest wanted ceilings; concurrent callers queue, the last wish wins."""
+        """Bring the daemon to the latest wanted ceilings; concurrent callers queue, the last wish wins. A daemon
+        that another session keeps busy raises DaemonBusyError (reported once per episode)."""
         async with self._ceilings_lock:
-            ceilings = self._wanted
-            if self._held == ceilings:
-                if not verify:
-                    return
-                differences = await self._differences(ceilings)
-                if not differences:
-                    return
-                self._report_tamper(ceilings, differences)
-            self._held = None
-            await self._channel.apply(daemon_default_steps(ceilings))
-            servers = await self._channel.server_pids()
-            if servers:
-                await self._channel.send_all(
-                    [command for server in servers for command in running_server_commands(ceilings, server)]
-                )
-            self._held = ceilings
-            self._save_state()
-            self._log.info("mps daemon caps set", ceilings=ceilings.describe(), pid=self._pid)
+            try:
+                await self._hold_wanted(verify=verify)
+            except DaemonBusyError as exc:
+                self._busy.busy(exc, pid=self._pid)
+                raise
+
+    async def _hold_wanted(self, *, verify: bool) -> None:
+        ceilings, known = self._wanted, self._held
+        if known == ceilings:
+            if not verify:
+                return
+            differences = await self._differences(ceilings)
+            self._busy.answered(pid=self._pid)
+            if not differences:
+                return
+            self._report_tamper(ceilings, differences)
+            known = None
+        self._held = None
+        steps = daemon_default_steps(ceilings)
+        try:
+            await self._channel.send_all([step.command for step in steps])
+        except DaemonBusyError:
+            self._held = known  # refused before anything was sent: the daemon holds what it held
+            raise
+        self._busy.answered(pid=self._pid)
+        await self._channel.check_held(steps)
+        servers = await self._channel.server_pids()
+        if servers:
+            await self._channel.send_all(
+                [command for server in servers for command in running_server_commands(ceilings, server)]
+            )
+        self._held = ceilings
+        self._save_state()
+        self._log.info("mps daemon caps set", ceilings=ceilings.describe(), pid=self._pid)
+
+    async def _hold_through_busy(self) -> None:
+        """`_hold`, asked again with backoff while another session keeps the daemon busy: a busy daemon is neither
+        killed nor given up on."""
+        delay = RESTART_BACKOFF_INITIAL_S
+        while True:
+            try:
+                await self._hold()
+            except DaemonBusyError:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._probe_interval)
+                continue
+            return
 
     async def _differences(self, ceilings: Ceilings) -> tuple[CapDifference, ...]:
         """The daemon's defaults and running servers' values that differ from the ceilings: one front-end session,
@@ -249,7 +296,7 @@ class DaemonSupervisor:
                     if not first:
                         self.restart_attempts += 1
                     await self._start()
-                await self._hold()
+                await self._hold_through_busy()
             except DaemonError as exc:
                 if first and self._process is not None:
                     await self._kill_child()
@@ -273,7 +320,7 @@ class DaemonSupervisor:
         while True:
             try:
                 if await self._adopt():
-                    await self._hold()
+                    await self._hold_through_busy()
                     self._up = True
                     self._inventory.set_resource_problem(HEALTH_SOURCE, False)
                     self._log.info("mps daemon healthy", pid=self._pid, ceilings=self._wanted.describe())
@@ -384,6 +431,8 @@ class DaemonSupervisor:
                 wait = min(wait * 2, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
                 self._front_end_failed(exc, retry_in_s=wait)
                 continue
+            except DaemonBusyError:
+                pass  # reported by _hold: the next round asks again
             except DaemonCommandError as exc:
                 self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
             self._front_end_recovered()
@@ -429,7 +478,7 @@ class DaemonSupervisor:
                 self._log.info("mps daemon left running", pid=self._pid)
             return
         with contextlib.suppress(DaemonError):
-            await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
+            await self._channel.quit(QUIT_TIMEOUT_S)
         with anyio.move_on_after(QUIT_TIMEOUT_S + 1):
             if self._process is not None:
                 await self._process.wait()

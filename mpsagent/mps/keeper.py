@@ -4,9 +4,9 @@ the daemon, and with it every CUDA client on the node.
 
 The keeper starts the daemon (capped, as a new daemon is until the agent knows the live grants), records it in
 `daemon.json` for the agent to adopt, forwards its log, and restarts it only when it must: when it exited, or
-when it is hung (mps.liveness: its socket greets no connection); each restart is logged with its reason. The
-agent (`--mps-daemon host`) drives the caps; the keeper never changes them after the start, and opens no front-end
-session after it, so it never collides with the agent's.
+when it is hung (mps.liveness: its socket greets no connection, which a session kept open by someone else never
+causes); each restart is logged with its reason. The agent (`--mps-daemon host`) drives the caps; the keeper never
+changes them after the start, and opens no front-end session after it, so it never collides with the agent's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.errors import ControlRunError, DaemonError
+from mpsagent.errors import ControlRunError, DaemonBusyError, DaemonError
 from mpsagent.logs import get_logger
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
@@ -30,7 +30,7 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
-from mpsagent.mps.liveness import hung_reason
+from mpsagent.mps.liveness import BusyEpisodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent.plan import ResourcePlan
 from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S
@@ -57,6 +57,7 @@ class DaemonKeeper:
         self._pid: int | None = None
         self.restarts = 0
         self._log = log.bind(resource=resource.name)
+        self._busy = BusyEpisodes(self._log)
 
     @property
     def pid(self) -> int | None:
@@ -98,6 +99,12 @@ class DaemonKeeper:
         while True:
             try:
                 await self._start()
+            except DaemonBusyError as exc:
+                # Another session keeps the daemon from its first caps: it lives, and is asked again.
+                self._busy.busy(exc, pid=self._pid, retry_in_s=delay)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._probe_interval)
+                continue
             except DaemonError as exc:
                 self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
                 if isinstance(exc, ControlRunError) and self._process is not None:
@@ -122,6 +129,7 @@ class DaemonKeeper:
         # must not run uncapped (the agent lifts the caps when its ledger allows).
         ceilings = self._resource.shares.unreconciled_ceilings()
         await self._channel.apply(daemon_default_steps(ceilings))
+        self._busy.answered(pid=self._pid)
         # Recorded only now: the agent adopts a daemon once its PID is recorded, and must not race these caps.
         earlier = self._state_file.read()
         self._state_file.write(
@@ -194,7 +202,7 @@ class DaemonKeeper:
             return
         self._log.warning("mps daemon quitting: its clients end with it", pid=self._pid, clients_get_s=QUIT_TIMEOUT_S)
         with contextlib.suppress(DaemonError):
-            await self._channel.send(f"quit -t {QUIT_TIMEOUT_S}")
+            await self._channel.quit(QUIT_TIMEOUT_S)
         with anyio.move_on_after(QUIT_TIMEOUT_S + 2):
             if self._process is not None:
                 await self._process.wait()

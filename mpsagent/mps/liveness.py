@@ -1,6 +1,6 @@
 """The MPS control daemon's liveness, asked without a front-end session: whether its process lives, and whether its
 control socket greets a connection. The daemon supervisor and the daemon host's keeper call a daemon hung from
-this alone.
+this alone, and the control channel asks it to tell a busy daemon from a failed one.
 
 The daemon speaks first: it accepts a connection on `<pipe>/control` and sends a hello before it reads anything
 (libcuda connects, reads the hello and disconnects the same way to find a daemon). It greets while another
@@ -16,11 +16,13 @@ import enum
 import errno
 import os
 import socket
+import time
 from pathlib import Path
 
 import anyio
+from structlog.typing import FilteringBoundLogger
 
-from mpsagent.errors import ControlRunError
+from mpsagent.errors import ControlRunError, DaemonBusyError
 
 CONTROL_SOCKETS = ("control", "control_privileged")
 """Every client's socket, then root's (drivers from 535 on): root's front-end uses the second, or the first where it
@@ -31,6 +33,12 @@ millisecond; the front-end's commands get as long)."""
 HUNG_AFTER_MISSES = 2
 """Misses in a row, the second asked at once, before a daemon counts as hung."""
 _CONNECT_RETRY_S = 0.05
+BUSY_HINT = (
+    "another control session is open on the daemon's pipe directory: an administrator at the nvidia-cuda-mps-control "
+    "prompt, or a root process in a client container (`pgrep -a nvidia-cuda-mps-control` lists every front-end "
+    "beside the daemon's `-f`); the daemon and its clients are fine and nothing is killed, but a cap switch "
+    "(Allocate, PreStartContainer) fails UNAVAILABLE until that session closes"
+)
 _REFUSED = {
     errno.ECONNREFUSED,
     errno.ENOENT,
@@ -132,3 +140,28 @@ async def hung_reason(pipe_directory: Path, pid: int, *, timeout_s: float = GREE
             f"{HUNG_AFTER_MISSES} times in a row"
         )
     return f"its control sockets in {pipe_directory} refused {HUNG_AFTER_MISSES} connections in a row"
+
+
+class BusyEpisodes:
+    """The daemon's busy episodes (another session kept the agent's out for the whole bounded wait), each reported
+    once: a warning as it begins, retries at debug level, and an info line once the daemon answers again."""
+
+    def __init__(self, log: FilteringBoundLogger) -> None:
+        self._log = log
+        self.current: tuple[float, str] | None = None
+        """Since when (wall clock) and why the daemon is busy; None while it answers."""
+        self.count = 0
+
+    def busy(self, exc: DaemonBusyError, **context: object) -> None:
+        if self.current is None:
+            self.current = (time.time(), str(exc))
+            self.count += 1
+            self._log.warning("control daemon busy", reason=str(exc), hint=BUSY_HINT, **context)
+        else:
+            self._log.debug("control daemon still busy", reason=str(exc), **context)
+
+    def answered(self, **context: object) -> None:
+        if self.current is not None:
+            since, _ = self.current
+            self.current = None
+            self._log.info("control daemon answers again", busy_for_s=round(time.time() - since, 1), **context)

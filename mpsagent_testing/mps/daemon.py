@@ -1,6 +1,6 @@
 """Asking the MPS control daemon that an agent under test started: through the real `nvidia-cuda-mps-control`
 (Debian's nvidia-cuda-mps package; `scripts/install-system-deps.sh` installs it), where its pipe is, its PID; a
-daemon of a test's own."""
+root session held open on it, as an administrator's; a daemon of a test's own."""
 
 from __future__ import annotations
 
@@ -52,6 +52,66 @@ def pipe_of(short_dir: Path) -> Path:
 def daemon_pid(short_dir: Path) -> int:
     """The PID that `nvidia.com/gpu`'s daemon record under `short_dir / "mps"` names."""
     return int(json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())["pid"])
+
+
+def refused(pipe: Path) -> bool:
+    """Whether the daemon refuses a session now: another one is open ("Cannot send command to MPS control daemon
+    process"), as it answers every session but the first."""
+    if REAL_BIN is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
+    result = subprocess.run(
+        [REAL_BIN],
+        input="get_server_list\n",
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+    )
+    return "Cannot send command" in result.stdout + result.stderr
+
+
+@contextmanager
+def held_session(pipe: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A root control session kept open, as an administrator at the `nvidia-cuda-mps-control` prompt (or a root
+    process in a client container, which has the pipe directory) holds one: the real front-end with its stdin
+    open. While it is open the daemon refuses every other session; it closes when the block ends."""
+    session = _open_session(pipe)
+    try:
+        yield session
+    finally:
+        assert session.stdin is not None
+        session.stdin.close()  # end of input: the front-end closes its session and exits
+        try:
+            session.wait(10)
+        except subprocess.TimeoutExpired:
+            session.kill()
+            session.wait(10)
+
+
+def _open_session(pipe: Path) -> subprocess.Popen[bytes]:
+    """A front-end whose session is open: it opens as the front-end starts, before it reads a command, and is open
+    once another session is refused while it still runs; one that was itself refused (another session was open
+    as it started: the agent's, or the check's) has exited, and is started again."""
+    if REAL_BIN is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        session = subprocess.Popen(
+            [REAL_BIN],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+            start_new_session=True,
+        )
+        while session.poll() is None and time.monotonic() < deadline:
+            if refused(pipe) and session.poll() is None:
+                return session
+            time.sleep(0.01)
+        session.kill()
+        session.wait(10)
+    raise RuntimeError(f"no control session on {pipe} stayed open")
 
 
 @contextmanager
