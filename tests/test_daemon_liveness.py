@@ -194,6 +194,13 @@ def test_a_held_root_session_leaves_the_agents_daemon_alone(
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert "busy" in str(refused.value.details())
         allocate(plugin, ids(GPU0, 1))
+        # PreStartContainer reads the caps back: it cannot, and says so within the bound (the kubelet retries it).
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            plugin.stub.PreStartContainer(dp_pb2.PreStartContainerRequest(devices_ids=ids(GPU0, 1)), timeout=10)
+        assert time.monotonic() - began < BUSY_WAIT_S + SLACK_S
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "busy" in str(refused.value.details())
         time.sleep(max(0.0, HELD_S - (time.monotonic() - held)))  # the scenario: a session held this long
 
     wait_for(lambda: events(agent, AGAIN), 10, "the daemon to answer again")
