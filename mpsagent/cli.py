@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import anyio
 
 from mpsagent import __version__
-from mpsagent.devices import NodeGpus
-from mpsagent.errors import (
+from mpsagent.base.devices import NodeGpus
+from mpsagent.base.errors import (
     AgentLockedError,
     ConfigError,
     DaemonError,
@@ -19,13 +19,13 @@ from mpsagent.errors import (
     SnapshotError,
     UsageError,
 )
+from mpsagent.base.logs import configure_logging, get_logger
+from mpsagent.base.settings import SETTINGS, Settings, resolve_settings, status_mps_root
+from mpsagent.documents.report import plan_report, render_json, render_text
+from mpsagent.documents.status import read_status, render_status_json, render_status_text
+from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.gpu.port import GpuSource
-from mpsagent.logs import configure_logging, get_logger
 from mpsagent.mps.control import offers_multi_user
-from mpsagent.plan import NodePlan, build_plan
-from mpsagent.report import plan_report, render_json, render_text
-from mpsagent.settings import SETTINGS, Settings, resolve_settings, status_mps_root
-from mpsagent.status import read_status, render_status_json, render_status_text
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -109,11 +109,11 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(render_json(report) if settings.output == "json" else render_text(report))
             return EXIT_OK
         if settings.daemon_host:
-            from mpsagent.daemon_host import run_daemon_host  # noqa: PLC0415
+            from mpsagent.supervisor.daemon_host import run_daemon_host  # noqa: PLC0415
 
             anyio.run(run_daemon_host, settings, plan)
             return EXIT_OK
-        from mpsagent.app import run_agent  # noqa: PLC0415
+        from mpsagent.supervisor.app import run_agent  # noqa: PLC0415
 
         anyio.run(run_agent, settings, plan, source)
         return EXIT_OK

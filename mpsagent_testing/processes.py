@@ -1,6 +1,6 @@
 """The processes a test, the bench or the hardware check started: finding them again by a directory named in their
 environment (MPS daemons run in sessions of their own, so a process group does not reach them), ending them for
-sure, and what /proc says about them. Whether a PID exists at all is `mpsagent.host.pid_alive`, which the agent
+sure, and what /proc says about them. Whether a PID exists at all is `mpsagent.base.host.pid_alive`, which the agent
 uses itself; `alive` here also counts a zombie as gone."""
 
 from __future__ import annotations

@@ -426,8 +426,8 @@ def memory_read_back(mib: int) -> str:
 
 def readable_mib(mib: int) -> int:
     """A capped share's memory as the agent sets it: rounded down to a limit whose every raise the daemon's
-    read-back shows (the agent's own rule, from mpsagent.shares)."""
-    from mpsagent.shares import readable_mib as rule  # noqa: PLC0415 - the CUDA client needs no mpsagent
+    read-back shows (the agent's own rule, from mpsagent.domain.shares)."""
+    from mpsagent.domain.shares import readable_mib as rule  # noqa: PLC0415 - the CUDA client needs no mpsagent
 
     return rule(mib)
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.allocation import ResourceAllocator, describe_ids
-from mpsagent.config import check_config, parse_config
-from mpsagent.devices import ContainerRef, ReplicaId
-from mpsagent.errors import RequestError
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import ContainerRef, ReplicaId
+from mpsagent.base.errors import RequestError
+from mpsagent.domain.allocation import ResourceAllocator, describe_ids
+from mpsagent.domain.plan import build_plan
+from mpsagent.domain.reconcile import Holding
+from mpsagent.domain.shares import Ceilings, GrantKind
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.plan import build_plan
-from mpsagent.reconcile import Holding
-from mpsagent.shares import Ceilings, GrantKind
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 GIB_MIB = 1024

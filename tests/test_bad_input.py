@@ -18,14 +18,14 @@ from grpclib.server import Server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.config import check_config, parse_config
-from mpsagent.devices import NodeGpus
-from mpsagent.errors import RequestError
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import NodeGpus
+from mpsagent.base.errors import RequestError
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.inventory import Inventory
 from mpsagent.kubelet.servicer import DevicePluginServicer
-from mpsagent.plan import build_plan
 from mpsagent_testing.agents import AgentLauncher, start_agent
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin
 from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2
@@ -232,7 +232,7 @@ def test_any_config_document_exits_0_or_2_with_a_message_never_a_traceback(
 @settings(max_examples=300, deadline=None)
 @given(document=config_like)
 def test_any_config_document_that_parses_plans_or_names_the_key(document: object) -> None:
-    from mpsagent.errors import ConfigError  # noqa: PLC0415
+    from mpsagent.base.errors import ConfigError  # noqa: PLC0415
 
     node = SnapshotGpuSource(H100_NODE).discover()
     try:

@@ -14,15 +14,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mpsagent.config import SharingConfig, check_config, parse_config
+from mpsagent.base.config import SharingConfig, check_config, parse_config
+from mpsagent.base.settings import MpsOnExit
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.inventory import Inventory
 from mpsagent.mps.commands import CapDifference, ControlStep, cap_differences, running_server_steps
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
-from mpsagent.plan import build_plan
-from mpsagent.settings import MpsOnExit
 from mpsagent_testing.agents import AgentLauncher, serve, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for

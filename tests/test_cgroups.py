@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpsagent.cgroups import PodContainer, pod_container
+from mpsagent.base.cgroups import PodContainer, pod_container
 
 UID = "0f3e9b1c-6a2d-4c8e-9f10-2b3c4d5e6f70"
 CID = "a" * 60 + "1234"

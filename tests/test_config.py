@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpsagent.config import (
+from mpsagent.base.config import (
     AllocationPolicy,
     DeviceIdStrategy,
     DeviceListStrategy,
@@ -20,8 +20,8 @@ from mpsagent.config import (
     check_config,
     parse_config,
 )
-from mpsagent.errors import ConfigError, UsageError
-from mpsagent.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT, resolve_settings
+from mpsagent.base.errors import ConfigError, UsageError
+from mpsagent.base.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT, resolve_settings
 from mpsagent_testing.strategies import config_like, json_values
 
 # --- helpers ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mpsagent.errors import DaemonCommandError
+from mpsagent.base.errors import DaemonCommandError
 from mpsagent.mps.control import ControlChannel, check_command
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from mpsagent.errors import ControlRunError, DaemonCommandError
+from mpsagent.base.errors import ControlRunError, DaemonCommandError
 from mpsagent.mps.control import ControlChannel
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate

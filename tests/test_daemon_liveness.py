@@ -19,7 +19,8 @@ import anyio
 import grpc
 import pytest
 
-from mpsagent.errors import DaemonBusyError, DaemonCommandError
+from mpsagent.base.errors import DaemonBusyError, DaemonCommandError
+from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S
 from mpsagent.mps.control import BUSY_WAIT_S, ControlChannel
 from mpsagent.mps.liveness import (
     GREETING_TIMEOUT_S,
@@ -29,7 +30,6 @@ from mpsagent.mps.liveness import (
     hung_bound_s,
     hung_reason,
 )
-from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S
 from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import structlog
 
-from mpsagent.host import pid_alive
+from mpsagent.base.host import pid_alive
 from mpsagent.mps.discovery import DaemonProcess, find_daemons
 from mpsagent.mps.state import DaemonState, StateFile
 

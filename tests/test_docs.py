@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.settings import SETTINGS
+from mpsagent.base.settings import SETTINGS
 from mpsagent_testing.repo import ROOT
 
 DOCS = ROOT / "docs"
@@ -48,7 +48,7 @@ def test_the_event_check_catches_a_new_event(tmp_path: Path) -> None:
 
 
 def test_every_node_label_is_documented() -> None:
-    from mpsagent.nfd import node_labels  # noqa: PLC0415
+    from mpsagent.node.nfd import node_labels  # noqa: PLC0415
 
     labels = set(node_labels((), (_resource(),)))
     text = (DOCS / "operations.md").read_text() + (DOCS / "migrating.md").read_text()
@@ -56,9 +56,9 @@ def test_every_node_label_is_documented() -> None:
 
 
 def _resource():  # type: ignore[no-untyped-def]
+    from mpsagent.base.settings import resolve_settings  # noqa: PLC0415
+    from mpsagent.domain.plan import build_plan  # noqa: PLC0415
     from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
-    from mpsagent.plan import build_plan  # noqa: PLC0415
-    from mpsagent.settings import resolve_settings  # noqa: PLC0415
 
     settings = resolve_settings(
         {"config_file": str(ROOT / "packaging" / "kubernetes" / "config.yaml"), "node_snapshot": None}, environ={}
@@ -179,8 +179,8 @@ class _NoProcesses:
 def exported_families() -> set[str]:
     from prometheus_client import generate_latest  # noqa: PLC0415
 
-    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
-    from mpsagent.status import starting_document  # noqa: PLC0415
+    from mpsagent.documents.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.documents.status import starting_document  # noqa: PLC0415
     from mpsagent.web import WebEndpoint  # noqa: PLC0415
 
     metrics = AgentMetrics(

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mpsagent.publisher import STATUS_INTERVAL_S
+from mpsagent.supervisor.publisher import STATUS_INTERVAL_S
 from mpsagent.web import HTTP_LIMITS
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate

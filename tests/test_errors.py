@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import mpsagent
-from mpsagent import errors
+from mpsagent.base import errors
 
 # A line of the drawing: the branch characters, then a class name (its column is its depth).
 _TREE_LINE = re.compile(r"^(?P<indent>[│ ├└─]*)(?P<name>[A-Z]\w*Error)\b")

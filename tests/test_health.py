@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mpsagent.devices import GpuUuid
-from mpsagent.errors import UsageError
+from mpsagent.base.devices import GpuUuid
+from mpsagent.base.errors import UsageError
+from mpsagent.base.settings import APPLICATION_XIDS, xid_policy
+from mpsagent.domain.health import GpuHealthTracker
 from mpsagent.gpu.monitor import probe_interval
-from mpsagent.health import GpuHealthTracker
-from mpsagent.settings import APPLICATION_XIDS, xid_policy
 
 A = GpuUuid("GPU-a")
 B = GpuUuid("GPU-b")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.host import (
+from mpsagent.base.host import (
     FileRefusedError,
     FileTooLargeError,
     open_private_file,

@@ -11,9 +11,9 @@ import pytest
 import structlog
 from anyio.abc import TaskStatus
 
-from mpsagent.daemon_host import _keep
-from mpsagent.errors import DaemonError, UnrecordedDaemonError
+from mpsagent.base.errors import DaemonError, UnrecordedDaemonError
 from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.supervisor.daemon_host import _keep
 
 
 class FlakyKeeper:
@@ -40,7 +40,7 @@ class FlakyKeeper:
 async def test_a_keeper_that_fails_after_its_start_is_run_again_and_the_host_lives_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("mpsagent.daemon_host.KEEPER_RETRY_S", 0.01)
+    monkeypatch.setattr("mpsagent.supervisor.daemon_host.KEEPER_RETRY_S", 0.01)
     keeper = FlakyKeeper([OSError("log unreadable"), DaemonError("refused")])
     with structlog.testing.capture_logs() as logs:
         with anyio.move_on_after(5):

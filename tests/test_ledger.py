@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpsagent.config import GrantRule
-from mpsagent.devices import ContainerRef, GpuUuid, ReplicaId
-from mpsagent.ledger import Ledger
-from mpsagent.shares import GpuSlots, GrantKind, Share, ShareModel
+from mpsagent.base.config import GrantRule
+from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.domain.ledger import Ledger
+from mpsagent.domain.shares import GpuSlots, GrantKind, Share, ShareModel
 
 A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
 SHARES = ShareModel(

@@ -161,8 +161,8 @@ def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(
 def test_every_state_series_and_readiness_line_exists_before_the_first_publish() -> None:
     """Alerts on `mpsagent_daemon_up == 0` or `mpsagent_kubelet_registered == 0` must fire for an agent that never
     got as far as publishing its state: the series exist, at 0, from the first scrape."""
-    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
-    from mpsagent.status import readiness_problems, starting_document  # noqa: PLC0415
+    from mpsagent.documents.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.documents.status import readiness_problems, starting_document  # noqa: PLC0415
 
     starting = starting_document(["nvidia.com/gpu", "nvidia.com/gpu-b"])
     metrics = AgentMetrics(starting=starting, gpus=(), gpu_source=None, proc_root=Path("/proc"))

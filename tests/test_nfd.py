@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from mpsagent.nfd import features_text, write_features
+from mpsagent.node.nfd import features_text, write_features
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import RESOURCE

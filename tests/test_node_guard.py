@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.config import check_config, parse_config
-from mpsagent.errors import AgentLockedError, HostError
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.errors import AgentLockedError, HostError
+from mpsagent.base.host import PidLock
+from mpsagent.domain.plan import ResourcePlan, build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.host import PidLock
 from mpsagent.kubelet.guard import NodeGuard
-from mpsagent.plan import ResourcePlan, build_plan
 from mpsagent_testing.node import small_node
 
 CONFIG = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 2\n"

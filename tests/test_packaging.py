@@ -160,7 +160,7 @@ def test_binary_bundles_python_and_only_the_runtime_dependencies(binary: Path) -
     allowed = set(sys.stdlib_module_names) | runtime_import_names()
     assert tops - allowed == set(), "not a runtime dependency of mpsagent: add it to build.sh's --exclude-module"
     assert {"mpsagent", "anyio", "grpclib", "betterproto2", "msgspec", "yaml", "structlog", "pynvml"} <= tops
-    assert {"mpsagent.gpu.nvml", "mpsagent.app", "anyio._backends._asyncio"} <= modules
+    assert {"mpsagent.gpu.nvml", "mpsagent.supervisor.app", "anyio._backends._asyncio"} <= modules
     assert binary.stat().st_size < 40 * 1024**2
 
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.config import AllocationPolicy
-from mpsagent.devices import GpuUuid, ReplicaId, format_replica_id
-from mpsagent.errors import RequestError
-from mpsagent.placement import preferred_replicas
+from mpsagent.base.config import AllocationPolicy
+from mpsagent.base.devices import GpuUuid, ReplicaId, format_replica_id
+from mpsagent.base.errors import RequestError
+from mpsagent.domain.placement import preferred_replicas
 
 DISTRIBUTED = AllocationPolicy.DISTRIBUTED
 PACKED = AllocationPolicy.PACKED

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.config import DeviceIdStrategy, DeviceListStrategy, SharingConfig, check_config, parse_config
-from mpsagent.container import (
+from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy, SharingConfig, check_config, parse_config
+from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.base.errors import ConfigError
+from mpsagent.domain.container import (
     ENV_PINNED_MEM_LIMIT,
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
@@ -17,12 +19,10 @@ from mpsagent.container import (
     container_grant,
     container_pipe_directory,
 )
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
-from mpsagent.errors import ConfigError
+from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
+from mpsagent.domain.shares import Ceilings, GrantKind
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch
-from mpsagent.nfd import node_labels
-from mpsagent.plan import NodePlan, ResourcePlan, build_plan
-from mpsagent.shares import Ceilings, GrantKind
+from mpsagent.node.nfd import node_labels
 
 GIB = 1024**3
 T4_BYTES = 16 * GIB

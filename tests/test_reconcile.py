@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.config import GrantRule
-from mpsagent.devices import ContainerRef, GpuUuid, ReplicaId
-from mpsagent.ledger import Ledger
-from mpsagent.reconcile import Holding, ListedDevices, holdings, reconcile
-from mpsagent.shares import Ceilings, GpuSlots, GrantKind, Share, ShareModel
+from mpsagent.base.config import GrantRule
+from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.domain.ledger import Ledger
+from mpsagent.domain.reconcile import Holding, ListedDevices, holdings, reconcile
+from mpsagent.domain.shares import Ceilings, GpuSlots, GrantKind, Share, ShareModel
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
 SHARES = ShareModel(

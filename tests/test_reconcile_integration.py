@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from mpsagent.errors import UsageError
-from mpsagent.status import read_status
+from mpsagent.base.errors import UsageError
+from mpsagent.documents.status import read_status
 from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for

@@ -8,11 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mpsagent.config import check_config, parse_config
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus
-from mpsagent.plan import NodePlan, build_plan
-from mpsagent.report import plan_report, render_json, render_text
-from mpsagent.report_document import PlanReport
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus
+from mpsagent.documents.report import plan_report, render_json, render_text
+from mpsagent.documents.report_document import PlanReport
+from mpsagent.domain.plan import NodePlan, build_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 CONTROL_BIN = "nvidia-cuda-mps-control"

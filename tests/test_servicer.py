@@ -17,13 +17,13 @@ from grpclib.client import UnaryStreamMethod, UnaryUnaryMethod
 from grpclib.testing import ChannelFor
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
-from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.config import check_config, parse_config
-from mpsagent.errors import DaemonCommandError
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.errors import DaemonCommandError
+from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.inventory import Inventory
 from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer
-from mpsagent.plan import build_plan
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 CALL_TIMEOUT_S = 5

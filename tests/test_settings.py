@@ -8,10 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from mpsagent.base.config import IGNORED_FLAG_KEYS, Flags
+from mpsagent.base.errors import UsageError
+from mpsagent.base.settings import SETTINGS, resolve_settings
 from mpsagent.cli import build_parser
-from mpsagent.config import IGNORED_FLAG_KEYS, Flags
-from mpsagent.errors import UsageError
-from mpsagent.settings import SETTINGS, resolve_settings
 
 # `flags` keys of the NVIDIA plugin's that the agent reads itself (in check_config), not as settings.
 NVIDIA_FILE_KEYS = {"migStrategy", "plugin"} | {key.removeprefix("flags.") for key in IGNORED_FLAG_KEYS.values()}

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.config import check_config, parse_config
-from mpsagent.devices import Gpu, GpuUuid, NodeGpus
-from mpsagent.inventory import Inventory
-from mpsagent.plan import build_plan
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import build_plan
 
 GPUS = 5000  # took 16.7 s when the allocator grouped replicas by scanning every replica for every GPU
 SETUP_S = 2.0  # the linear set-up takes about 0.1 s

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.config import check_config, parse_config
-from mpsagent.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
-from mpsagent.errors import ConfigError, RequestError
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.base.errors import ConfigError, RequestError
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
+from mpsagent.domain.plan import ResourcePlan, build_plan
+from mpsagent.domain.shares import Ceilings, GrantKind, readable_mib
 from mpsagent.mps.commands import memory_read_back
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
-from mpsagent.plan import ResourcePlan, build_plan
-from mpsagent.shares import Ceilings, GrantKind, readable_mib
 
 GIB = 1024**3
 H200_BYTES = 150754820096  # 143771 MiB, as NVML reports an H200

@@ -13,14 +13,9 @@ import msgspec
 import pytest
 
 from mpsagent import cli
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.config import check_config, parse_config
-from mpsagent.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
-from mpsagent.inventory import Inventory
-from mpsagent.ledger import Ledger
-from mpsagent.plan import build_plan
-from mpsagent.reconcile import Holding
-from mpsagent.status import (
+from mpsagent.base.config import check_config, parse_config
+from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
+from mpsagent.documents.status import (
     STATUS_FILE,
     DaemonView,
     ResourceView,
@@ -30,7 +25,12 @@ from mpsagent.status import (
     summary,
     write_status,
 )
-from mpsagent.status_document import PodResourcesStatus
+from mpsagent.documents.status_document import PodResourcesStatus
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.ledger import Ledger
+from mpsagent.domain.plan import build_plan
+from mpsagent.domain.reconcile import Holding
 
 GOLDEN = Path(__file__).parent / "golden"
 WALL = 1_764_547_200.0  # 2025-12-01T00:00:00Z
@@ -385,7 +385,7 @@ def test_metrics_read_the_published_document() -> None:
     from prometheus_client import generate_latest  # noqa: PLC0415
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
-    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.documents.metrics import AgentMetrics  # noqa: PLC0415
 
     document = status_document(
         version="1",

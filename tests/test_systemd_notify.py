@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsagent.systemd import SystemdNotifier
+from mpsagent.node.systemd import SystemdNotifier
 from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.mps.daemon import daemon_pid

@@ -15,8 +15,8 @@ from anyio.from_thread import start_blocking_portal
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mpsagent.metrics import AgentMetrics
-from mpsagent.status import starting_document
+from mpsagent.documents.metrics import AgentMetrics
+from mpsagent.documents.status import starting_document
 from mpsagent.web import WebEndpoint
 from mpsagent_testing.http_clients import connect
 

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.devices import GpuUuid
-from mpsagent.errors import GpuHealthError
+from mpsagent.base.devices import GpuUuid
+from mpsagent.base.errors import GpuHealthError
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import XidPolicy
+from mpsagent.domain.health import GpuHealthTracker
+from mpsagent.domain.inventory import Inventory
 from mpsagent.gpu.port import GpuEventWatch, GpuHealthSource, XidEvent
-from mpsagent.health import GpuHealthTracker
-from mpsagent.inventory import Inventory
-from mpsagent.logs import get_logger
-from mpsagent.settings import XidPolicy
 
 log = get_logger(__name__)
 

@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import pynvml
 
-from mpsagent.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
-from mpsagent.errors import GpuDiscoveryError, GpuHealthError, shown
+from mpsagent.base.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
+from mpsagent.base.errors import GpuDiscoveryError, GpuHealthError, shown
 from mpsagent.gpu.port import ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from mpsagent.devices import GpuUuid, NodeGpus
+from mpsagent.base.devices import GpuUuid, NodeGpus
 
 
 class ComputeMode(enum.IntEnum):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from mpsagent.devices import (
+from mpsagent.base.devices import (
     MAX_GPUS_PER_NODE,
     MIB,
     UNKNOWN_DRIVER_VERSION,
@@ -19,10 +19,10 @@ from mpsagent.devices import (
     driver_version_problem,
     gpu_problem,
 )
-from mpsagent.documents import load_yaml
-from mpsagent.errors import DocumentError, FileReadError, SnapshotError, shown
+from mpsagent.base.errors import DocumentError, FileReadError, SnapshotError, shown
+from mpsagent.base.host import read_input_file
+from mpsagent.base.untrusted import load_yaml
 from mpsagent.gpu.port import ComputeMode
-from mpsagent.host import read_input_file
 
 MAX_SNAPSHOT_BYTES = 4 << 20
 """`nvidia-smi -q -x` writes 10-30 KB per GPU: room for the most GPUs a node may have, at twice that."""

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from mpsagent.errors import AgentLockedError, HostError
-from mpsagent.host import FileRefusedError, PidLock
-from mpsagent.plan import ResourcePlan
+from mpsagent.base.errors import AgentLockedError, HostError
+from mpsagent.base.host import FileRefusedError, PidLock
+from mpsagent.domain.plan import ResourcePlan
 
 LOCK_DIRECTORY = "mpsagent-locks"
 LOCK_DIRECTORY_MODE = 0o700

@@ -15,11 +15,11 @@ from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
-from mpsagent.errors import HostError
-from mpsagent.host import pid_alive
+from mpsagent.base.errors import HostError
+from mpsagent.base.host import pid_alive
+from mpsagent.base.logs import get_logger
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
-from mpsagent.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -19,10 +19,10 @@ from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from mpsagent._proto import v1 as podresources
-from mpsagent.allocation import ResourceAllocator, describe_ids
-from mpsagent.devices import ContainerRef
-from mpsagent.logs import get_logger
-from mpsagent.reconcile import ListedDevices, ReconcileResult, holdings
+from mpsagent.base.devices import ContainerRef
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.allocation import ResourceAllocator, describe_ids
+from mpsagent.domain.reconcile import ListedDevices, ReconcileResult, holdings
 
 log = get_logger(__name__)
 

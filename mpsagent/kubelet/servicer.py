@@ -21,10 +21,10 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
-from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.errors import MpsAgentError, RequestError
-from mpsagent.inventory import Inventory, InventorySnapshot
-from mpsagent.logs import get_logger
+from mpsagent.base.errors import MpsAgentError, RequestError
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.inventory import Inventory, InventorySnapshot
 
 log = get_logger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpsagent.config import MultiUser
-from mpsagent.errors import ConfigError
-from mpsagent.plan import ResourcePlan
-from mpsagent.shares import Ceilings
+from mpsagent.base.config import MultiUser
+from mpsagent.base.errors import ConfigError
+from mpsagent.domain.plan import ResourcePlan
+from mpsagent.domain.shares import Ceilings
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

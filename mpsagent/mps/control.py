@@ -29,7 +29,7 @@ from pathlib import Path
 
 import anyio
 
-from mpsagent.errors import ControlRunError, DaemonBusyError, DaemonCommandError
+from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError
 from mpsagent.mps.commands import ControlStep
 from mpsagent.mps.liveness import Liveness, greeting
 

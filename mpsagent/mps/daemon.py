@@ -1,5 +1,5 @@
 """The daemon supervisor of one resource: starts or adopts its `nvidia-cuda-mps-control`, holds the ceilings the
-ledger's live grants need (see mpsagent.shares), watches it, restarts it with backoff, and forwards its log.
+ledger's live grants need (see mpsagent.domain.shares), watches it, restarts it with backoff, and forwards its log.
 
 The daemon runs in its own session with its output in `<resource>/log/control.log`, so an agent restart or crash
 never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps-daemon host` the daemon host
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.devices import GpuUuid
-from mpsagent.errors import (
+from mpsagent.base.devices import GpuUuid
+from mpsagent.base.errors import (
     ControlRunError,
     DaemonBusyError,
     DaemonCommandError,
@@ -30,9 +30,12 @@ from mpsagent.errors import (
     GpuDiscoveryError,
     UnrecordedDaemonError,
 )
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import ResourcePlan
+from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.port import ComputeMode, GpuSource
-from mpsagent.inventory import Inventory
-from mpsagent.logs import get_logger
 from mpsagent.mps.commands import (
     CapDifference,
     cap_differences,
@@ -53,9 +56,6 @@ from mpsagent.mps.launch import (
 )
 from mpsagent.mps.liveness import BusyEpisodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
-from mpsagent.plan import ResourcePlan
-from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
-from mpsagent.shares import Ceilings
 
 log = get_logger(__name__)
 

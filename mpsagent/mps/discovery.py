@@ -15,12 +15,12 @@ from pathlib import Path
 
 import anyio
 
-from mpsagent.errors import UnrecordedDaemonError
-from mpsagent.host import pid_alive
-from mpsagent.logs import get_logger
+from mpsagent.base.errors import UnrecordedDaemonError
+from mpsagent.base.host import pid_alive
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.state import DaemonState, StateFile
-from mpsagent.plan import ResourcePlan
 
 log = get_logger(__name__)
 

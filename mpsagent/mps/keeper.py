@@ -16,8 +16,10 @@ import contextlib
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.errors import ControlRunError, DaemonBusyError, DaemonError
-from mpsagent.logs import get_logger
+from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonError
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
@@ -32,8 +34,6 @@ from mpsagent.mps.launch import (
 )
 from mpsagent.mps.liveness import BusyEpisodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state
-from mpsagent.plan import ResourcePlan
-from mpsagent.settings import DEFAULT_PROBE_INTERVAL_S
 
 log = get_logger(__name__)
 

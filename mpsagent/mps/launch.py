@@ -13,14 +13,14 @@ import anyio
 from anyio.abc import Process
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.config import MultiUser
-from mpsagent.errors import DaemonError, UnrecordedDaemonError
-from mpsagent.host import FileRefusedError, open_private_file, pid_alive
+from mpsagent.base.config import MultiUser
+from mpsagent.base.errors import DaemonError, UnrecordedDaemonError
+from mpsagent.base.host import FileRefusedError, open_private_file, pid_alive
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_launch, multi_user_server
 from mpsagent.mps.control import ControlChannel, offers_multi_user
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
 from mpsagent.mps.state import DaemonState, StateFile
-from mpsagent.plan import ResourcePlan
 
 START_TIMEOUT_S = 10.0
 CONTROL_LOG = "control.log"

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.errors import ControlRunError, DaemonBusyError
+from mpsagent.base.errors import ControlRunError, DaemonBusyError
 
 CONTROL_SOCKETS = ("control", "control_privileged")
 """Every client's socket, then root's (drivers from 535 on): root's front-end uses the second, or the first where it

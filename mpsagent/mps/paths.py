@@ -22,9 +22,9 @@ import os
 import stat
 from pathlib import Path
 
-from mpsagent.errors import AgentLockedError, HostError
-from mpsagent.host import FileRefusedError, PidLock, file_kind
-from mpsagent.plan import NodePlan, ResourcePlan
+from mpsagent.base.errors import AgentLockedError, HostError
+from mpsagent.base.host import FileRefusedError, PidLock, file_kind
+from mpsagent.domain.plan import NodePlan, ResourcePlan
 
 LOCK_FILE = "agent.lock"
 # Held by whoever starts the resource's daemons: the agent (--mps-daemon agent) or the daemon host. Two owners

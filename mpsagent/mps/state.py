@@ -17,10 +17,17 @@ from typing import Annotated
 
 import msgspec
 
-from mpsagent.host import PID_MAX_LIMIT, FileRefusedError, os_reason, pid_alive, read_regular_file, write_atomically
-from mpsagent.logs import get_logger
+from mpsagent.base.host import (
+    PID_MAX_LIMIT,
+    FileRefusedError,
+    os_reason,
+    pid_alive,
+    read_regular_file,
+    write_atomically,
+)
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.shares import Ceilings, ShareModel
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
-from mpsagent.shares import Ceilings, ShareModel
 
 log = get_logger(__name__)
 

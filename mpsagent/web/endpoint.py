@@ -21,11 +21,11 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mpsagent.errors import HostError
-from mpsagent.logs import get_logger
-from mpsagent.metrics import AgentMetrics
-from mpsagent.status import readiness_problems
-from mpsagent.status_document import StatusDocument
+from mpsagent.base.errors import HostError
+from mpsagent.base.logs import get_logger
+from mpsagent.documents.metrics import AgentMetrics
+from mpsagent.documents.status import readiness_problems
+from mpsagent.documents.status_document import StatusDocument
 from mpsagent.web.server import HTTP_LIMITS, Blocking, HttpLimits, HttpServer, Request, Response, listen
 
 log = get_logger(__name__)

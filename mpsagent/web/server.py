@@ -21,8 +21,8 @@ from urllib.parse import unquote
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from mpsagent.errors import shown
-from mpsagent.logs import get_logger
+from mpsagent.base.errors import shown
+from mpsagent.base.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpsagent.config import (
+from mpsagent.base.config import (
     MAX_REPLICAS_BEFORE_VOLTA,
     AllocationPolicy,
     DeviceIdStrategy,
@@ -19,9 +19,9 @@ from mpsagent.config import (
     ResourceSpec,
     SharingConfig,
 )
-from mpsagent.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
-from mpsagent.errors import ConfigError, shown
-from mpsagent.shares import (
+from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
+from mpsagent.base.errors import ConfigError, shown
+from mpsagent.domain.shares import (
     MAX_CLIENTS_PER_GPU,
     MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
     GpuSlots,

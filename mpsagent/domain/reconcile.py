@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from mpsagent.devices import ContainerRef, ReplicaId
-from mpsagent.ledger import Grant, Ledger
-from mpsagent.shares import Share, ShareModel
+from mpsagent.base.devices import ContainerRef, ReplicaId
+from mpsagent.domain.ledger import Grant, Ledger
+from mpsagent.domain.shares import Share, ShareModel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 import anyio
 
 from mpsagent import __version__
-from mpsagent.devices import GpuUuid
-from mpsagent.host import os_reason
-from mpsagent.kubelet.podresources import PodResourcesReconciler
-from mpsagent.logs import get_logger
-from mpsagent.status import (
+from mpsagent.base.devices import GpuUuid
+from mpsagent.base.host import os_reason
+from mpsagent.base.logs import get_logger
+from mpsagent.documents.status import (
     STATUS_FILE,
     ResourceView,
     readiness_problems,
@@ -25,8 +24,9 @@ from mpsagent.status import (
     summary,
     write_status,
 )
-from mpsagent.status_document import PodResourcesStatus, StatusDocument
-from mpsagent.systemd import SystemdNotifier
+from mpsagent.documents.status_document import PodResourcesStatus, StatusDocument
+from mpsagent.kubelet.podresources import PodResourcesReconciler
+from mpsagent.node.systemd import SystemdNotifier
 
 if TYPE_CHECKING:
     from mpsagent.web import WebEndpoint

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import NewType
 
-from mpsagent.errors import shown
+from mpsagent.base.errors import shown
 
 GpuUuid = NewType("GpuUuid", str)
 ReplicaId = NewType("ReplicaId", str)

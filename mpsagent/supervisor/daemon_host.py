@@ -12,14 +12,14 @@ from functools import partial
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.errors import MpsAgentError, agent_errors
-from mpsagent.logs import get_logger
+from mpsagent.base.errors import MpsAgentError, agent_errors
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import Settings
+from mpsagent.domain.plan import NodePlan
 from mpsagent.mps.discovery import record_answering_daemon
 from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
-from mpsagent.plan import NodePlan
-from mpsagent.settings import Settings
-from mpsagent.stop_signals import wait_stop_signal
+from mpsagent.supervisor.stop_signals import wait_stop_signal
 
 log = get_logger("mpsagent.daemon_host")
 

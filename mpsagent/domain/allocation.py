@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsagent.container import ContainerGrant, container_grant
-from mpsagent.devices import GpuUuid, ReplicaId, gpu_of
-from mpsagent.errors import RequestError, shown
-from mpsagent.ledger import Ledger, RecordResult
-from mpsagent.placement import preferred_replicas
-from mpsagent.plan import ResourcePlan
-from mpsagent.reconcile import Holding, ReconcileResult, reconcile
-from mpsagent.shares import Ceilings, ClientLimit
+from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
+from mpsagent.base.errors import RequestError, shown
+from mpsagent.domain.container import ContainerGrant, container_grant
+from mpsagent.domain.ledger import Ledger, RecordResult
+from mpsagent.domain.placement import preferred_replicas
+from mpsagent.domain.plan import ResourcePlan
+from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
+from mpsagent.domain.shares import Ceilings, ClientLimit
 
 MAX_NAMED_IDS = 3
 
@@ -134,5 +134,5 @@ class ResourceAllocator:
         return self.resource.shares.ceilings(self.ledger.tally)
 
     def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
-        """Bring the ledger to the kubelet's listing of this resource (see mpsagent.reconcile)."""
+        """Bring the ledger to the kubelet's listing of this resource (see mpsagent.domain.reconcile)."""
         return reconcile(self.ledger, listed, now=now, grace_s=grace_s, shares=self.resource.shares)

@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mpsagent.config import GrantRule
-from mpsagent.devices import MIB, REPLICA_SEPARATOR, GpuUuid, ReplicaId
+from mpsagent.base.config import GrantRule
+from mpsagent.base.devices import MIB, REPLICA_SEPARATOR, GpuUuid, ReplicaId
 
 MAX_CLIENTS_PER_GPU = 48
 """MPS serves at most this many clients a GPU (Volta and later); the 49th fails with

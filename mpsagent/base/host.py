@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from mpsagent.errors import FileReadError
+from mpsagent.base.errors import FileReadError
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),

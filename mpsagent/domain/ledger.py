@@ -1,4 +1,4 @@
-"""The allocation ledger of one resource: who holds which replicas, and each grant's share (see mpsagent.shares).
+"""The allocation ledger of one resource: who holds which replicas, and each grant's share (see mpsagent.domain.shares).
 
 The kubelet is the authority on allocations: the ledger records, it never refuses. The kubelet hands out a replica
 only once it is free, so a replica granted again means its earlier grant (the whole container) has ended.
@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from mpsagent.devices import ContainerRef, ReplicaId
-from mpsagent.shares import GrantKind, Share, ShareTally
+from mpsagent.base.devices import ContainerRef, ReplicaId
+from mpsagent.domain.shares import GrantKind, Share, ShareTally
 
 
 @dataclass(kw_only=True, slots=True)

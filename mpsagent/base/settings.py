@@ -18,8 +18,8 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 import msgspec
 
-from mpsagent.config import Flags, SharingConfig, check_config, load_config
-from mpsagent.errors import UsageError, shown
+from mpsagent.base.config import Flags, SharingConfig, check_config, load_config
+from mpsagent.base.errors import UsageError, shown
 
 DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")

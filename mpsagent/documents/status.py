@@ -17,14 +17,10 @@ from pathlib import Path
 import msgspec
 
 from mpsagent import __version__
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.devices import GpuUuid, Health, gpu_of
-from mpsagent.errors import UsageError
-from mpsagent.host import FileRefusedError, pid_alive, process_started, read_regular_file, write_atomically
-from mpsagent.inventory import Inventory
-from mpsagent.ledger import Grant
-from mpsagent.shares import Ceilings
-from mpsagent.status_document import (
+from mpsagent.base.devices import GpuUuid, Health, gpu_of
+from mpsagent.base.errors import UsageError
+from mpsagent.base.host import FileRefusedError, pid_alive, process_started, read_regular_file, write_atomically
+from mpsagent.documents.status_document import (
     CapMode,
     CapTamperEvent,
     CeilingsStatus,
@@ -39,6 +35,10 @@ from mpsagent.status_document import (
     ResourceStatus,
     StatusDocument,
 )
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.ledger import Grant
+from mpsagent.domain.shares import Ceilings
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods

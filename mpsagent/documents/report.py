@@ -7,13 +7,9 @@ from pathlib import Path
 
 import msgspec
 
-from mpsagent.allocation import ResourceAllocator
-from mpsagent.devices import ReplicaId, gpu_of
-from mpsagent.errors import RequestError
-from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
-from mpsagent.nfd import node_labels
-from mpsagent.plan import NodePlan, ResourcePlan
-from mpsagent.report_document import (
+from mpsagent.base.devices import ReplicaId, gpu_of
+from mpsagent.base.errors import RequestError
+from mpsagent.documents.report_document import (
     CeilingsReport,
     ComputeModeReport,
     DaemonStartReport,
@@ -24,6 +20,10 @@ from mpsagent.report_document import (
     PlanReport,
     ResourceReport,
 )
+from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.plan import NodePlan, ResourcePlan
+from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
+from mpsagent.node.nfd import node_labels
 
 EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
 

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from mpsagent.errors import DocumentError, shown
+from mpsagent.base.errors import DocumentError, shown
 
 MAX_VALUES = 100_000
 """Values (scalars, lists and mappings) a document may hold with its aliases expanded; a config holds dozens."""

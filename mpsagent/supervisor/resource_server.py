@@ -14,18 +14,18 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.allocation import Allocation, ResourceAllocator
-from mpsagent.devices import gpu_of
-from mpsagent.errors import DaemonError
+from mpsagent.base.devices import gpu_of
+from mpsagent.base.errors import DaemonError
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import Settings
+from mpsagent.documents.status import DaemonView, ResourceView
+from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.gpu.port import GpuSource
-from mpsagent.inventory import Inventory
 from mpsagent.kubelet.plugin import PluginEndpoint
 from mpsagent.kubelet.servicer import DevicePluginServicer, RpcTimer
-from mpsagent.logs import get_logger
 from mpsagent.mps.daemon import DaemonSupervisor
-from mpsagent.plan import ResourcePlan
-from mpsagent.settings import Settings
-from mpsagent.status import DaemonView, ResourceView
 
 log = get_logger("mpsagent.resource_server")
 

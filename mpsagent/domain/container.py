@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from mpsagent.config import DeviceIdStrategy, DeviceListStrategy
-from mpsagent.devices import Gpu, ReplicaId, gpu_of
-from mpsagent.plan import ResourcePlan
-from mpsagent.shares import Share
+from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy
+from mpsagent.base.devices import Gpu, ReplicaId, gpu_of
+from mpsagent.domain.plan import ResourcePlan
+from mpsagent.domain.shares import Share
 
 CONTAINER_MPS_ROOT = PurePosixPath("/mps")
 CONTAINER_SHM = PurePosixPath("/dev/shm")

@@ -12,10 +12,10 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from mpsagent.devices import Gpu
-from mpsagent.host import FileRefusedError, FileTooLargeError, read_regular_file, write_atomically
-from mpsagent.logs import get_logger
-from mpsagent.plan import ResourcePlan
+from mpsagent.base.devices import Gpu
+from mpsagent.base.host import FileRefusedError, FileTooLargeError, read_regular_file, write_atomically
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.plan import ResourcePlan
 
 log = get_logger(__name__)
 FILE_MODE = 0o644  # NFD's worker may run as another user

@@ -18,9 +18,9 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from mpsagent.documents import load_yaml
-from mpsagent.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
-from mpsagent.host import read_input_file
+from mpsagent.base.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
+from mpsagent.base.host import read_input_file
+from mpsagent.base.untrusted import load_yaml
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; NVIDIA's largest examples are a few KiB
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mpsagent.devices import GpuUuid
+from mpsagent.base.devices import GpuUuid
 
 
 @dataclass(kw_only=True, slots=True)

@@ -16,12 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mpsagent import __version__
-from mpsagent.cgroups import PodContainer, pod_container
-from mpsagent.devices import MIB, GpuUuid
-from mpsagent.errors import GpuDiscoveryError
+from mpsagent.base.cgroups import PodContainer, pod_container
+from mpsagent.base.devices import MIB, GpuUuid
+from mpsagent.base.errors import GpuDiscoveryError
+from mpsagent.base.logs import get_logger
+from mpsagent.documents.status_document import CeilingsStatus, GpuStatus, StatusDocument
 from mpsagent.gpu.port import GpuHealthSource
-from mpsagent.logs import get_logger
-from mpsagent.status_document import CeilingsStatus, GpuStatus, StatusDocument
 
 log = get_logger(__name__)
 

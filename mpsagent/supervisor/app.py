@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from mpsagent.devices import GpuUuid
-from mpsagent.errors import MpsAgentError, agent_errors
+from mpsagent.base.devices import GpuUuid
+from mpsagent.base.errors import MpsAgentError, agent_errors
+from mpsagent.base.logs import get_logger
+from mpsagent.base.settings import MpsDaemonOwner, MpsOnExit, Settings
+from mpsagent.documents.status import starting_document
+from mpsagent.domain.plan import NodePlan
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.kubelet.guard import NodeGuard
 from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarget
-from mpsagent.logs import get_logger
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
-from mpsagent.nfd import node_labels, remove_features, write_features
-from mpsagent.plan import NodePlan
-from mpsagent.publisher import StatePublisher, feed_watchdog
-from mpsagent.resource_server import ResourceServer
-from mpsagent.settings import MpsDaemonOwner, MpsOnExit, Settings
-from mpsagent.status import starting_document
-from mpsagent.stop_signals import wait_stop_signal
-from mpsagent.systemd import SystemdNotifier
+from mpsagent.node.nfd import node_labels, remove_features, write_features
+from mpsagent.node.systemd import SystemdNotifier
+from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
+from mpsagent.supervisor.resource_server import ResourceServer
+from mpsagent.supervisor.stop_signals import wait_stop_signal
 
 if TYPE_CHECKING:
     from mpsagent.web import WebEndpoint
@@ -89,7 +89,7 @@ def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> 
     if settings.metrics_address is None:
         return None
     # prometheus_client is only loaded when the endpoint is wanted.
-    from mpsagent.metrics import AgentMetrics  # noqa: PLC0415
+    from mpsagent.documents.metrics import AgentMetrics  # noqa: PLC0415
     from mpsagent.web import WebEndpoint  # noqa: PLC0415
 
     metrics = AgentMetrics(

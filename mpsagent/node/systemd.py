@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from mpsagent.logs import get_logger
+from mpsagent.base.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from mpsagent.devices import GpuUuid, Health, ReplicaId, gpu_of
-from mpsagent.plan import ResourcePlan
+from mpsagent.base.devices import GpuUuid, Health, ReplicaId, gpu_of
+from mpsagent.domain.plan import ResourcePlan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

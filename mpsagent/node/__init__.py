@@ -1,0 +1,1 @@
+"""What the agent tells the node: systemd's notify protocol (`systemd`) and node-feature-discovery labels (`nfd`)."""
