@@ -40,8 +40,7 @@ def test_a_grant_is_recorded_with_its_times_share_and_replicas() -> None:
     assert (grant.granted_at, grant.granted_monotonic) == (1700000000.0, 42.0)
     assert (grant.owner, grant.adopted, result.ended) == (None, False, ())
     assert holders(ledger) == {A[0]: 1, A[1]: 1}
-    assert ledger.held_replicas() == 2
-    assert ledger.live_shares() == (share(A[0], A[1]),)
+    assert [g.share for g in ledger.live_grants()] == [share(A[0], A[1])]
     assert ledger.tally.clients(0) == 1
 
 
@@ -64,12 +63,12 @@ def test_a_withdrawn_grant_gives_the_ended_grants_back() -> None:
     ledger = Ledger()
     first = record(ledger, A[0]).grant
     record(ledger, A[2])
-    before = (holders(ledger), ledger.statistics(), ledger.live_shares())
+    before = (holders(ledger), ledger.statistics(), ledger.live_grants())
     failed = ledger.record(tuple(A), share(*A))  # the whole GPU: ends both
     assert failed.grant.kind is GrantKind.FULL
     assert len(failed.ended) == 2
     ledger.withdraw(failed)
-    assert (holders(ledger), ledger.statistics(), ledger.live_shares()) == before
+    assert (holders(ledger), ledger.statistics(), ledger.live_grants()) == before
     assert ledger.holder(A[0]) is first
 
 
@@ -119,9 +118,10 @@ def test_an_adopted_grant_names_its_owner_and_counts_apart_from_allocations() ->
         lambda ledger: record(ledger, A[3]),
         lambda ledger: ledger.release([1]),
         lambda ledger: ledger.adopt((A[3],), share(A[3]), OWNER),
-        lambda ledger: ledger.note_change(),
+        lambda ledger: ledger.mark_listed(ledger.live_grants()[0], OWNER),
+        lambda ledger: ledger.mark_unlisted(ledger.live_grants()[0], now=5.0),
     ],
-    ids=["record", "release", "adopt", "note_change"],
+    ids=["record", "release", "adopt", "mark_listed", "mark_unlisted"],
 )
 def test_the_version_moves_on_every_change(change) -> None:
     ledger = Ledger()
@@ -135,5 +135,5 @@ def test_reading_the_ledger_changes_nothing() -> None:
     ledger = Ledger()
     record(ledger, A[0])
     version = ledger.version
-    ledger.holder(A[0]), ledger.live_grants(), ledger.statistics(), ledger.held_replicas(), ledger.live_shares()
+    ledger.holder(A[0]), ledger.live_grants(), ledger.statistics(), ledger.never_listed(), ledger.tally.clients(0)
     assert ledger.version == version

@@ -82,8 +82,8 @@ def serving_views() -> list[ResourceView]:
     allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 60, lambda: MONOTONIC - 60))
     ids = gpus.device_ids
     capped, full = allocator.allocate([ids[:1], ids[4:8]])
-    capped.record.grant.owner = ContainerRef(namespace="ml", pod="train-0", container="main")
-    full.record.grant.missing_since = MONOTONIC - 30
+    allocator.ledger.mark_listed(capped.record.grant, ContainerRef(namespace="ml", pod="train-0", container="main"))
+    allocator.ledger.mark_unlisted(full.record.grant, MONOTONIC - 30)
     serve = ContainerRef(namespace="ml", pod="serve-1", container="main")
     allocator.ledger.adopt(ids[1:2], gpus.shares.share_of(ids[1:2]), serve)
     inventory = Inventory(gpus, daemon_ready=True)

@@ -1,7 +1,9 @@
 """The allocation ledger of one resource: who holds which replicas, and each grant's share (see mpsagent.domain.shares).
 
 The kubelet is the authority on allocations: the ledger records, it never refuses. The kubelet hands out a replica
-only once it is free, so a replica granted again means its earlier grant (the whole container) has ended.
+only once it is free, so a replica granted again means its earlier grant (the whole container) has ended. The ledger
+alone changes a grant, one method per change (record, withdraw, adopt, mark_listed, mark_unlisted, release), each
+moving `version`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ from mpsagent.domain.shares import GrantKind, Share, ShareTally
 
 
 @dataclass(kw_only=True, slots=True)
+class _Listing:
+    """What the kubelet's listings have shown of a grant: the one part of a grant that changes, changed by the ledger
+    alone (`Ledger.mark_listed`, `Ledger.mark_unlisted`)."""
+
+    owner: ContainerRef | None = None
+    missing_since: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Grant:
+    """One grant of the ledger, read-only to everyone but the ledger."""
+
     grant_id: int
     replica_ids: tuple[ReplicaId, ...]
     share: Share
@@ -25,16 +38,23 @@ class Grant:
     granted_monotonic: float
     """Monotonic time of the grant: reconciliation's grace clock never starts before it."""
     superseded_ids: tuple[ReplicaId, ...] = ()
-    owner: ContainerRef | None = None
-    """The container holding the grant, once the kubelet's pod-resources API has listed it."""
     adopted: bool = False
     """Learned from the kubelet's listing rather than from an Allocate of this agent."""
-    missing_since: float | None = None
-    """Monotonic time of the first listing that no longer showed the grant (reconciliation's grace clock)."""
+    _listing: _Listing = field(default_factory=_Listing, compare=False)
 
     @property
     def kind(self) -> GrantKind:
         return self.share.kind
+
+    @property
+    def owner(self) -> ContainerRef | None:
+        """The container holding the grant, once the kubelet's pod-resources API has listed it."""
+        return self._listing.owner
+
+    @property
+    def missing_since(self) -> float | None:
+        """Monotonic time of the first listing that no longer showed the grant (reconciliation's grace clock)."""
+        return self._listing.missing_since
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,17 +84,17 @@ class Ledger:
         self._holder: dict[ReplicaId, int] = {}
         self._stats = LedgerStatistics()
         self._version = 0
-        self.tally = ShareTally()
-        """The live grants' shares, counted for ceilings and the client limit."""
+        self._tally = ShareTally()
 
     @property
     def version(self) -> int:
         """Moves whenever a grant is added, ended, or learns its owner or listing state: a cheap "changed?"."""
         return self._version
 
-    def note_change(self) -> None:
-        """Called by whoever updates a live grant's owner or listing state in place."""
-        self._version += 1
+    @property
+    def tally(self) -> ShareTally:
+        """The live grants' shares, counted for ceilings and the client limit (read it; the ledger keeps it)."""
+        return self._tally
 
     def record(self, replica_ids: tuple[ReplicaId, ...], share: Share) -> RecordResult:
         """Record an Allocate's grant."""
@@ -102,11 +122,11 @@ class Ledger:
             granted_at=self._wall(),
             granted_monotonic=self._monotonic(),
             superseded_ids=regranted,
-            owner=owner,
             adopted=owner is not None,
+            _listing=_Listing(owner=owner),
         )
         self._live[grant.grant_id] = grant
-        self.tally.add(share)
+        self._tally.add(share)
         for replica in replica_ids:
             self._holder[replica] = grant.grant_id
         self._version += 1
@@ -125,13 +145,40 @@ class Ledger:
         restored = [g for g in result.ended if all(r not in self._holder for r in g.replica_ids)]
         for earlier in restored:
             self._live[earlier.grant_id] = earlier
-            self.tally.add(earlier.share)
+            self._tally.add(earlier.share)
             for replica in earlier.replica_ids:
                 self._holder[replica] = earlier.grant_id
         self._stats.grants[grant.kind] -= 1
         self._stats.regranted_replicas -= len(grant.superseded_ids)
         self._stats.superseded_grants -= len(restored)
         self._version += 1
+
+    def mark_listed(self, grant: Grant, owner: ContainerRef) -> bool:
+        """A listing of the kubelet shows this live grant, held by `owner`: its grace clock stops and its owner is
+        named. True when the owner is new (the grant is identified)."""
+        listing = self._live_listing(grant)
+        if listing.missing_since is not None:
+            listing.missing_since = None
+            self._version += 1
+        if listing.owner == owner:
+            return False
+        listing.owner = owner
+        self._version += 1
+        return True
+
+    def mark_unlisted(self, grant: Grant, now: float) -> float:
+        """A listing of the kubelet no longer shows this live grant: its grace clock starts, at `now` (monotonic) but
+        never before the grant, unless it runs already. Returns when it started."""
+        listing = self._live_listing(grant)
+        if listing.missing_since is None:
+            listing.missing_since = max(now, grant.granted_monotonic)
+            self._version += 1
+        return listing.missing_since
+
+    def _live_listing(self, grant: Grant) -> _Listing:
+        if self._live.get(grant.grant_id) is not grant:
+            raise ValueError(f"grant {grant.grant_id} is not live in this ledger")
+        return grant._listing
 
     def release(self, grant_ids: Iterable[int]) -> tuple[Grant, ...]:
         """End these grants (the containers that held them are gone)."""
@@ -142,7 +189,7 @@ class Ledger:
     def _end(self, grant_id: int) -> Grant:
         self._version += 1
         grant = self._live.pop(grant_id)
-        self.tally.remove(grant.share)
+        self._tally.remove(grant.share)
         for replica in grant.replica_ids:
             if self._holder.get(replica) == grant_id:
                 del self._holder[replica]
@@ -158,12 +205,6 @@ class Ledger:
     def never_listed(self) -> int:
         """Live grants that no listing of the kubelet has shown yet (their container is not known)."""
         return sum(grant.owner is None for grant in self._live.values())
-
-    def held_replicas(self) -> int:
-        return len(self._holder)
-
-    def live_shares(self) -> tuple[Share, ...]:
-        return tuple(grant.share for grant in self._live.values())
 
     def statistics(self) -> LedgerStatistics:
         live = dict.fromkeys(GrantKind, 0)

@@ -136,12 +136,7 @@ def reconcile(
         holders = {grant.grant_id: grant for r in holding.replica_ids if (grant := ledger.holder(r)) is not None}
         match = next(iter(holders.values())) if len(holders) == 1 else None
         if match is not None and set(match.replica_ids) == set(holding.replica_ids) and match.share == share:
-            if match.missing_since is not None:
-                match.missing_since = None
-                ledger.note_change()
-            if match.owner != holding.container:
-                match.owner = holding.container
-                ledger.note_change()
+            if ledger.mark_listed(match, holding.container):
                 identified.append(match)
             seen.add(match.grant_id)
             continue
@@ -157,10 +152,7 @@ def reconcile(
     for grant in ledger.live_grants():
         if grant.grant_id in seen:
             continue
-        if grant.missing_since is None:
-            grant.missing_since = max(now, grant.granted_monotonic)
-            ledger.note_change()
-        if now - grant.missing_since >= grace_s:
+        if now - ledger.mark_unlisted(grant, now) >= grace_s:
             expired.append(grant.grant_id)
         else:
             missing += 1
