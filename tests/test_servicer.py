@@ -7,13 +7,19 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import grpclib.protocol
+import grpclib.server
 import pytest
 from google.protobuf.message import Message
 from grpclib import GRPCError, Status
 from grpclib.client import UnaryStreamMethod, UnaryUnaryMethod
+from grpclib.const import Cardinality
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.events import _DispatchServerEvents
 from grpclib.testing import ChannelFor
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
@@ -23,7 +29,7 @@ from mpsagent.domain.allocation import Allocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer
+from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer, EndedInsideMessage, RequestWire
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 CALL_TIMEOUT_S = 5
@@ -333,3 +339,67 @@ def test_an_undecodable_request_is_refused_and_changes_nothing(served: Served) -
     )
     assert served.live() == []
     assert served.daemon.calls == []
+
+
+# --- the one adapter below grpclib's public surface ---------------------------------------------------------------
+
+
+def _server_stream(h2_stream: object) -> Any:
+    return grpclib.server.Stream(
+        h2_stream,  # type: ignore[arg-type]
+        SERVICE + "Allocate",
+        Cardinality.UNARY_UNARY,
+        pb.AllocateRequest,
+        pb.AllocateResponse,
+        codec=ProtoCodec(),
+        status_details_codec=None,
+        dispatch=_DispatchServerEvents(),
+    )
+
+
+def _http2_stream(*chunks: bytes) -> grpclib.protocol.Stream:
+    """grpclib's HTTP/2 stream of a request, fed as grpclib's protocol handler feeds it: data, then its end."""
+    connection = SimpleNamespace(
+        ack=lambda stream_id, size: None, streams_started=0, last_stream_created=None, get_peer=lambda: None
+    )
+    stream = grpclib.protocol.Stream(connection, None, None)  # type: ignore[arg-type]
+    stream.init_stream(1, connection)  # type: ignore[arg-type]
+    for chunk in chunks:
+        stream.buffer.add(chunk, len(chunk))
+    stream.buffer.eof()
+    return stream
+
+
+def test_grpclib_still_has_what_the_request_wire_reads() -> None:
+    """`RequestWire` reads below grpclib's public surface (grpclib 0.4 has no receive limit): the HTTP/2 stream a
+    server `Stream` keeps as `_stream`, and its `recv_data`. This fails when grpclib changes either."""
+
+    async def main() -> None:
+        wire = RequestWire(_server_stream(_http2_stream(b"\0\0\0\0\3", b"ab", b"c")))
+        assert await wire.read(5) == b"\0\0\0\0\3"  # whole reads across the frames as they came
+        assert await wire.read(3) == b"abc"
+        assert await wire.read(5) == b""  # ended before any byte: the client sent nothing more
+        with pytest.raises(EndedInsideMessage):
+            await RequestWire(_server_stream(_http2_stream(b"\0\0\0"))).read(5)  # ended inside the bytes asked for
+        assert await RequestWire(_server_stream(_http2_stream())).read_exactly(0) == b""  # an empty message
+        with pytest.raises(EndedInsideMessage):
+            await RequestWire(_server_stream(_http2_stream())).read_exactly(3)
+
+    anyio.run(main)
+
+
+def test_a_request_that_ends_inside_its_message_is_refused(served: Served) -> None:
+    async def main() -> None:
+        error: GRPCError | None = None
+        for sent in (b"\0\0\0", b"\0\0\0\0\x09", b"\0\0\0\0\x09\x0a\x01"):
+            stream = _server_stream(_http2_stream(sent))
+            with pytest.raises(GRPCError) as refused_here:
+                await served.servicer._receive(stream, "Allocate", pb.AllocateRequest)
+            error = refused_here.value
+            assert (error.status, error.message) == (
+                Status.INVALID_ARGUMENT,
+                f"{RESOURCE}: the Allocate request ended inside its message",
+            )
+        assert await served.servicer._receive(_server_stream(_http2_stream()), "Allocate", pb.AllocateRequest) is None
+
+    anyio.run(main)
