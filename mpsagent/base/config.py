@@ -1,6 +1,7 @@
 """The config file: the NVIDIA device plugin's `v1` schema, with the agent's own keys under `flags`.
 
-`load_config` parses and checks the file's shape; checks that need the GPUs (device references, replica limits)
+`load_config` parses the file and `check_config` checks its shape into a `values.SharingConfig` (the enums and
+value types live in `values`, which does no I/O); checks that need the GPUs (device references, replica limits)
 live in `plan.build_plan`. The agent's settings (flags, environment, precedence) are `settings.py`'s, which reads
 the `flags` keys of its table from `Flags`.
 """
@@ -11,7 +12,6 @@ import enum
 import json
 import math
 import re
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -21,19 +21,25 @@ import msgspec
 from mpsagent.base.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
 from mpsagent.base.host import read_input_file
 from mpsagent.base.untrusted import load_yaml
+from mpsagent.base.values import (
+    MAX_CLIENTS_PER_GPU,
+    MIB,
+    AllocationPolicy,
+    DeviceIdStrategy,
+    DeviceListStrategy,
+    DeviceSelector,
+    GrantRule,
+    MultiUser,
+    ResourceSpec,
+    SharingConfig,
+)
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes; NVIDIA's largest examples are a few KiB
 DEFAULT_RESOURCE_DOMAIN = "nvidia.com"
-MAX_REPLICAS = 48
-MAX_REPLICAS_BEFORE_VOLTA = 16
-MIB_BYTES = 1 << 20
 
 
 class _Strict(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Base for config sections: camelCase keys, unknown keys refused (a typo must not pass silently)."""
-
-
-DeviceSelector = Literal["all"] | int | list[int | str]
 
 
 class MpsResource(_Strict, frozen=True):
@@ -138,71 +144,6 @@ _IGNORED_PLUGIN_KEYS = {
     "nvidia_ctk_path": "flags.plugin.nvidiaCTKPath",
     "container_driver_root": "flags.plugin.containerDriverRoot",
 }
-
-
-class DeviceListStrategy(enum.StrEnum):
-    ENVVAR = "envvar"
-    CDI_CRI = "cdi-cri"
-
-
-class DeviceIdStrategy(enum.StrEnum):
-    UUID = "uuid"
-    INDEX = "index"
-
-
-class AllocationPolicy(enum.StrEnum):
-    DISTRIBUTED = "distributed"
-    PACKED = "packed"
-
-
-class GrantRule(enum.StrEnum):
-    """`sharing.mps.grants`: how a grant's caps follow the replicas it holds. Proportional: k of a GPU's N IDs are
-    k/N of that GPU; equal: the NVIDIA device plugin's rule (every replica of the resource: no caps; anything else:
-    1/replicas of every GPU of the resource)."""
-
-    PROPORTIONAL = "proportional"
-    EQUAL = "equal"
-
-
-class MultiUser(enum.StrEnum):
-    """`sharing.mps.multiUser`: one MPS server for every user when the control binary offers it (auto), always
-    (true: a binary without it is refused), or never (false: pods of different users take turns)."""
-
-    AUTO = "auto"
-    ON = "true"
-    OFF = "false"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ResourceSpec:
-    """One `sharing.mps.resources[]` entry, normalised; `path` is its key path for error messages."""
-
-    path: str
-    name: str
-    advertised_name: str
-    replicas: int | None
-    """Device IDs per GPU; None for a memory-unit resource."""
-    memory_unit_bytes: int | None
-    """Memory per device ID; None for a replica resource."""
-    devices: DeviceSelector
-    renamed: bool
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SharingConfig:
-    """What the config file says about sharing and allocation, checked and with defaults applied."""
-
-    resources: tuple[ResourceSpec, ...]
-    fail_requests_greater_than_one: bool
-    enforce_caps: bool
-    device_list_strategy: DeviceListStrategy
-    device_id_strategy: DeviceIdStrategy
-    allocation_policy: AllocationPolicy
-    ignored_keys: tuple[str, ...]
-    multi_user: MultiUser = MultiUser.AUTO
-    # Accepted as the NVIDIA plugin accepts them, but worth a warning (a missing `version`).
-    warnings: tuple[str, ...] = ()
-    grants: GrantRule = GrantRule.PROPORTIONAL
 
 
 _E = TypeVar("_E", bound=enum.StrEnum)
@@ -356,7 +297,7 @@ def _memory_unit(path: str, entry: MpsResource) -> int | None:
     unit: int | None = value if isinstance(value, int) else parse_quantity(_quantity_text(value))
     if unit is None:
         raise ConfigError(path, f"`{shown(value)}` is not a Kubernetes quantity; write it like 1Gi, 512Mi or 8G")
-    if unit < MIB_BYTES:
+    if unit < MIB:
         raise ConfigError(path, f"`{shown(value)}` is less than 1Mi; a memory unit is at least 1Mi, for example 1Gi")
     return unit
 
@@ -385,10 +326,10 @@ def _resource_spec(index: int, entry: MpsResource, rename_by_default: bool) -> R
         raise ConfigError(
             path, "required key `replicas` is missing (or give `memoryUnit`, the memory of one ID, e.g. 1Gi)"
         )
-    if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
+    if replicas is not None and not 1 <= replicas <= MAX_CLIENTS_PER_GPU:
         raise ConfigError(
             f"{path}.replicas",
-            f"must be between 1 and {MAX_REPLICAS} (MPS client limit), not {shown(entry.replicas)}",
+            f"must be between 1 and {MAX_CLIENTS_PER_GPU} (MPS client limit), not {shown(entry.replicas)}",
         )
     devices = _device_selector(f"{path}.devices", entry.devices)
     return ResourceSpec(

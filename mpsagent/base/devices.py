@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import NewType
 
 from mpsagent.base.errors import shown
+from mpsagent.base.values import MIB
 
 GpuUuid = NewType("GpuUuid", str)
 ReplicaId = NewType("ReplicaId", str)
 ResourceName = NewType("ResourceName", str)
 
 REPLICA_SEPARATOR = "::"
-MIB = 1024 * 1024
 MAX_GPUS_PER_NODE = 64
 """Nodes carry 8 GPUs (DGX, HGX) or up to about 20 (PCIe servers) today; 64 leaves room and bounds what a node's
 set-up and every request over its replica IDs can cost."""

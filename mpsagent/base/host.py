@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 from mpsagent.base.errors import FileReadError
+from mpsagent.base.values import MIB
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -41,7 +42,7 @@ class FileTooLargeError(FileRefusedError):
 
 def size_text(size: int) -> str:
     """A byte count as a message says it: `64 MiB`, or `1000 bytes`."""
-    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size} bytes"
+    return f"{size // MIB} MiB" if size % MIB == 0 else f"{size} bytes"
 
 
 def file_kind(mode: int) -> str:

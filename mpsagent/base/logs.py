@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import structlog
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.base.settings import LogFormat
+from mpsagent.base.values import LogFormat
 
 
 def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info") -> None:

@@ -9,7 +9,6 @@ read in `config.py`; only this module and that one read the environment or files
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -18,8 +17,18 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 import msgspec
 
-from mpsagent.base.config import Flags, SharingConfig, check_config, load_config
+from mpsagent.base.config import Flags, check_config, load_config
 from mpsagent.base.errors import UsageError, shown
+from mpsagent.base.values import (
+    APPLICATION_XIDS,
+    DEFAULT_PROBE_INTERVAL_S,
+    LogFormat,
+    LogLevel,
+    MpsDaemonOwner,
+    MpsOnExit,
+    SharingConfig,
+    XidPolicy,
+)
 
 DEFAULT_KUBELET_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
 DEFAULT_MPS_ROOT = Path("/run/nvidia/mps")
@@ -31,64 +40,11 @@ MIN_RECONCILE_GRACE_S = 10.0
 DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
-DEFAULT_PROBE_INTERVAL_S = 3.0
 # Below 1 s the rounds cost more than they protect; above 60 s a lifted cap would last too long.
 PROBE_INTERVAL_BOUNDS_S = (1.0, 60.0)
 MAX_SECONDS = 86400.0
-# Application errors: the GPU stays healthy (the NVIDIA device plugin's list).
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 DISABLE_HEALTHCHECKS_ENV = "DP_DISABLE_HEALTHCHECKS"
 ENABLE_HEALTHCHECKS_ENV = "DP_ENABLE_HEALTHCHECKS"
-
-
-class LogFormat(enum.StrEnum):
-    AUTO = "auto"
-    JSON = "json"
-    CONSOLE = "console"
-
-
-class LogLevel(enum.StrEnum):
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-
-
-class MpsOnExit(enum.StrEnum):
-    KEEP = "keep"
-    QUIT = "quit"
-
-
-class MpsDaemonOwner(enum.StrEnum):
-    """Who starts the MPS control daemons: the agent itself (a host process under systemd, where they outlive it),
-    or `mpsagent --daemon-host` in a container of its own (Kubernetes: the daemons outlive the agent's container)."""
-
-    AGENT = "agent"
-    HOST = "host"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class XidPolicy:
-    """Which NVML critical Xids make a GPU unhealthy, from DP_DISABLE_HEALTHCHECKS and DP_ENABLE_HEALTHCHECKS.
-
-    As in the NVIDIA device plugin: the application Xids are ignored; DISABLE adds Xids to ignore (`all` or
-    `xids` ignores every Xid); ENABLE names Xids that count even so (`all` makes every Xid count).
-    """
-
-    ignored: frozenset[int] = APPLICATION_XIDS
-    ignore_all: bool = False
-    enabled: frozenset[int] = frozenset()
-    enable_all: bool = False
-
-    def is_critical(self, xid: int) -> bool:
-        if self.enable_all or xid in self.enabled:
-            return True
-        return not self.ignore_all and xid not in self.ignored
-
-    @property
-    def watching(self) -> bool:
-        """False when no Xid can ever count: the event watch is not started at all."""
-        return self.enable_all or bool(self.enabled) or not self.ignore_all
 
 
 # --- one setting ------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ from prometheus_client.registry import Collector
 
 from mpsagent import __version__
 from mpsagent.base.cgroups import PodContainer, pod_container
-from mpsagent.base.devices import MIB, GpuUuid
+from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import GpuDiscoveryError
 from mpsagent.base.logs import get_logger
+from mpsagent.base.values import MIB
 from mpsagent.documents.status_document import CeilingsStatus, GpuStatus, StatusDocument
 from mpsagent.gpu.port import GpuHealthSource
 

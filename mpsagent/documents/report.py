@@ -9,6 +9,7 @@ import msgspec
 
 from mpsagent.base.devices import ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
+from mpsagent.base.values import MIB
 from mpsagent.documents.report_document import (
     CeilingsReport,
     ComputeModeReport,
@@ -168,9 +169,7 @@ def _example_lines(example: ExampleReport) -> list[str]:
 def _resource_lines(res: ResourceReport) -> list[str]:
     ids = res.device_ids
     per_gpu = (
-        f"memory units of {res.memory_unit_bytes // 1048576} MiB"
-        if res.memory_unit_bytes
-        else f"{res.replicas} replicas"
+        f"memory units of {res.memory_unit_bytes // MIB} MiB" if res.memory_unit_bytes else f"{res.replicas} replicas"
     )
     lines = [
         "",
@@ -208,7 +207,7 @@ def render_text(report: PlanReport) -> str:
     for gpu in report.gpus:
         numa = "?" if gpu.numa_node is None else gpu.numa_node
         lines.append(
-            f"  {gpu.index}  {gpu.uuid}  {gpu.name}  {gpu.memory_bytes // 1048576} MiB  "
+            f"  {gpu.index}  {gpu.uuid}  {gpu.name}  {gpu.memory_bytes // MIB} MiB  "
             f"cc {gpu.compute_capability}  numa {numa}{'  MIG' if gpu.mig_enabled else ''}"
         )
     for res in report.resources:

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy
 from mpsagent.base.devices import Gpu, ReplicaId, gpu_of
+from mpsagent.base.values import DeviceIdStrategy, DeviceListStrategy
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Share
 

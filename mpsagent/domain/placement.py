@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mpsagent.base.config import AllocationPolicy
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
+from mpsagent.base.values import AllocationPolicy
 
 
 def preferred_replicas(

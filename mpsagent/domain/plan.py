@@ -10,8 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpsagent.base.config import (
-    MAX_REPLICAS_BEFORE_VOLTA,
+from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
+from mpsagent.base.errors import ConfigError, shown
+from mpsagent.base.values import (
+    MAX_CLIENTS_PER_GPU,
+    MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
+    MIB,
     AllocationPolicy,
     DeviceIdStrategy,
     DeviceListStrategy,
@@ -19,14 +23,7 @@ from mpsagent.base.config import (
     ResourceSpec,
     SharingConfig,
 )
-from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
-from mpsagent.base.errors import ConfigError, shown
-from mpsagent.domain.shares import (
-    MAX_CLIENTS_PER_GPU,
-    MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
-    GpuSlots,
-    ShareModel,
-)
+from mpsagent.domain.shares import GpuSlots, ShareModel
 
 MAX_MEMORY_UNITS_PER_GPU = 256
 """What a memory-unit resource may advertise per GPU (1 GiB units of a 141 GiB GPU are 140): bounds the device
@@ -127,11 +124,11 @@ def _check_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> None:
                 f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled; MPS sharing needs MIG disabled "
                 "(nvidia-smi -i <index> -mig 0), or leave the GPU out of this resource",
             )
-        if gpu.compute_capability < (7, 0) and (spec.replicas or 0) > MAX_REPLICAS_BEFORE_VOLTA:
+        if gpu.compute_capability < (7, 0) and (spec.replicas or 0) > MAX_CLIENTS_PER_GPU_BEFORE_VOLTA:
             raise ConfigError(
                 f"{spec.path}.replicas",
                 f"GPU {gpu.index} has compute capability {gpu.compute_capability_text}, where MPS allows at most "
-                f"{MAX_REPLICAS_BEFORE_VOLTA} clients; {spec.replicas} is too many",
+                f"{MAX_CLIENTS_PER_GPU_BEFORE_VOLTA} clients; {spec.replicas} is too many",
             )
 
 

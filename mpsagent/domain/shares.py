@@ -25,13 +25,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mpsagent.base.config import GrantRule
-from mpsagent.base.devices import MIB, REPLICA_SEPARATOR, GpuUuid, ReplicaId
+from mpsagent.base.devices import REPLICA_SEPARATOR, GpuUuid, ReplicaId
+from mpsagent.base.values import MAX_CLIENTS_PER_GPU, MIB, GrantRule
 
-MAX_CLIENTS_PER_GPU = 48
-"""MPS serves at most this many clients a GPU (Volta and later); the 49th fails with
-CUDA_ERROR_MPS_MAX_CLIENTS_REACHED."""
-MAX_CLIENTS_PER_GPU_BEFORE_VOLTA = 16
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
 MAX_INDEX_DIGITS = 4

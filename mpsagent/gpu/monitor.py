@@ -16,7 +16,7 @@ from anyio.abc import TaskStatus
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import GpuHealthError
 from mpsagent.base.logs import get_logger
-from mpsagent.base.settings import XidPolicy
+from mpsagent.base.values import XidPolicy
 from mpsagent.domain.health import GpuHealthTracker
 from mpsagent.domain.inventory import Inventory
 from mpsagent.gpu.port import GpuEventWatch, GpuHealthSource, XidEvent

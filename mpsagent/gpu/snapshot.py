@@ -11,7 +11,6 @@ import msgspec
 
 from mpsagent.base.devices import (
     MAX_GPUS_PER_NODE,
-    MIB,
     UNKNOWN_DRIVER_VERSION,
     Gpu,
     GpuUuid,
@@ -22,6 +21,7 @@ from mpsagent.base.devices import (
 from mpsagent.base.errors import DocumentError, FileReadError, SnapshotError, shown
 from mpsagent.base.host import read_input_file
 from mpsagent.base.untrusted import load_yaml
+from mpsagent.base.values import MIB
 from mpsagent.gpu.port import ComputeMode
 
 MAX_SNAPSHOT_BYTES = 4 << 20

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mpsagent.base.config import MultiUser
 from mpsagent.base.errors import ConfigError
+from mpsagent.base.values import MultiUser
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
 

@@ -31,7 +31,7 @@ from mpsagent.base.errors import (
     UnrecordedDaemonError,
 )
 from mpsagent.base.logs import get_logger
-from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
+from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings

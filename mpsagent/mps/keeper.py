@@ -18,7 +18,7 @@ from anyio.abc import Process, TaskStatus
 
 from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonError
 from mpsagent.base.logs import get_logger
-from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S
+from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel

@@ -13,9 +13,9 @@ import anyio
 from anyio.abc import Process
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.base.config import MultiUser
 from mpsagent.base.errors import DaemonError, UnrecordedDaemonError
 from mpsagent.base.host import FileRefusedError, open_private_file, pid_alive
+from mpsagent.base.values import MultiUser
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_launch, multi_user_server
 from mpsagent.mps.control import ControlChannel, offers_multi_user

@@ -20,7 +20,8 @@ from anyio.abc import TaskGroup, TaskStatus
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import MpsAgentError, agent_errors
 from mpsagent.base.logs import get_logger
-from mpsagent.base.settings import MpsDaemonOwner, MpsOnExit, Settings
+from mpsagent.base.settings import Settings
+from mpsagent.base.values import MpsDaemonOwner, MpsOnExit
 from mpsagent.documents.status import starting_document
 from mpsagent.domain.plan import NodePlan
 from mpsagent.gpu.monitor import GpuHealthMonitor
