@@ -1,6 +1,7 @@
 """Test support for mpsagent, in the spirit of `trio.testing`: the stand-ins and helpers that tests/, bench/ and
-scripts/hardware_check.py share. Installed with the project (`pip install -e '.[test]'`; it needs the test extra:
-grpcio, hypothesis); nothing in `mpsagent` imports it (an import-linter contract).
+scripts/hardware_check.py share. A distribution of its own (testing/pyproject.toml, `pip install -e ./testing`;
+its dependencies grpcio, grpcio-tools, hypothesis and pytest), so that the agent's distribution carries the agent
+only; nothing in `mpsagent` imports it (an import-linter contract).
 
 - `repo` — where the checkout's files are;
 - `node` — the node the tests describe (GPU UUIDs, replica IDs, the snapshot and config files);

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import packages_distributions, requires
@@ -714,3 +715,38 @@ def test_units_use_only_the_agents_environment_variables(rendered: list[dict]) -
     for name in (AGENT, MPS_DAEMON):
         used |= set(environment(only_container(daemonset(rendered, name))))
     assert used - NOT_AGENT_FLAGS - known == set()
+
+
+# --- the two distributions ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """The agent's wheel and the test support's, built from the checkout: their members by distribution."""
+    out = tmp_path_factory.mktemp("wheels")
+    members: dict[str, set[str]] = {}
+    for name, source in (("mpsagent", ROOT), ("mpsagent_testing", ROOT / "testing")):
+        done = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                   out / name, source, timeout=IMAGE_TIMEOUT_S)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        (wheel,) = (out / name).glob("*.whl")
+        members[name] = set(zipfile.ZipFile(wheel).namelist())
+    return members
+
+
+def test_the_agents_wheel_carries_the_agent_only(wheels: dict[str, set[str]]) -> None:
+    top = {member.split("/")[0] for member in wheels["mpsagent"] if not member.startswith("mpsagent-")}
+    assert top == {"mpsagent"}, "a production node must not get the fakes (a fake nvidia-cuda-mps-control among them)"
+
+
+def test_the_test_supports_wheel_carries_the_fakes_and_the_protos(wheels: dict[str, set[str]]) -> None:
+    members = wheels["mpsagent_testing"]
+    assert {m.split("/")[0] for m in members if not m.startswith("mpsagent_testing-")} == {"mpsagent_testing"}
+    needed = {
+        "nvml/fake_nvml.c",
+        "mps/nvidia-cuda-mps-control",
+        "cluster/gomod/go.sum",
+        "kubelet/protos/deviceplugin/v1beta1/api.proto",
+        "kubelet/protos/podresources/v1/api.proto",
+    }
+    assert {f"mpsagent_testing/{path}" for path in needed} <= members

@@ -1,4 +1,5 @@
-"""Generates grpcio stubs for the kubelet APIs from protos/ into tests/.build/ and imports them."""
+"""Generates grpcio stubs for the kubelet APIs from the repository's protos/ (linked here as `protos`, so that an
+installed copy of the test support carries them) into `_generated/` beside this file, and imports them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from types import ModuleType
 
 from grpc_tools import protoc
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "tests" / ".build" / "grpc_stubs"
+PROTO_DIR = Path(__file__).with_name("protos")
+OUT = Path(__file__).with_name("_generated")
 PROTOS = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
 
 
@@ -18,13 +19,11 @@ def _generate() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for proto in PROTOS:
         package = OUT / Path(proto).parent
-        source = ROOT / "protos" / proto
+        source = PROTO_DIR / proto
         target = package / "api_pb2_grpc.py"
         if target.exists() and target.stat().st_mtime > source.stat().st_mtime:
             continue
-        code = protoc.main(
-            ["protoc", f"-I{ROOT / 'protos'}", f"--python_out={OUT}", f"--grpc_python_out={OUT}", str(source)]
-        )
+        code = protoc.main(["protoc", f"-I{PROTO_DIR}", f"--python_out={OUT}", f"--grpc_python_out={OUT}", str(source)])
         if code != 0:
             raise RuntimeError(f"protoc failed for {proto}")
 
