@@ -43,13 +43,21 @@ class ResourcePlan:
     device_ids: tuple[ReplicaId, ...]
     directory: Path
     fail_requests_greater_than_one: bool
-    enforce_caps: bool
     device_list_strategy: DeviceListStrategy
     device_id_strategy: DeviceIdStrategy
     allocation_policy: AllocationPolicy
     shares: ShareModel = field(compare=False)
+    """How its IDs turn into shares; it also says whether the daemon enforces caps and a memory unit's size."""
     multi_user: MultiUser = MultiUser.AUTO
-    memory_unit_bytes: int | None = None
+
+    @property
+    def enforce_caps(self) -> bool:
+        return self.shares.enforce
+
+    @property
+    def memory_unit_bytes(self) -> int | None:
+        """Memory per device ID for a memory-unit resource; None for replicas."""
+        return self.shares.unit_bytes
 
     @property
     def memory_units(self) -> bool:
@@ -219,13 +227,11 @@ def build_plan(sharing: SharingConfig, node: NodeGpus, mps_root: Path) -> NodePl
                 ),
                 directory=mps_root / spec.advertised_name,
                 fail_requests_greater_than_one=sharing.fail_requests_greater_than_one,
-                enforce_caps=sharing.enforce_caps,
                 device_list_strategy=sharing.device_list_strategy,
                 device_id_strategy=sharing.device_id_strategy,
                 allocation_policy=sharing.allocation_policy,
                 shares=shares,
                 multi_user=sharing.multi_user,
-                memory_unit_bytes=spec.memory_unit_bytes,
             )
         )
     return NodePlan(
