@@ -4,6 +4,9 @@ and never reaches the routes), one request per connection, at most `HttpLimits.c
 closes the oldest one, unless a worker thread is answering it), a request head that must arrive whole within
 `request_timeout_s` and an exchange that ends within `deadline_s`. It runs on an event loop of its own in one
 thread, so that no client touches the agent's loop; answers that may block run in at most `threads` worker threads.
+
+h11 parses the request head and frames the answer (it does no I/O of its own); what is here is what no HTTP library
+gives: the connection cap, the timeouts, the methods, the bound on the head, and the sockets.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Literal
 from urllib.parse import unquote
 
 import anyio
+import h11
 from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.base.errors import shown
@@ -96,34 +100,102 @@ class BadRequest(Exception):
         self.status = status
 
 
+BAD_REQUEST_LINE = "expected a request line `METHOD /path HTTP/1.1`"
+MALFORMED = f"{BAD_REQUEST_LINE} and header lines `Name: value`"
+_PLACEHOLDER_HOST = b"mpsagent.invalid"
+
+
+def _server_connection(head_bytes: int) -> h11.Connection:
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=head_bytes)
+
+
+class _Exchange:
+    """One request and its answer, parsed and framed by h11 (which does no I/O of its own): the bytes received go
+    in, the request comes out once its head is whole, and the answer's bytes come out with `Content-Length` and
+    `Connection: close`. What h11 refuses is BadRequest: 431 for a head that has not ended within `head_bytes`,
+    400 for anything malformed."""
+
+    def __init__(self, head_bytes: int) -> None:
+        self._head_bytes = head_bytes
+        self._http = _server_connection(head_bytes)
+        self._received = bytearray()
+        """Every byte given to h11, kept for a request without `Host` (`_without_host`); at most a head's."""
+
+    def receive(self, data: bytes) -> None:
+        self._received += data
+        self._http.receive_data(data)
+
+    def request(self) -> Request | None:
+        """The request once its head is whole; None until then."""
+        try:
+            event = self._http.next_event()
+        except h11.RemoteProtocolError as exc:
+            if exc.error_status_hint == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+                raise BadRequest(
+                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head larger than {self._head_bytes} bytes"
+                ) from None
+            return self._without_host()
+        if event is h11.NEED_DATA:
+            return None
+        if not isinstance(event, h11.Request):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, MALFORMED)
+        return _request(event)
+
+    def _without_host(self) -> Request:
+        """An HTTP/1.1 request without `Host`, which h11 refuses as RFC 9112 asks and this server has always
+        answered (nothing here depends on the host): parsed again, and answered, with a placeholder `Host` line
+        that its headers leave out. BadRequest when h11 refused it for anything else."""
+        received = bytes(self._received)
+        line_end = received.find(b"\n") + 1
+        if line_end == 0 or received[line_end : line_end + 1] in {b" ", b"\t"}:
+            # No request line; or a first header line that continues it, which the placeholder would hide.
+            raise BadRequest(HTTPStatus.BAD_REQUEST, MALFORMED)
+        http = _server_connection(len(received) + 64)
+        http.receive_data(received[:line_end] + b"Host: " + _PLACEHOLDER_HOST + b"\r\n" + received[line_end:])
+        try:
+            event = http.next_event()
+        except h11.RemoteProtocolError:
+            event = None
+        if not isinstance(event, h11.Request) or event.http_version != b"1.1":
+            raise BadRequest(HTTPStatus.BAD_REQUEST, MALFORMED)
+        self._http = http
+        request = _request(event)
+        headers = {name: value for name, value in request.headers.items() if name != "host"}
+        return Request(method=request.method, path=request.path, query=request.query, headers=headers)
+
+    def answer(self, response: Response, *, head_only: bool = False) -> list[bytes]:
+        """The answer's bytes: the status line, the headers, `Content-Length`, `Connection: close`, and the body
+        unless `head_only`."""
+        code, _, reason = response.status.partition(" ")
+        headers = [*response.headers, ("Content-Length", str(len(response.body))), ("Connection", "close")]
+        chunks = self._send(h11.Response(status_code=int(code), headers=headers, reason=reason))
+        if not head_only and response.body:
+            chunks += self._send(h11.Data(data=response.body))  # passed through: a large body is not copied
+        return chunks + self._send(h11.EndOfMessage())
+
+    def _send(self, event: h11.Event) -> list[bytes]:
+        return self._http.send_with_data_passthrough(event) or []  # None only for ConnectionClosed
+
+
 def parse_head(head: bytes) -> Request:
     """A request head (without the blank line that ends it), or BadRequest."""
-    request_line, *header_lines = head.decode("latin-1").replace("\r\n", "\n").split("\n")
-    method, _, rest = request_line.partition(" ")
-    target, _, version = rest.partition(" ")
-    if not method.isalpha() or not target or version not in {"HTTP/1.0", "HTTP/1.1"}:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, "expected a request line `METHOD /path HTTP/1.1`")
-    headers: dict[str, str] = {}
-    for line in header_lines:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "expected header lines `Name: value`")
-        headers[name.lower()] = value.strip()
-    path, _, query = target.partition("?")
+    whole = head + b"\r\n\r\n"
+    exchange = _Exchange(len(whole))
+    exchange.receive(whole)
+    request = exchange.request()
+    if request is None:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, MALFORMED)
+    return request
+
+
+def _request(event: h11.Request) -> Request:
+    """What the routes see of h11's request; only letters in a method, and HTTP/1.0 or 1.1."""
+    method = event.method.decode("ascii")
+    if not method.isalpha() or event.http_version not in {b"1.0", b"1.1"}:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, BAD_REQUEST_LINE)
+    path, _, query = event.target.decode("latin-1").partition("?")
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
     return Request(method=method, path=unquote(path, "latin-1"), query=query, headers=headers)
-
-
-def end_of_head(data: bytes | bytearray) -> int | None:
-    """Where the head ends, once the blank line that ends it is there (CRLF, or bare LF as some tools send)."""
-    ends = [end for end in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if end >= 0]
-    return min(ends) if ends else None
-
-
-def encode(response: Response, *, head_only: bool) -> bytes:
-    lines = [f"HTTP/1.1 {response.status}", *(f"{name}: {value}" for name, value in response.headers)]
-    lines += [f"Content-Length: {len(response.body)}", "Connection: close", "", ""]
-    head = "\r\n".join(lines).encode("latin-1")
-    return head if head_only else head + response.body
 
 
 @dataclass(frozen=True)
@@ -272,23 +344,22 @@ class HttpServer:
     async def _exchange(self, connection: _Connection, threads: anyio.CapacityLimiter) -> CloseReason | None:
         """Read one request and answer it; why the connection was cut off, if it was."""
         sock = connection.sock
-        head: bytes | None = None
+        exchange = _Exchange(self._limits.head_bytes)
         try:
             with anyio.move_on_after(self._limits.request_timeout_s) as reading:
-                head = await _receive_head(sock, self._limits.head_bytes)
+                request = await _receive_request(sock, exchange, self._limits.head_bytes)
             if reading.cancelled_caught:
                 return "request_timeout"
-            if head is None:
+            if request is None:
                 return None  # the client closed without a request
-            request = parse_head(head)
         except BadRequest as refusal:
-            await _refuse(sock, refusal)
+            await _refuse(sock, exchange, refusal)
             return None
         if request.method not in ALLOWED_METHODS:
-            await _refuse(sock, BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, _not_allowed(request.method)))
+            await _refuse(sock, exchange, BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, _not_allowed(request.method)))
             return None
         response = await self._respond(request, connection, threads)
-        await _send_all(sock, encode(response, head_only=request.method == "HEAD"))
+        await _send_all(sock, exchange.answer(response, head_only=request.method == "HEAD"))
         sock.shutdown(socket.SHUT_WR)
         return None
 
@@ -308,35 +379,34 @@ class HttpServer:
             return Response.text(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the agent's log\n")
 
 
-async def _receive_head(sock: socket.socket, limit: int) -> bytes | None:
-    """The request head, or None when the client closes first; BadRequest when it is larger than `limit`."""
-    data = bytearray()
-    while True:
+async def _receive_request(sock: socket.socket, exchange: _Exchange, head_bytes: int) -> Request | None:
+    """The request once its head is whole, or None when the client closes first; BadRequest for a head that is
+    malformed or larger than `head_bytes`."""
+    received = 0
+    while (request := exchange.request()) is None:
         try:
-            chunk = sock.recv(limit + 4 - len(data))
+            chunk = sock.recv(head_bytes + 4 - received)  # never more than a head's bytes, and a blank line
         except BlockingIOError:
             await anyio.wait_readable(sock)
             continue
         if not chunk:
             return None
-        data += chunk
-        if (end := end_of_head(data)) is not None:
-            return bytes(data[:end])
-        if len(data) > limit:
-            raise BadRequest(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head larger than {limit} bytes")
+        received += len(chunk)
+        exchange.receive(chunk)
+    return request
 
 
 def _not_allowed(method: str) -> str:
     return f"{shown(method, 16)} is not allowed: use {' or '.join(ALLOWED_METHODS)}"
 
 
-async def _refuse(sock: socket.socket, refusal: BadRequest) -> None:
+async def _refuse(sock: socket.socket, exchange: _Exchange, refusal: BadRequest) -> None:
     """Answer a bad request, then read what the client still sends for a moment: closing with unread data would
     reset the connection, and the client would lose the answer (a request body, for a method refused)."""
     response = Response.text(refusal.status, f"{refusal}\n")
     if refusal.status == HTTPStatus.METHOD_NOT_ALLOWED:
         response = Response(response.status, (*response.headers, ("Allow", ", ".join(ALLOWED_METHODS))), response.body)
-    await _send_all(sock, encode(response, head_only=False))
+    await _send_all(sock, exchange.answer(response))
     sock.shutdown(socket.SHUT_WR)
     with anyio.move_on_after(REFUSAL_LINGER_S):
         while True:
@@ -346,12 +416,13 @@ async def _refuse(sock: socket.socket, refusal: BadRequest) -> None:
                     return
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            sent = sock.send(view)
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-            continue
-        view = view[sent:]
+async def _send_all(sock: socket.socket, chunks: list[bytes]) -> None:
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            try:
+                sent = sock.send(view)
+            except BlockingIOError:
+                await anyio.wait_writable(sock)
+                continue
+            view = view[sent:]
