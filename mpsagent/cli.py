@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import anyio
 
 from mpsagent import __version__
+from mpsagent.base.config import resolve_settings, status_mps_root
 from mpsagent.base.devices import NodeGpus
 from mpsagent.base.errors import (
     AgentLockedError,
@@ -20,7 +21,7 @@ from mpsagent.base.errors import (
     UsageError,
 )
 from mpsagent.base.logs import configure_logging, get_logger
-from mpsagent.base.settings import SETTINGS, Settings, resolve_settings, status_mps_root
+from mpsagent.base.settings import SETTINGS, Settings
 from mpsagent.documents.report import plan_report, render_json, render_text
 from mpsagent.documents.status import read_status, render_status_json, render_status_text
 from mpsagent.domain.plan import NodePlan, build_plan

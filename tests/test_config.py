@@ -19,9 +19,10 @@ from mpsagent.base.config import (
     SharingConfig,
     check_config,
     parse_config,
+    resolve_settings,
 )
 from mpsagent.base.errors import ConfigError, UsageError
-from mpsagent.base.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT, resolve_settings
+from mpsagent.base.settings import DEFAULT_KUBELET_SOCKET, DEFAULT_MPS_ROOT
 from mpsagent_testing.strategies import config_like, json_values
 
 # --- helpers ------------------------------------------------------------------------------------------------

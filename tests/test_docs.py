@@ -56,7 +56,7 @@ def test_every_node_label_is_documented() -> None:
 
 
 def _resource():  # type: ignore[no-untyped-def]
-    from mpsagent.base.settings import resolve_settings  # noqa: PLC0415
+    from mpsagent.base.config import resolve_settings  # noqa: PLC0415
     from mpsagent.domain.plan import build_plan  # noqa: PLC0415
     from mpsagent.gpu.snapshot import SnapshotGpuSource  # noqa: PLC0415
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mpsagent.base.config import IGNORED_FLAG_KEYS, Flags
+from mpsagent.base.config import IGNORED_FLAG_KEYS, Flags, resolve_settings
 from mpsagent.base.errors import UsageError
-from mpsagent.base.settings import SETTINGS, resolve_settings
+from mpsagent.base.settings import SETTINGS
 from mpsagent.cli import build_parser
 
 # `flags` keys of the NVIDIA plugin's that the agent reads itself (in check_config), not as settings.

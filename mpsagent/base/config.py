@@ -3,7 +3,8 @@
 `load_config` parses the file and `check_config` checks its shape into a `values.SharingConfig` (the enums and
 value types live in `values`, which does no I/O); checks that need the GPUs (device references, replica limits)
 live in `plan.build_plan`. The agent's settings (flags, environment, precedence) are `settings.py`'s, which reads
-the `flags` keys of its table from `Flags`.
+the `flags` keys of its table from `Flags`, which is built from that table; `resolve_settings` reads the file and
+applies the table's precedence.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
 import re
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
 from mpsagent.base.errors import ConfigError, DocumentError, FileReadError, UsageError, shown
 from mpsagent.base.host import read_input_file
+from mpsagent.base.settings import DEFAULT_MPS_ROOT, SETTINGS, Settings, xid_policy
 from mpsagent.base.untrusted import load_yaml
 from mpsagent.base.values import (
     MAX_CLIENTS_PER_GPU,
@@ -29,6 +33,8 @@ from mpsagent.base.values import (
     DeviceListStrategy,
     DeviceSelector,
     GrantRule,
+    MpsDaemonOwner,
+    MpsOnExit,
     MultiUser,
     ResourceSpec,
     SharingConfig,
@@ -81,25 +87,11 @@ class PluginFlags(_Strict, frozen=True):
     container_driver_root: str | None = None
 
 
-class Flags(_Strict, frozen=True):
+class NvidiaFlags(_Strict, frozen=True):
+    """The NVIDIA plugin's own `flags` keys: `Flags` without the agent's settings."""
+
     mig_strategy: str | None = None
-    mps_root: str | None = None
     plugin: PluginFlags | None = None
-    # The agent's own settings, for operators who keep everything in one file: each is the key of an entry of
-    # settings.py's table (tests/test_settings.py checks that the two agree).
-    kubelet_socket: str | None = None
-    log_format: str | None = None
-    log_level: str | None = None
-    mps_control_bin: str | None = None
-    mps_on_exit: str | None = None
-    mps_daemon: str | None = None
-    pod_resources_socket: str | None = None
-    reconcile_grace_seconds: float | None = None
-    health_recovery_seconds: float | None = None
-    probe_interval_seconds: float | None = None
-    nfd_features_file: str | None = None
-    metrics_address: str | None = None
-    proc_root: str | None = None
     # NVIDIA keys without meaning here.
     fail_on_init_error: bool | None = None
     nvidia_driver_root: str | None = None
@@ -110,6 +102,27 @@ class Flags(_Strict, frozen=True):
     use_node_feature_api: bool | None = msgspec.field(default=None, name="useNodeFeatureAPI")
     device_discovery_strategy: str | None = None
     gfd: dict[str, Any] | None = None
+
+
+if TYPE_CHECKING:
+    Flags = NvidiaFlags
+else:
+    # The agent's own settings, for operators who keep everything in one file: one optional key for each setting of
+    # settings.py's table that has a `key` (`mpsRoot` is the NVIDIA plugin's too), a number for seconds, else text.
+    Flags = msgspec.defstruct(
+        "Flags",
+        [
+            (entry.file_attribute, entry.file_type | None, msgspec.field(default=None, name=entry.key))
+            for entry in SETTINGS.values()
+            if entry.key
+        ],
+        bases=(NvidiaFlags,),
+        module=__name__,
+        rename="camel",
+        forbid_unknown_fields=True,
+        frozen=True,
+        kw_only=True,
+    )
 
 
 class Imex(_Strict, frozen=True):
@@ -428,3 +441,55 @@ class _MigStrategy(enum.StrEnum):
     NONE = "none"
     SINGLE = "single"
     MIXED = "mixed"
+
+
+# --- the settings, with the file ------------------------------------------------------------------------
+
+
+def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
+    chosen = SETTINGS["config_file"].resolve(cli, environ, None)
+    if chosen is None:
+        raise UsageError(
+            "no configuration given: pass --config-file (or set CONFIG_FILE) with a file that configures "
+            "sharing.mps.resources"
+        )
+    return Path(chosen)
+
+
+def status_mps_root(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
+    """The MPS root `--status` reads: flag, environment, the config file's `flags.mpsRoot` if one is named, default."""
+    environ = os.environ if environ is None else environ
+    chosen = SETTINGS["mps_root"].given(cli, environ, None)
+    if chosen:
+        return Path(chosen)
+    if SETTINGS["config_file"].given(cli, environ, None):
+        flags = load_config(config_file_path(cli, environ)).flags
+        from_file = SETTINGS["mps_root"].given({}, {}, flags)
+        if from_file:
+            return Path(from_file)
+    return DEFAULT_MPS_ROOT
+
+
+def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the config file and apply precedence: flag, then environment variable, then file `flags`, then default.
+
+    `cli` holds the parsed command-line flags, None for those not given.
+    """
+    environ = os.environ if environ is None else environ
+    path = config_file_path(cli, environ)
+    config = load_config(path)
+    sharing = check_config(config)
+    values: dict[str, Any] = {name: entry.resolve(cli, environ, config.flags) for name, entry in SETTINGS.items()}
+    if values["mps_daemon"] is MpsDaemonOwner.HOST and values["mps_on_exit"] is MpsOnExit.QUIT:
+        raise UsageError(
+            "--mps-on-exit quit needs --mps-daemon agent: with --mps-daemon host the daemon host owns the MPS "
+            "daemons and stops them itself"
+        )
+    return Settings(
+        **{**values, "config_file": path},
+        sharing=sharing,
+        once=bool(cli.get("once")),
+        output=cli.get("output") or "text",
+        daemon_host=bool(cli.get("daemon_host")),
+        xid_policy=xid_policy(environ),
+    )

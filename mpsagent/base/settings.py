@@ -2,22 +2,20 @@
 
 Each setting is declared once, as a field of `Settings` made by `setting(...)`: its flag, environment variable,
 config-file `flags` key, parser, default, help and NVIDIA equivalent. `cli.build_parser` makes the flags from the
-table, `resolve_settings` applies the precedence flag > environment variable > config `flags` > default, and
-tests/test_docs.py checks the README's and docs/configuration.md's tables against it. The config file itself is
-read in `config.py`; only this module and that one read the environment or files for configuration.
+table, `Setting.resolve` applies the precedence flag > environment variable > config `flags` > default,
+`config.Flags` (the file's schema) takes its keys from it, and tests/test_docs.py checks the README's and
+docs/configuration.md's tables against it. Reading the config file and the environment is `config.py`'s
+(`config.resolve_settings`): this module reads nothing.
 """
 
 from __future__ import annotations
 
-import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
 
-import msgspec
-
-from mpsagent.base.config import Flags, check_config, load_config
 from mpsagent.base.errors import UsageError, shown
 from mpsagent.base.values import (
     APPLICATION_XIDS,
@@ -50,7 +48,6 @@ ENABLE_HEALTHCHECKS_ENV = "DP_ENABLE_HEALTHCHECKS"
 # --- one setting ------------------------------------------------------------------------------------------
 
 T = TypeVar("T")
-_FILE_ATTRIBUTES = {info.encode_name: info.name for info in msgspec.structs.fields(Flags)}
 _SETTING = "setting"  # the metadata key of a `Settings` field's table entry
 
 
@@ -78,6 +75,16 @@ class Setting(Generic[T]):
     required: bool
 
     @property
+    def file_attribute(self) -> str | None:
+        """The attribute of the file's `config.Flags` that holds its key (`kubeletSocket`: `kubelet_socket`)."""
+        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", self.key).lower() if self.key else None
+
+    @property
+    def file_type(self) -> type:
+        """What the file's key holds: a number for the seconds, text for everything else."""
+        return float if isinstance(self.default, float) else str
+
+    @property
     def dest(self) -> str:
         """The name argparse gives the flag's value."""
         return self.flag.removeprefix("--").replace("-", "_")
@@ -99,16 +106,18 @@ class Setting(Generic[T]):
         default = "required" if self.required else f"default {self.documented_default.strip('()`')}"
         return f"{self.help}{off} [{'; '.join([*where, default])}]"
 
-    def given(self, cli: Mapping[str, Any], environ: Mapping[str, str], flags: Flags | None) -> str | None:
-        """The text from the first source that gives one; an empty variable counts only if empty turns it off."""
-        from_file = getattr(flags, _FILE_ATTRIBUTES[self.key]) if flags is not None and self.key else None
+    def given(self, cli: Mapping[str, Any], environ: Mapping[str, str], flags: object | None) -> str | None:
+        """The text from the first source that gives one; an empty variable counts only if empty turns it off.
+        `flags` is the config file's `config.Flags`, None when there is none."""
+        attribute = self.file_attribute
+        from_file = getattr(flags, attribute) if flags is not None and attribute else None
         env = environ.get(self.env)
         for chosen in (cli.get(self.dest), env if env or self.empty_turns_off else None, from_file):
             if chosen is not None:
                 return str(chosen)
         return None
 
-    def resolve(self, cli: Mapping[str, Any], environ: Mapping[str, str], flags: Flags | None) -> T | None:
+    def resolve(self, cli: Mapping[str, Any], environ: Mapping[str, str], flags: object | None) -> T | None:
         text = self.given(cli, environ, flags)
         if text is None:
             return self.default
@@ -405,51 +414,3 @@ def xid_policy(environ: Mapping[str, str]) -> XidPolicy:
     disabled, ignore_all = _xid_list(DISABLE_HEALTHCHECKS_ENV, environ.get(DISABLE_HEALTHCHECKS_ENV, ""))
     enabled, enable_all = _xid_list(ENABLE_HEALTHCHECKS_ENV, environ.get(ENABLE_HEALTHCHECKS_ENV, ""))
     return XidPolicy(ignored=APPLICATION_XIDS | disabled, ignore_all=ignore_all, enabled=enabled, enable_all=enable_all)
-
-
-def config_file_path(cli: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
-    chosen = SETTINGS["config_file"].resolve(cli, environ, None)
-    if chosen is None:
-        raise UsageError(
-            "no configuration given: pass --config-file (or set CONFIG_FILE) with a file that configures "
-            "sharing.mps.resources"
-        )
-    return Path(chosen)
-
-
-def status_mps_root(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
-    """The MPS root `--status` reads: flag, environment, the config file's `flags.mpsRoot` if one is named, default."""
-    environ = os.environ if environ is None else environ
-    chosen = SETTINGS["mps_root"].given(cli, environ, None)
-    if chosen:
-        return Path(chosen)
-    if SETTINGS["config_file"].given(cli, environ, None):
-        flags = load_config(config_file_path(cli, environ)).flags
-        if flags is not None and flags.mps_root:
-            return Path(flags.mps_root)
-    return DEFAULT_MPS_ROOT
-
-
-def resolve_settings(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the config file and apply precedence: flag, then environment variable, then file `flags`, then default.
-
-    `cli` holds the parsed command-line flags, None for those not given.
-    """
-    environ = os.environ if environ is None else environ
-    path = config_file_path(cli, environ)
-    config = load_config(path)
-    sharing = check_config(config)
-    values: dict[str, Any] = {name: entry.resolve(cli, environ, config.flags) for name, entry in SETTINGS.items()}
-    if values["mps_daemon"] is MpsDaemonOwner.HOST and values["mps_on_exit"] is MpsOnExit.QUIT:
-        raise UsageError(
-            "--mps-on-exit quit needs --mps-daemon agent: with --mps-daemon host the daemon host owns the MPS "
-            "daemons and stops them itself"
-        )
-    return Settings(
-        **{**values, "config_file": path},
-        sharing=sharing,
-        once=bool(cli.get("once")),
-        output=cli.get("output") or "text",
-        daemon_host=bool(cli.get("daemon_host")),
-        xid_policy=xid_policy(environ),
-    )
