@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import anyio
 from anyio.abc import TaskStatus
 
+from mpsagent.base.backoff import Backoff
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import GpuHealthError
 from mpsagent.base.logs import get_logger
@@ -86,7 +87,7 @@ class GpuHealthMonitor:
     # --- events ---------------------------------------------------------------------------------------------
 
     async def _watch_events(self) -> None:
-        backoff = REOPEN_BACKOFF_INITIAL_S
+        retry = Backoff(REOPEN_BACKOFF_INITIAL_S, REOPEN_BACKOFF_MAX_S)
         while True:
             opened_at = self._clock()
             try:
@@ -106,9 +107,8 @@ class GpuHealthMonitor:
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(watch.close)
             if self._clock() - opened_at > REOPEN_BACKOFF_MAX_S:
-                backoff = REOPEN_BACKOFF_INITIAL_S  # a watch that worked for a while starts the backoff afresh
-            await anyio.sleep(backoff)
-            backoff = min(backoff * 2, REOPEN_BACKOFF_MAX_S)
+                retry.reset()  # a watch that worked for a while starts the backoff afresh
+            await retry.wait()
 
     async def _handle_events(self, watch: GpuEventWatch) -> None:
         while True:

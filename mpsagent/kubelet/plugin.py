@@ -15,6 +15,8 @@ from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
+from mpsagent.base.backoff import Backoff
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
 from mpsagent.base.host import pid_alive
 from mpsagent.base.logs import get_logger
@@ -184,7 +186,15 @@ class PluginEndpoint:
         """Register, retrying with backoff; the kubelet socket's identity when registered, None when our own socket
         was deleted meanwhile (the kubelet restarted while we retried: serve again first)."""
         own = _identity(self.socket_path)
-        delay = REGISTER_BACKOFF_INITIAL_S
+        retry = Backoff(REGISTER_BACKOFF_INITIAL_S, REGISTER_BACKOFF_MAX_S)
+        # The first failure is news; the retries that follow are not.
+        failing = FailureEpisodes(
+            self._log,
+            failed="kubelet registration failed",
+            level="warning",
+            still="kubelet registration failed",
+            again=None,
+        )
         while True:
             if _identity(self.socket_path) != own:
                 self._log.warning("plugin socket removed while registering; serving again")
@@ -199,16 +209,13 @@ class PluginEndpoint:
                 )
             except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
                 self._stats.registration_failures += 1
-                # The first failure is news; the retries that follow are not.
-                report = self._log.warning if delay == REGISTER_BACKOFF_INITIAL_S else self._log.debug
-                report(
-                    "kubelet registration failed",
+                failing.failed(
+                    str(exc) or type(exc).__name__,
                     kubelet_socket=str(self._kubelet_socket),
-                    reason=str(exc) or type(exc).__name__,
-                    retry_in_s=round(delay, 2),
+                    retry_in_s=round(retry.delay, 2),
                 )
-                await self._backoff(delay, kubelet)
-                delay = min(delay * 2, REGISTER_BACKOFF_MAX_S)
+                await self._backoff(retry.delay, kubelet)
+                retry.grow()
                 continue
             self._registered = True
             self._stats.registrations += 1

@@ -19,7 +19,9 @@ from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from mpsagent._proto import v1 as podresources
+from mpsagent.base.backoff import Backoff
 from mpsagent.base.devices import ContainerRef
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ResourceAllocator, describe_ids
 from mpsagent.domain.reconcile import ListedDevices, ReconcileResult, holdings
@@ -87,13 +89,21 @@ class PodResourcesReconciler:
         self._wanted = anyio.Event()
         self._follow_ups: list[float] = []
         """Clock times of the lookups due after Allocates, sorted; none closer together than MIN_SPACING_S."""
-        self._failing = False
+        self._unavailable = FailureEpisodes(
+            log,
+            failed="kubelet pod-resources unavailable; grants are not reconciled until it answers",
+            level="warning",
+            again="kubelet pod-resources available again",
+        )
         self.successes = 0
-        self.failures = 0
+
+    @property
+    def failures(self) -> int:
+        return self._unavailable.failures
 
     @property
     def available(self) -> bool:
-        return self.successes > 0 and not self._failing
+        return self.successes > 0 and not self._unavailable.failing
 
     def add_target(self, target: ReconcileTarget) -> None:
         """A resource to reconcile from now on (each resource's server is built with this reconciler's `request`,
@@ -110,17 +120,17 @@ class PodResourcesReconciler:
                 bisect.insort(self._follow_ups, due)
         self._wanted.set()
 
-    def _next_lookup(self, rested: float, backoff: float) -> float:
+    def _next_lookup(self, rested: float, retry: Backoff) -> float:
         """The clock time of the next lookup, for a loop that rests since `rested`."""
-        if self._failing:
-            return rested + backoff
+        if self._unavailable.failing:
+            return rested + retry.delay
         periodic = rested + self._period_s
         return min(periodic, self._follow_ups[0]) if self._follow_ups else periodic
 
     def _settle_follow_ups(self) -> None:
         """After a lookup: the follow-ups it made are done, and none is needed while every grant has been listed."""
         now = self._clock()
-        if self._failing or any(target.allocator.ledger.never_listed() for target in self._targets):
+        if self._unavailable.failing or any(target.allocator.ledger.never_listed() for target in self._targets):
             del self._follow_ups[: bisect.bisect_right(self._follow_ups, now)]
         else:
             self._follow_ups.clear()
@@ -130,18 +140,9 @@ class PodResourcesReconciler:
         try:
             listing = await list_devices(self._socket)
         except PodResourcesFailure as exc:
-            self.failures += 1
-            if not self._failing:
-                log.warning(
-                    "kubelet pod-resources unavailable; grants are not reconciled until it answers",
-                    socket=str(self._socket),
-                    reason=str(exc) or type(exc).__name__,
-                )
-            self._failing = True
+            self._unavailable.failed(str(exc) or type(exc).__name__, socket=str(self._socket))
             return False
-        if self._failing:
-            log.info("kubelet pod-resources available again", socket=str(self._socket))
-        self._failing = False
+        self._unavailable.works(socket=str(self._socket))
         self.successes += 1
         now = self._clock()
         for target in self._targets:
@@ -155,14 +156,17 @@ class PodResourcesReconciler:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        backoff = BACKOFF_INITIAL_S
+        retry = Backoff(BACKOFF_INITIAL_S, BACKOFF_MAX_S)
         while True:
             rested = self._clock()
-            while (wait := self._next_lookup(rested, backoff) - self._clock()) > 0:
+            while (wait := self._next_lookup(rested, retry) - self._clock()) > 0:
                 with anyio.move_on_after(wait):
                     await self._wanted.wait()  # an Allocate: its first follow-up may come sooner
                 self._wanted = anyio.Event()
-            backoff = BACKOFF_INITIAL_S if await self.reconcile_once() else min(backoff * 2, BACKOFF_MAX_S)
+            if await self.reconcile_once():
+                retry.reset()
+            else:
+                retry.grow()
             self._settle_follow_ups()
             await anyio.sleep(MIN_SPACING_S)
 

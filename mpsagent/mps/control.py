@@ -29,6 +29,7 @@ from pathlib import Path
 
 import anyio
 
+from mpsagent.base.backoff import Backoff
 from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError
 from mpsagent.mps.commands import ControlStep
 from mpsagent.mps.liveness import Liveness, greeting
@@ -112,7 +113,7 @@ class ControlChannel:
         """A session the daemon did not refuse; one refused while the daemon greets (another session is open) is
         asked again, with backoff, until BUSY_WAIT_S after the busy episode's first refusal. `checked`: the last
         command always prints, so a session that printed nothing was refused too."""
-        delay = _BUSY_RETRY_INITIAL_S
+        retry = Backoff(_BUSY_RETRY_INITIAL_S, _BUSY_RETRY_MAX_S)
         while True:
             returncode, reply = await self._session(commands, what)
             if _BUSY_MARKER not in reply and (reply or not checked):
@@ -132,8 +133,8 @@ class ControlChannel:
                     f"{waited:.1f}s because another control session is open (an administrator at the "
                     "nvidia-cuda-mps-control prompt, or a root process with the pipe directory); close that session"
                 )
-            await anyio.sleep(min(delay, BUSY_WAIT_S - waited))
-            delay = min(delay * 2, _BUSY_RETRY_MAX_S)
+            await anyio.sleep(min(retry.delay, BUSY_WAIT_S - waited))
+            retry.grow()
 
     async def _session(self, commands: Sequence[str], what: str) -> tuple[int, str]:
         """One front-end session, bounded; its exit status and what it printed (stripped)."""

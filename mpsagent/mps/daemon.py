@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 from anyio.abc import Process, TaskStatus
 
-from mpsagent.base.devices import GpuUuid
+from mpsagent.base.backoff import Backoff
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import (
     ControlRunError,
     DaemonBusyError,
     DaemonCommandError,
     DaemonError,
-    GpuDiscoveryError,
     UnrecordedDaemonError,
 )
 from mpsagent.base.logs import get_logger
@@ -35,7 +35,7 @@ from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOn
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
-from mpsagent.gpu.port import ComputeMode, GpuSource
+from mpsagent.gpu.port import GpuSource
 from mpsagent.mps.commands import (
     CapDifference,
     cap_differences,
@@ -43,6 +43,7 @@ from mpsagent.mps.commands import (
     running_server_commands,
     running_server_steps,
 )
+from mpsagent.mps.compute_mode import ComputeModes
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.launch import (
@@ -54,7 +55,7 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
-from mpsagent.mps.liveness import BusyEpisodes, hung_reason
+from mpsagent.mps.liveness import busy_episodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 
 log = get_logger(__name__)
@@ -88,7 +89,6 @@ class DaemonSupervisor:
         grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own."""
         self._resource = resource
         self._inventory = inventory
-        self._gpus = gpu_source
         self._control_bin = control_bin
         self._on_exit = on_exit
         self._probe_interval = probe_interval_s
@@ -105,7 +105,6 @@ class DaemonSupervisor:
         """Whether a daemon this agent starts gets `-M` (decided once, from the config and the binary)."""
         self._running_multi_user: bool | None = None
         """Whether the running daemon has `-M`; None: an adopted daemon whose agent did not record it."""
-        self._original_modes: dict[str, int] = {}
         self._ceilings_lock = anyio.Lock()
         self.restarts = 0
         self.restart_attempts = 0
@@ -113,10 +112,17 @@ class DaemonSupervisor:
         self.cap_tamper_count = 0
         self.last_cap_tamper: tuple[float, str] | None = None
         """When (wall clock) the caps were last found changed behind the agent, and what was found."""
-        self.front_end_failure: tuple[float, str] | None = None
-        """Since when (wall clock) and why the agent cannot run the control front-end; None while it can."""
         self._log = log.bind(resource=resource.name)
-        self._busy = BusyEpisodes(self._log)
+        self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
+        self._busy = busy_episodes(self._log)
+        self._front_end = FailureEpisodes(
+            self._log,
+            failed="mps control front-end cannot run; the daemon is kept",
+            still="mps control front-end still cannot run",
+            again="mps control front-end runs again",
+            hint=FRONT_END_HINT,
+            lasted_key="failed_for_s",
+        )
 
     @property
     def pid(self) -> int | None:
@@ -142,7 +148,12 @@ class DaemonSupervisor:
 
     @property
     def busy_episodes(self) -> int:
-        return self._busy.count
+        return self._busy.episodes
+
+    @property
+    def front_end_failure(self) -> tuple[float, str] | None:
+        """Since when (wall clock) and why the agent cannot run the control front-end; None while it can."""
+        return self._front_end.current
 
     @property
     def record_damage(self) -> tuple[float, str, str] | None:
@@ -179,7 +190,7 @@ class DaemonSupervisor:
             try:
                 await self._hold_wanted(verify=verify)
             except DaemonBusyError as exc:
-                self._busy.busy(exc, pid=self._pid)
+                self._busy.failed(str(exc), pid=self._pid)
                 raise
 
     async def _hold_wanted(self, *, verify: bool) -> None:
@@ -188,7 +199,7 @@ class DaemonSupervisor:
             if not verify:
                 return
             differences = await self._differences(ceilings)
-            self._busy.answered(pid=self._pid)
+            self._busy.works(pid=self._pid)
             if not differences:
                 return
             self._report_tamper(ceilings, differences)
@@ -200,7 +211,7 @@ class DaemonSupervisor:
         except DaemonBusyError:
             self._held = known  # refused before anything was sent: the daemon holds what it held
             raise
-        self._busy.answered(pid=self._pid)
+        self._busy.works(pid=self._pid)
         await self._channel.check_held(steps)
         servers = await self._channel.server_pids()
         if servers:
@@ -214,13 +225,12 @@ class DaemonSupervisor:
     async def _hold_through_busy(self) -> None:
         """`_hold`, asked again with backoff while another session keeps the daemon busy: a busy daemon is neither
         killed nor given up on."""
-        delay = RESTART_BACKOFF_INITIAL_S
+        retry = Backoff(RESTART_BACKOFF_INITIAL_S, self._probe_interval)
         while True:
             try:
                 await self._hold()
             except DaemonBusyError:
-                await anyio.sleep(delay)
-                delay = min(delay * 2, self._probe_interval)
+                await retry.wait()
                 continue
             return
 
@@ -252,7 +262,7 @@ class DaemonSupervisor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the daemon until cancelled; reports started once the daemon holds its defaults."""
-        await self._take_compute_modes()
+        await self._compute_modes.take(self._recorded_compute_modes)
         if self._owns_daemon:
             self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
@@ -285,7 +295,7 @@ class DaemonSupervisor:
                 await self._stop()
 
     async def _bring_up(self, *, first: bool) -> None:
-        delay = RESTART_BACKOFF_INITIAL_S
+        retry = Backoff(RESTART_BACKOFF_INITIAL_S, RESTART_BACKOFF_MAX_S)
         while True:
             try:
                 if first and await self._adopt():
@@ -302,11 +312,10 @@ class DaemonSupervisor:
                     await self._kill_child()
                 if first:
                     raise  # a daemon that cannot start, or hold its defaults, at start-up is a loud failure
-                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
+                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=retry.delay)
                 if not isinstance(exc, ControlRunError):
                     await self._kill_child()
-                await anyio.sleep(delay)
-                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                await retry.wait()
                 continue
             self._up = True
             self._inventory.set_resource_problem(HEALTH_SOURCE, False)
@@ -315,8 +324,14 @@ class DaemonSupervisor:
 
     async def _adopt_from_host(self) -> None:
         """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted ceilings."""
-        delay = RESTART_BACKOFF_INITIAL_S
-        waiting_logged = False
+        retry = Backoff(RESTART_BACKOFF_INITIAL_S, HOST_WAIT_MAX_S)
+        waiting = FailureEpisodes(
+            self._log,
+            failed="waiting for the mps daemon host",
+            level="warning",
+            again=None,
+            hint="the daemon host (mpsagent --daemon-host, the mpsagent-mps-daemon DaemonSet) starts it",
+        )
         while True:
             try:
                 if await self._adopt():
@@ -328,15 +343,8 @@ class DaemonSupervisor:
                 reason = f"no MPS daemon with a live PID answers on {self._resource.pipe_directory}"
             except DaemonError as exc:
                 reason = str(exc)
-            if not waiting_logged:
-                self._log.warning(
-                    "waiting for the mps daemon host",
-                    reason=reason,
-                    hint="the daemon host (mpsagent --daemon-host, the mpsagent-mps-daemon DaemonSet) starts it",
-                )
-                waiting_logged = True
-            await anyio.sleep(delay)
-            delay = min(delay * 2, HOST_WAIT_MAX_S)
+            waiting.failed(reason)
+            await retry.wait()
 
     async def _adopt(self) -> bool:
         try:
@@ -354,7 +362,7 @@ class DaemonSupervisor:
             )
         self._pid = state.pid
         self._running_multi_user = state.multi_user
-        self._original_modes = state.original_compute_modes or self._original_modes
+        self._compute_modes.adopt(state.original_compute_modes)
         held = recorded_ceilings(state, self._resource.shares)
         self._log.info(
             "mps daemon adopted", pid=state.pid, ceilings=held.describe() if held else None, multi_user=state.multi_user
@@ -422,41 +430,22 @@ class DaemonSupervisor:
         """A round every probe interval: the daemon's caps read back, what changed restored. When the agent
         cannot run the front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S). Whether the daemon lives is
         the liveness watch's to say, never a round's."""
-        wait = self._probe_interval
+        rounds = Backoff(self._probe_interval, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
         while True:
-            await anyio.sleep(wait)
+            await anyio.sleep(rounds.delay)
             try:
                 await self._hold(verify=True)
             except ControlRunError as exc:
-                wait = min(wait * 2, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
-                self._front_end_failed(exc, retry_in_s=wait)
+                rounds.grow()
+                self._front_end.failed(str(exc), pid=self._pid, retry_in_s=rounds.delay)
                 continue
             except DaemonBusyError:
                 pass  # reported by _hold: the next round asks again
             except DaemonCommandError as exc:
                 self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
-            self._front_end_recovered()
+            self._front_end.works()
             self._state_file.retry()
-            wait = self._probe_interval
-
-    def _front_end_failed(self, exc: ControlRunError, *, retry_in_s: float) -> None:
-        if self.front_end_failure is None:
-            self.front_end_failure = (time.time(), str(exc))
-            self._log.error(
-                "mps control front-end cannot run; the daemon is kept",
-                reason=str(exc),
-                pid=self._pid,
-                retry_in_s=retry_in_s,
-                hint=FRONT_END_HINT,
-            )
-        else:
-            self._log.debug("mps control front-end still cannot run", reason=str(exc), retry_in_s=retry_in_s)
-
-    def _front_end_recovered(self) -> None:
-        if self.front_end_failure is not None:
-            since, _ = self.front_end_failure
-            self.front_end_failure = None
-            self._log.info("mps control front-end runs again", failed_for_s=round(time.time() - since, 1))
+            rounds.reset()
 
     async def _wait_exit(self) -> None:
         assert self._pid is not None
@@ -486,34 +475,14 @@ class DaemonSupervisor:
                 await self._wait_exit()
         await self._kill_child()
         self._state_file.remove()
-        await self._restore_compute_modes()
+        await self._compute_modes.restore()
         self._log.info("mps daemon quit")
 
-    # --- compute modes --------------------------------------------------------------------------------------
-
-    async def _take_compute_modes(self) -> None:
-        if not self._gpus.manages_compute_mode:
-            self._log.info("compute mode not managed", reason="GPUs come from a node snapshot")
-            return
-        state = self._state_file.read()
-        for gpu in self._resource.gpus:
-            current = await anyio.to_thread.run_sync(self._gpus.compute_mode, gpu.uuid)
-            recorded = state.original_compute_modes.get(gpu.uuid) if state else None
-            self._original_modes[gpu.uuid] = recorded if recorded is not None else int(current)
-            if current is not ComputeMode.EXCLUSIVE_PROCESS:
-                await anyio.to_thread.run_sync(self._gpus.set_compute_mode, gpu.uuid, ComputeMode.EXCLUSIVE_PROCESS)
-                self._log.info("compute mode set", gpu=gpu.uuid, mode="EXCLUSIVE_PROCESS", was=current.name)
-
-    async def _restore_compute_modes(self) -> None:
-        for uuid, mode in self._original_modes.items():
-            try:
-                await anyio.to_thread.run_sync(self._gpus.set_compute_mode, GpuUuid(uuid), ComputeMode(mode))
-            except GpuDiscoveryError as exc:
-                self._log.error("compute mode not restored", gpu=uuid, reason=str(exc))
-            else:
-                self._log.info("compute mode restored", gpu=uuid, mode=ComputeMode(mode).name)
-
     # --- state and log ---------------------------------------------------------------------------------------
+
+    def _recorded_compute_modes(self) -> Mapping[str, int] | None:
+        state = self._state_file.read()
+        return state.original_compute_modes if state else None
 
     def _save_state(self) -> None:
         if self._pid is None:
@@ -525,6 +494,6 @@ class DaemonSupervisor:
                 ceilings=self._held or self._wanted,
                 shares=self._resource.shares,
                 multi_user=self._running_multi_user,
-                original_compute_modes=self._original_modes,
+                original_compute_modes=self._compute_modes.original,
             ),
         )

@@ -16,6 +16,8 @@ import contextlib
 import anyio
 from anyio.abc import Process, TaskStatus
 
+from mpsagent.base.backoff import Backoff
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S
@@ -32,7 +34,7 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
-from mpsagent.mps.liveness import BusyEpisodes, hung_reason
+from mpsagent.mps.liveness import busy_episodes, hung_reason
 from mpsagent.mps.state import StateFile, daemon_state
 
 log = get_logger(__name__)
@@ -57,7 +59,7 @@ class DaemonKeeper:
         self._pid: int | None = None
         self.restarts = 0
         self._log = log.bind(resource=resource.name)
-        self._busy = BusyEpisodes(self._log)
+        self._busy = busy_episodes(self._log)
 
     @property
     def pid(self) -> int | None:
@@ -95,28 +97,25 @@ class DaemonKeeper:
         return True
 
     async def _start_with_backoff(self) -> None:
-        delay = RESTART_BACKOFF_INITIAL_S
+        retry = Backoff(RESTART_BACKOFF_INITIAL_S, RESTART_BACKOFF_MAX_S)
         while True:
             try:
                 await self._start()
             except DaemonBusyError as exc:
                 # Another session keeps the daemon from its first caps: it lives, and is asked again.
-                self._busy.busy(exc, pid=self._pid, retry_in_s=delay)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, self._probe_interval)
+                self._busy.failed(str(exc), pid=self._pid, retry_in_s=retry.delay)
+                await retry.wait(maximum=self._probe_interval)
                 continue
             except DaemonError as exc:
-                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=delay)
+                self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=retry.delay)
                 if isinstance(exc, ControlRunError) and self._process is not None:
                     # The keeper could not ask it (EMFILE, ENOMEM): not the daemon's failure; start it again only
                     # if it is gone by the next try.
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                    await retry.wait()
                     if self._process.returncode is None:
                         continue
                 await self._end_daemon()
-                await anyio.sleep(delay)
-                delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+                await retry.wait()
                 continue
             return
 
@@ -129,7 +128,7 @@ class DaemonKeeper:
         # must not run uncapped (the agent lifts the caps when its ledger allows).
         ceilings = self._resource.shares.unreconciled_ceilings()
         await self._channel.apply(daemon_default_steps(ceilings))
-        self._busy.answered(pid=self._pid)
+        self._busy.works(pid=self._pid)
         # Recorded only now: the agent adopts a daemon once its PID is recorded, and must not race these caps.
         earlier = self._state_file.read()
         self._state_file.write(
@@ -167,19 +166,19 @@ class DaemonKeeper:
         """Why the daemon counts as hung, once it does: checked every probe interval (mps.liveness), without a
         front-end session. The keeper's own failure to check (out of descriptors) says nothing about the daemon."""
         assert self._pid is not None
-        failing = False
+        unchecked = FailureEpisodes(
+            self._log,
+            failed="mps daemon liveness cannot be checked; the daemon is kept",
+            again="mps daemon liveness checked again",
+        )
         while True:
             await anyio.sleep(self._probe_interval)
             try:
                 reason = await hung_reason(self._resource.pipe_directory, self._pid)
             except ControlRunError as exc:
-                if not failing:
-                    self._log.error("mps daemon liveness cannot be checked; the daemon is kept", reason=str(exc))
-                failing = True
+                unchecked.failed(str(exc))
                 continue
-            if failing:
-                self._log.info("mps daemon liveness checked again")
-            failing = False
+            unchecked.works()
             if reason is not None:
                 return reason
             self._state_file.retry()

@@ -16,13 +16,13 @@ import enum
 import errno
 import os
 import socket
-import time
 from pathlib import Path
 
 import anyio
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.base.errors import ControlRunError, DaemonBusyError
+from mpsagent.base.episodes import FailureEpisodes
+from mpsagent.base.errors import ControlRunError
 
 CONTROL_SOCKETS = ("control", "control_privileged")
 """Every client's socket, then root's (drivers from 535 on): root's front-end uses the second, or the first where it
@@ -142,26 +142,15 @@ async def hung_reason(pipe_directory: Path, pid: int, *, timeout_s: float = GREE
     return f"its control sockets in {pipe_directory} refused {HUNG_AFTER_MISSES} connections in a row"
 
 
-class BusyEpisodes:
+def busy_episodes(log: FilteringBoundLogger) -> FailureEpisodes:
     """The daemon's busy episodes (another session kept the agent's out for the whole bounded wait), each reported
     once: a warning as it begins, retries at debug level, and an info line once the daemon answers again."""
-
-    def __init__(self, log: FilteringBoundLogger) -> None:
-        self._log = log
-        self.current: tuple[float, str] | None = None
-        """Since when (wall clock) and why the daemon is busy; None while it answers."""
-        self.count = 0
-
-    def busy(self, exc: DaemonBusyError, **context: object) -> None:
-        if self.current is None:
-            self.current = (time.time(), str(exc))
-            self.count += 1
-            self._log.warning("control daemon busy", reason=str(exc), hint=BUSY_HINT, **context)
-        else:
-            self._log.debug("control daemon still busy", reason=str(exc), **context)
-
-    def answered(self, **context: object) -> None:
-        if self.current is not None:
-            since, _ = self.current
-            self.current = None
-            self._log.info("control daemon answers again", busy_for_s=round(time.time() - since, 1), **context)
+    return FailureEpisodes(
+        log,
+        failed="control daemon busy",
+        level="warning",
+        still="control daemon still busy",
+        again="control daemon answers again",
+        hint=BUSY_HINT,
+        lasted_key="busy_for_s",
+    )

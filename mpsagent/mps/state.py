@@ -11,12 +11,12 @@ by hand, a value out of range, not a regular file) is damage: said once per epis
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.host import (
     PID_MAX_LIMIT,
     FileRefusedError,
@@ -107,8 +107,25 @@ class StateFile:
         self._unwritten: DaemonState | None = None
         self._known: DaemonState | None = None
         """The latest good record, written or read here: what a damaged or removed file is rewritten from."""
-        self.damage: tuple[float, str] | None = None
+        self._damaged_episodes = FailureEpisodes(
+            log,
+            failed="daemon state damaged",
+            level="warning",
+            again="daemon state readable again",
+            hint=DAMAGE_HINT,
+            reason_key="problem",
+        )
+        self._unwritten_episodes = FailureEpisodes(
+            log,
+            failed="daemon state not written",
+            again="daemon state written again",
+            hint="the daemon keeps running with its caps; the write is retried every liveness round",
+        )
+
+    @property
+    def damage(self) -> tuple[float, str] | None:
         """Since when (wall clock) and what is wrong with the file; None while it reads, or there is none."""
+        return self._damaged_episodes.current
 
     def read(self) -> DaemonState | None:
         """The recorded state; None when there is none, or it is damaged (said once per episode, kept in
@@ -135,14 +152,10 @@ class StateFile:
         return state
 
     def _damaged(self, problem: str) -> None:
-        if self.damage is None:
-            log.warning("daemon state damaged", path=str(self.path), problem=problem, hint=DAMAGE_HINT)
-            self.damage = (time.time(), problem)
+        self._damaged_episodes.failed(problem, path=str(self.path))
 
     def _readable(self) -> None:
-        if self.damage is not None:
-            self.damage = None
-            log.info("daemon state readable again", path=str(self.path))
+        self._damaged_episodes.works(path=str(self.path))
 
     def write(self, state: DaemonState) -> bool:
         """True when written; a failure is logged when it begins and when it ends, never raised."""
@@ -151,20 +164,13 @@ class StateFile:
                 self.path, msgspec.json.encode(state), PRIVATE_FILE_MODE, what="the daemon state file", durable=True
             )
         except OSError as exc:
-            if self._unwritten is None:
-                log.error(  # noqa: TRY400 (no traceback for a known failure)
-                    "daemon state not written",
-                    path=str(self.path),
-                    reason=os_reason(exc),
-                    hint="the daemon keeps running with its caps; the write is retried every liveness round",
-                )
+            self._unwritten_episodes.failed(os_reason(exc), path=str(self.path))
             self._unwritten = state
             return False
         self._known = state
-        self.damage = None
-        if self._unwritten is not None:
-            self._unwritten = None
-            log.info("daemon state written again", path=str(self.path))
+        self._damaged_episodes.forget()
+        self._unwritten = None
+        self._unwritten_episodes.works(path=str(self.path))
         return True
 
     def retry(self) -> None:

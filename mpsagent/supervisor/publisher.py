@@ -13,6 +13,7 @@ import anyio
 
 from mpsagent import __version__
 from mpsagent.base.devices import GpuUuid
+from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.host import os_reason
 from mpsagent.base.logs import get_logger
 from mpsagent.documents.status import (
@@ -59,7 +60,12 @@ class StatePublisher:
         self._unhealthy_gpus = unhealthy_gpus
         self._notifier = notifier
         self._web = web
-        self._status_failing = False
+        self._unwritten = FailureEpisodes(
+            log,
+            failed="status file not written",
+            again="status file written again",
+            hint=f"retried every {STATUS_INTERVAL_S:g}s; --status shows the last state written",
+        )
 
     def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> StatusDocument:
         return status_document(
@@ -96,18 +102,9 @@ class StatePublisher:
         try:
             write_status(self._mps_root, document)
         except OSError as exc:
-            if not self._status_failing:
-                self._status_failing = True
-                log.error(  # noqa: TRY400 (no traceback for a known failure)
-                    "status file not written",
-                    path=str(self._mps_root / STATUS_FILE),
-                    reason=os_reason(exc),
-                    hint=f"retried every {STATUS_INTERVAL_S:g}s; --status shows the last state written",
-                )
+            self._unwritten.failed(os_reason(exc), path=str(self._mps_root / STATUS_FILE))
             return False
-        if self._status_failing:
-            self._status_failing = False
-            log.info("status file written again", path=str(self._mps_root / STATUS_FILE))
+        self._unwritten.works(path=str(self._mps_root / STATUS_FILE))
         return True
 
     def _remove_status(self) -> None:
