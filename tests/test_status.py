@@ -17,7 +17,6 @@ from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
 from mpsagent.documents.status import (
     STATUS_FILE,
-    DaemonView,
     ResourceView,
     readiness_problems,
     starting_document,
@@ -31,6 +30,16 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import Holding
+from mpsagent.mps.daemon_status import (
+    CapTamperEvent,
+    CeilingsStatus,
+    DaemonBusy,
+    DaemonStatus,
+    FrontEndFailure,
+    RecordDamage,
+    cap_mode,
+    utc,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 WALL = 1_764_547_200.0  # 2025-12-01T00:00:00Z
@@ -91,16 +100,19 @@ def serving_views() -> list[ResourceView]:
     serving = ResourceView(
         allocator=allocator,
         inventory=inventory,
-        daemon=DaemonView(
+        daemon=DaemonStatus(
             pid=4242,
             up=True,
-            ceilings=allocator.ceilings(),
+            cap_mode=cap_mode(allocator.ceilings(), gpus.shares.full_hardware()),
+            ceilings=CeilingsStatus.of(allocator.ceilings()),
             restarts=1,
             restart_attempts=2,
             multi_user=False,
             cap_tamper=1,
-            last_cap_tamper=(WALL - 10, "active thread percentage 100, set 50"),
-            busy=(WALL - 5, "`get_server_list` and 2 more not sent: the MPS control daemon is busy"),
+            last_cap_tamper=CapTamperEvent(at=utc(WALL - 10), found="active thread percentage 100, set 50"),
+            busy=DaemonBusy(
+                at=utc(WALL - 5), reason="`get_server_list` and 2 more not sent: the MPS control daemon is busy"
+            ),
             busy_episodes=2,
         ),
         registered=True,
@@ -110,16 +122,14 @@ def serving_views() -> list[ResourceView]:
     down = ResourceView(
         allocator=ResourceAllocator(units, plan.shm_directory),
         inventory=Inventory(units),
-        daemon=DaemonView(
+        daemon=DaemonStatus(
             pid=None,
             up=False,
-            ceilings=None,
-            restarts=0,
-            front_end_failure=(WALL - 20, "nvidia-cuda-mps-control: Permission denied"),
-            record_damage=(
-                WALL - 40,
-                "/run/nvidia/mps/nvidia.com/gpu-mem/daemon.json",
-                "does not decode: Input data was truncated",
+            front_end_failure=FrontEndFailure(at=utc(WALL - 20), reason="nvidia-cuda-mps-control: Permission denied"),
+            record_damage=RecordDamage(
+                at=utc(WALL - 40),
+                path="/run/nvidia/mps/nvidia.com/gpu-mem/daemon.json",
+                problem="does not decode: Input data was truncated",
             ),
         ),
         registered=False,
@@ -230,7 +240,12 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
     view = ResourceView(
         allocator=allocator,
         inventory=Inventory(gpus, daemon_ready=True),
-        daemon=DaemonView(pid=4242, up=True, ceilings=allocator.ceilings(), restarts=0),
+        daemon=DaemonStatus(
+            pid=4242,
+            up=True,
+            cap_mode=cap_mode(allocator.ceilings(), gpus.shares.full_hardware()),
+            ceilings=CeilingsStatus.of(allocator.ceilings()),
+        ),
         registered=True,
         registrations=1,
     )
@@ -352,7 +367,7 @@ def test_the_agent_is_shown_running_only_while_its_pid_names_the_process_that_wr
 @pytest.mark.usefixtures("fixed_clocks")
 def test_readiness_and_the_systemd_line_read_the_document() -> None:
     busy, _ = serving_views()
-    serving = dataclasses.replace(busy, daemon=dataclasses.replace(busy.daemon, busy=None))
+    serving = dataclasses.replace(busy, daemon=msgspec.structs.replace(busy.daemon, busy=None))
     pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
     ready = status_document(
         version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[serving]

@@ -21,24 +21,17 @@ from mpsagent.base.devices import GpuUuid, Health, gpu_of
 from mpsagent.base.errors import UsageError
 from mpsagent.base.host import FileRefusedError, pid_alive, process_started, read_regular_file, write_atomically
 from mpsagent.documents.status_document import (
-    CapMode,
-    CapTamperEvent,
-    CeilingsStatus,
-    DaemonBusy,
-    DaemonStatus,
-    FrontEndFailure,
     GpuStatus,
     GrantStatus,
     LedgerStatus,
     PodResourcesStatus,
-    RecordDamage,
     ResourceStatus,
     StatusDocument,
 )
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
-from mpsagent.domain.shares import Ceilings
+from mpsagent.mps.daemon_status import DaemonStatus, utc
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
@@ -49,60 +42,32 @@ START_TIME_SLACK_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DaemonView:
-    pid: int | None
-    up: bool
-    ceilings: Ceilings | None
-    """What the daemon is known to hold; None while they are being set, or after a change failed."""
-    restarts: int
-    restart_attempts: int = 0
-    multi_user: bool | None = None
-    cap_tamper: int = 0
-    last_cap_tamper: tuple[float, str] | None = None
-    """When (wall clock) the caps were last found changed behind the agent, and what was found."""
-    front_end_failure: tuple[float, str] | None = None
-    """Since when (wall clock) and why the agent cannot run the control front-end."""
-    record_damage: tuple[float, str, str] | None = None
-    """Since when (wall clock) the daemon's record is damaged, its path and what is wrong with it."""
-    busy: tuple[float, str] | None = None
-    """Since when (wall clock) and why another control session keeps the daemon busy."""
-    busy_episodes: int = 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ResourceView:
+    """One resource's snapshot, as its server hands it to the publisher: the daemon's facts as the daemon
+    supervisor took them (the document embeds them as they are), and the ledger and inventory, read only when
+    the document is built (the publisher watches their versions)."""
+
     allocator: ResourceAllocator
     inventory: Inventory
-    daemon: DaemonView
+    daemon: DaemonStatus
     registered: bool
     registrations: int
     registration_failures: int = 0
 
 
-def _cap_mode(held: Ceilings | None, full: Ceilings) -> CapMode | None:
-    """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
-    if held is None:
-        return None
-    return "full" if held == full else "capped"
-
-
-def _utc(wall: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
-
-
-def _parse_utc(utc: str | None) -> float | None:
-    """A time `_utc` wrote, as wall clock; None for none, or one edited by hand."""
+def _parse_utc(when: str | None) -> float | None:
+    """A time `utc` wrote, as wall clock; None for none, or one edited by hand."""
     try:
-        return None if utc is None else float(calendar.timegm(time.strptime(utc, "%Y-%m-%dT%H:%M:%SZ")))
+        return None if when is None else float(calendar.timegm(time.strptime(when, "%Y-%m-%dT%H:%M:%SZ")))
     except ValueError:
         return None
 
 
-def _ago(utc: str, now: float) -> str:
-    """How long before `now` (wall clock) a time `_utc` wrote was, for people: `45 s ago`, `3 min ago`, `2 d ago`."""
-    wall = _parse_utc(utc)
+def _ago(when: str, now: float) -> str:
+    """How long before `now` (wall clock) a time `utc` wrote was, for people: `45 s ago`, `3 min ago`, `2 d ago`."""
+    wall = _parse_utc(when)
     if wall is None:  # a file edited by hand
-        return utc
+        return when
     seconds = max(0, int(now - wall))
     for unit, size, shown_below in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
         if seconds < size * shown_below:
@@ -114,7 +79,7 @@ def _wall(monotonic: float | None) -> str | None:
     """A monotonic time (the ledger's grace clock) as the UTC time it was."""
     if monotonic is None:
         return None
-    return _utc(time.time() - (time.monotonic() - monotonic))
+    return utc(time.time() - (time.monotonic() - monotonic))
 
 
 def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuStatus]:
@@ -125,7 +90,8 @@ def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuSt
         count[0] += 1
         count[1] += device.health is Health.HEALTHY
     shares = view.allocator.resource.shares
-    ceilings = view.daemon.ceilings or view.allocator.ceilings()
+    held = view.daemon.ceilings
+    ceilings = view.allocator.ceilings() if held is None else held.ceilings()
     bounds = {b.uuid: b for b in shares.escape_bounds(ceilings, [g.share for g in grants])}
     for uuid in bounds:
         counts.setdefault(uuid, [0, 0])
@@ -147,28 +113,6 @@ def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuSt
     }
 
 
-def _daemon_status(daemon: DaemonView, full: Ceilings) -> DaemonStatus:
-    held = daemon.ceilings
-    tamper, failure, damage = daemon.last_cap_tamper, daemon.front_end_failure, daemon.record_damage
-    return DaemonStatus(
-        pid=daemon.pid,
-        up=daemon.up,
-        cap_mode=_cap_mode(held, full),
-        ceilings=None
-        if held is None
-        else CeilingsStatus(thread_percentage=held.thread_percentage, memory_mib=held.memory_mib),
-        restarts=daemon.restarts,
-        restart_attempts=daemon.restart_attempts,
-        multi_user=daemon.multi_user,
-        cap_tamper=daemon.cap_tamper,
-        last_cap_tamper=None if tamper is None else CapTamperEvent(at=_utc(tamper[0]), found=tamper[1]),
-        front_end_failure=None if failure is None else FrontEndFailure(at=_utc(failure[0]), reason=failure[1]),
-        record_damage=None if damage is None else RecordDamage(at=_utc(damage[0]), path=damage[1], problem=damage[2]),
-        busy=None if daemon.busy is None else DaemonBusy(at=_utc(daemon.busy[0]), reason=daemon.busy[1]),
-        busy_episodes=daemon.busy_episodes,
-    )
-
-
 def _grant_status(grant: Grant) -> GrantStatus:
     return GrantStatus(
         grant_id=grant.grant_id,
@@ -176,7 +120,7 @@ def _grant_status(grant: Grant) -> GrantStatus:
         share=grant.share.describe(),
         container=str(grant.owner) if grant.owner else None,
         adopted=grant.adopted,
-        granted_at=_utc(grant.granted_at),
+        granted_at=utc(grant.granted_at),
         unlisted_since=_wall(grant.missing_since),
         device_ids=grant.replica_ids,
     )
@@ -194,7 +138,7 @@ def _resource_status(view: ResourceView) -> ResourceStatus:
         replicas=len(devices),
         healthy=sum(d.health is Health.HEALTHY for d in devices),
         gpus=_gpu_entries(view, grants),
-        daemon=_daemon_status(view.daemon, view.allocator.resource.shares.full_hardware()),
+        daemon=view.daemon,
         ledger=LedgerStatus(
             allocated={kind.value: count for kind, count in stats.grants.items()},
             adopted=stats.adopted_grants,
@@ -232,7 +176,7 @@ def render_status_json(document: StatusDocument, *, indent: int = 2) -> str:
 
 def write_status(mps_root: Path, document: StatusDocument) -> None:
     """Raises OSError (FileRefusedError when something other than a regular file is in the way)."""
-    written = msgspec.structs.replace(document, written_at=_utc(time.time()))
+    written = msgspec.structs.replace(document, written_at=utc(time.time()))
     write_atomically(
         mps_root / STATUS_FILE, render_status_json(written, indent=1).encode(), STATUS_FILE_MODE, what="the status file"
     )

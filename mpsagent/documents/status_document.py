@@ -1,24 +1,23 @@
-"""The status document's types: what status.json holds, `--status` prints, and `/metrics` and `/readyz` read.
+"""The status document's types: what status.json holds, `--status` prints, and `/metrics` and `/readyz` read,
+with the metric families each field gives (`STATUS_METRICS`) beside the fields.
 
 Built by `status` from the agent's live state, published by `publisher`; camelCase on the wire. A field that an
 older agent did not write has a default, so that `--status` reads that agent's file; a field without one is one
-every agent wrote. Where a new field goes: into the Struct here (with a default), filled in
-`status.status_document`, rendered in `status.render_status_text`, pinned in tests/golden/status.json.
+every agent wrote. The daemon's part is the daemon supervisor's own snapshot (`mps.daemon_status`), embedded as it
+is. Where a new field goes: see docs/architecture.md ("Documents, and where a new field goes").
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, NamedTuple, cast
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, cast
 
 import msgspec
 
-CapMode = Literal["full", "capped"]
-
-# Bounds on what `--status` reads back (the file may have been edited, or be another program's): a value outside
-# them is a one-line error naming the file and the field, not a traceback, a huge number or a negative count. A PID
-# that names no process the agent can have (-1, 1, above pid_max) reads, and is shown as not running.
-Pid = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+from mpsagent.base.bounded import Count, Pid
+from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
+from mpsagent.base.values import MIB
+from mpsagent.mps.daemon_status import CAP_MODES, DAEMON_METRICS, DaemonStatus
 
 
 class GpuBound(NamedTuple):
@@ -60,53 +59,44 @@ class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
         return None if None in values else GpuBound(*cast("tuple[int, ...]", values))
 
 
-class CeilingsStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    thread_percentage: Count
-    memory_mib: tuple[Count, ...] = msgspec.field(name="memoryMiB")
+def _bounded(value: Callable[[GpuBound], int]) -> Samples[GpuStatus]:
+    """A GPU's bound value, when the document holds its bound."""
+    return one(lambda gpu: None if (bound := gpu.bound()) is None else value(bound))
 
 
-class CapTamperEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    at: str
-    found: str
-
-
-class FrontEndFailure(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    at: str
-    reason: str
-
-
-class RecordDamage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """What is wrong with the daemon's record (`daemon.json`), since when: the daemon cannot be adopted from it."""
-
-    at: str
-    path: str
-    problem: str
-
-
-class DaemonBusy(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    """Another control session keeps the daemon busy, since when: it lives (nothing is killed), and a cap switch
-    waits for it, boundedly, then fails."""
-
-    at: str
-    reason: str
-
-
-class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    pid: Pid | None = None
-    up: bool
-    cap_mode: CapMode | None = None
-    ceilings: CeilingsStatus | None = None
-    """What the daemon is known to hold; None while they are being set, or after a change failed."""
-    restarts: Count = 0
-    restart_attempts: Count = 0
-    multi_user: bool | None = None
-    """None: not known (a daemon adopted from an older agent)."""
-    cap_tamper: Count = 0
-    last_cap_tamper: CapTamperEvent | None = None
-    front_end_failure: FrontEndFailure | None = None
-    record_damage: RecordDamage | None = None
-    busy: DaemonBusy | None = None
-    busy_episodes: Count = 0
+GPU_REPLICA_METRICS: tuple[MetricRow[GpuStatus], ...] = (
+    gauge(
+        "mpsagent_replicas",
+        "Advertised replicas by resource, GPU and health",
+        each(
+            ("Healthy", "Unhealthy"),
+            lambda gpu, health: gpu.healthy if health == "Healthy" else gpu.replicas - gpu.healthy,
+        ),
+        labels=("health",),
+    ),
+)
+GPU_BOUND_METRICS: tuple[MetricRow[GpuStatus], ...] = (
+    gauge(
+        "mpsagent_daemon_memory_ceiling_bytes",
+        "The pinned memory the MPS daemon allows any client on the GPU",
+        _bounded(lambda bound: bound.memory_ceiling_mib * MIB),
+    ),
+    gauge(
+        "mpsagent_gpu_live_grants",
+        "Live grants (MPS clients) holding a share of the GPU",
+        _bounded(lambda bound: bound.live_grants),
+    ),
+    gauge(
+        "mpsagent_escape_memory_bytes",
+        "Most memory beyond its own cap that a container on the GPU gets by unsetting its variables",
+        _bounded(lambda bound: bound.memory_escape_mib * MIB),
+    ),
+    gauge(
+        "mpsagent_escape_thread_percent",
+        "Most thread percentage points beyond its own cap that a container on the GPU gets by unsetting them",
+        _bounded(lambda bound: bound.thread_escape),
+    ),
+)
 
 
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -116,6 +106,32 @@ class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     superseded: Count = 0
     released: Count = 0
     live: dict[str, Count] = {}
+
+
+LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
+    counter(
+        "mpsagent_grants",
+        "Grants made by Allocate, by kind (full, capped)",
+        each(CAP_MODES, lambda ledger, kind: ledger.allocated.get(kind, 0)),
+        labels=("kind",),
+    ),
+    counter(
+        "mpsagent_grants_adopted",
+        "Grants learned from the kubelet's pod-resources listing",
+        one(lambda ledger: ledger.adopted),
+    ),
+    counter(
+        "mpsagent_grants_released",
+        "Grants released because their container is gone",
+        one(lambda ledger: ledger.released),
+    ),
+    gauge(
+        "mpsagent_active_grants",
+        "Live grants in the ledger",
+        each(CAP_MODES, lambda ledger, kind: ledger.live.get(kind, 0)),
+        labels=("kind",),
+    ),
+)
 
 
 class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -142,11 +158,54 @@ class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     grants: tuple[GrantStatus, ...] = ()
 
 
+REGISTRATION_METRICS: tuple[MetricRow[ResourceStatus], ...] = (
+    counter(
+        "mpsagent_kubelet_registrations",
+        "Successful registrations with the kubelet",
+        one(lambda res: res.registrations),
+    ),
+    gauge("mpsagent_kubelet_registered", "1 while registered with the kubelet", one(lambda res: res.registered)),
+    counter(
+        "mpsagent_kubelet_registration_failures",
+        "Failed registrations with the kubelet",
+        one(lambda res: res.registration_failures),
+    ),
+)
+
+
+def _gpus(res: ResourceStatus) -> Iterable[tuple[Labels, GpuStatus]]:
+    return (((uuid,), gpu) for uuid, gpu in res.gpus.items())
+
+
+RESOURCE_METRICS: tuple[MetricRow[ResourceStatus], ...] = (
+    *within(("gpu",), _gpus, GPU_REPLICA_METRICS),
+    *within((), lambda res: (((), res.ledger),), LEDGER_METRICS),
+    *within((), lambda res: (((), res.daemon),), DAEMON_METRICS),
+    *REGISTRATION_METRICS,
+    *within(("gpu",), _gpus, GPU_BOUND_METRICS),
+)
+"""Each resource's families, in the order /metrics shows them; each sample also gets the resource's label."""
+
+
 class PodResourcesStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     socket: str | None = None
     available: bool
     answers: Count = 0
     failures: Count = 0
+
+
+POD_RESOURCES_METRICS: tuple[MetricRow[PodResourcesStatus], ...] = (
+    gauge(
+        "mpsagent_pod_resources_up",
+        "1 while the kubelet's pod-resources API answers",
+        one(lambda pod_resources: pod_resources.available),
+    ),
+    counter(
+        "mpsagent_pod_resources_failures",
+        "Failed pod-resources List calls",
+        one(lambda pod_resources: pod_resources.failures),
+    ),
+)
 
 
 class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -160,3 +219,14 @@ class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     resources: tuple[ResourceStatus, ...]
     written_at: str | None = None
     """Set by write_status."""
+
+
+def _resources(document: StatusDocument) -> Iterable[tuple[Labels, ResourceStatus]]:
+    return (((res.name,), res) for res in document.resources)
+
+
+STATUS_METRICS: tuple[MetricRow[StatusDocument], ...] = (
+    *within(("resource",), _resources, RESOURCE_METRICS),
+    *within((), lambda document: (((), document.pod_resources),), POD_RESOURCES_METRICS),
+)
+"""Every family `/metrics` reads from the status document, in the order it shows them."""

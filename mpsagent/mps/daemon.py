@@ -46,6 +46,16 @@ from mpsagent.mps.commands import (
 from mpsagent.mps.compute_mode import ComputeModes
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.daemon_status import (
+    CapTamperEvent,
+    CeilingsStatus,
+    DaemonBusy,
+    DaemonStatus,
+    FrontEndFailure,
+    RecordDamage,
+    cap_mode,
+    utc,
+)
 from mpsagent.mps.launch import (
     CONTROL_LOG,
     decide_multi_user,
@@ -160,6 +170,27 @@ class DaemonSupervisor:
         """Since when (wall clock) the daemon's record is damaged, its path and what is wrong; None while it reads."""
         damage = self._state_file.damage
         return None if damage is None else (damage[0], str(self._state_file.path), damage[1])
+
+    def status(self) -> DaemonStatus:
+        """What is known about the daemon now: the snapshot the status document embeds and the metrics read."""
+        tamper, failure, damage, busy = self.last_cap_tamper, self.front_end_failure, self.record_damage, self.busy
+        return DaemonStatus(
+            pid=self._pid,
+            up=self._up,
+            cap_mode=cap_mode(self._held, self._resource.shares.full_hardware()),
+            ceilings=CeilingsStatus.of(self._held),
+            restarts=self.restarts,
+            restart_attempts=self.restart_attempts,
+            multi_user=self._running_multi_user,
+            cap_tamper=self.cap_tamper_count,
+            last_cap_tamper=None if tamper is None else CapTamperEvent(at=utc(tamper[0]), found=tamper[1]),
+            front_end_failure=None if failure is None else FrontEndFailure(at=utc(failure[0]), reason=failure[1]),
+            record_damage=None
+            if damage is None
+            else RecordDamage(at=utc(damage[0]), path=damage[1], problem=damage[2]),
+            busy=None if busy is None else DaemonBusy(at=utc(busy[0]), reason=busy[1]),
+            busy_episodes=self.busy_episodes,
+        )
 
     # --- ceilings -------------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from mpsagent.base.devices import gpu_of
 from mpsagent.base.errors import DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
-from mpsagent.documents.status import DaemonView, ResourceView
+from mpsagent.documents.status import ResourceView
 from mpsagent.domain.allocation import Allocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
@@ -104,25 +104,11 @@ class ResourceServer:
             self._log.error("mps daemon caps not changed", reason=str(exc))
 
     def view(self) -> ResourceView:
-        daemon = self.daemon
         statistics = self.endpoint.statistics()
         return ResourceView(
             allocator=self.allocator,
             inventory=self.inventory,
-            daemon=DaemonView(
-                pid=daemon.pid,
-                up=daemon.up,
-                ceilings=daemon.ceilings,
-                restarts=daemon.restarts,
-                restart_attempts=daemon.restart_attempts,
-                multi_user=daemon.multi_user,
-                cap_tamper=daemon.cap_tamper_count,
-                last_cap_tamper=daemon.last_cap_tamper,
-                front_end_failure=daemon.front_end_failure,
-                busy=daemon.busy,
-                busy_episodes=daemon.busy_episodes,
-                record_damage=daemon.record_damage,
-            ),
+            daemon=self.daemon.status(),
             registered=self.endpoint.registered,
             registrations=statistics.registrations,
             registration_failures=statistics.registration_failures,

@@ -1,0 +1,141 @@
+"""The MPS daemon's status: the one typed snapshot of what the daemon supervisor knows about its daemon, and the
+metric families read from it.
+
+`DaemonSupervisor.status` builds it; the resource server hands it on, the status document embeds it as it is
+(camelCase on the wire: `status.json`, `--status`) and `/metrics` reads it through `DAEMON_METRICS`. A new daemon
+fact is a field here (with a default, for an older agent's file), its value in `DaemonSupervisor.status`, and a
+row of `DAEMON_METRICS` if it is a metric.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+from mpsagent.base.bounded import Count, Pid
+from mpsagent.base.metric_rows import MetricRow, counter, each, gauge, one
+from mpsagent.domain.shares import Ceilings
+
+CapMode = Literal["full", "capped"]
+CAP_MODES: tuple[CapMode, ...] = ("full", "capped")
+
+
+def utc(wall: float) -> str:
+    """A wall-clock time as the documents write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+def cap_mode(held: Ceilings | None, full: Ceilings) -> CapMode | None:
+    """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
+    if held is None:
+        return None
+    return "full" if held == full else "capped"
+
+
+class CeilingsStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    thread_percentage: Count
+    memory_mib: tuple[Count, ...] = msgspec.field(name="memoryMiB")
+
+    @classmethod
+    def of(cls, ceilings: Ceilings | None) -> CeilingsStatus | None:
+        if ceilings is None:
+            return None
+        return cls(thread_percentage=ceilings.thread_percentage, memory_mib=ceilings.memory_mib)
+
+    def ceilings(self) -> Ceilings:
+        return Ceilings(thread_percentage=self.thread_percentage, memory_mib=self.memory_mib)
+
+
+class CapTamperEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    at: str
+    found: str
+
+
+class FrontEndFailure(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    at: str
+    reason: str
+
+
+class RecordDamage(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What is wrong with the daemon's record (`daemon.json`), since when: the daemon cannot be adopted from it."""
+
+    at: str
+    path: str
+    problem: str
+
+
+class DaemonBusy(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """Another control session keeps the daemon busy, since when: it lives (nothing is killed), and a cap switch
+    waits for it, boundedly, then fails."""
+
+    at: str
+    reason: str
+
+
+class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The daemon's facts; the field order is status.json's key order."""
+
+    pid: Pid | None = None
+    up: bool
+    cap_mode: CapMode | None = None
+    ceilings: CeilingsStatus | None = None
+    """What the daemon is known to hold; None while they are being set, or after a change failed."""
+    restarts: Count = 0
+    restart_attempts: Count = 0
+    multi_user: bool | None = None
+    """None: not known (a daemon adopted from an older agent)."""
+    cap_tamper: Count = 0
+    last_cap_tamper: CapTamperEvent | None = None
+    front_end_failure: FrontEndFailure | None = None
+    record_damage: RecordDamage | None = None
+    busy: DaemonBusy | None = None
+    busy_episodes: Count = 0
+
+
+DAEMON_METRICS: tuple[MetricRow[DaemonStatus], ...] = (
+    gauge("mpsagent_daemon_up", "1 when the MPS control daemon answers", one(lambda d: d.up)),
+    counter(
+        "mpsagent_daemon_restarts",
+        "MPS control daemon failures seen (exited or hung); each ended the daemon's clients",
+        one(lambda d: d.restarts),
+    ),
+    counter(
+        "mpsagent_daemon_restart_attempts",
+        "Attempts to start a new MPS control daemon after a failure (a daemon that stays down keeps counting)",
+        one(lambda d: d.restart_attempts),
+    ),
+    gauge(
+        "mpsagent_daemon_cap_mode",
+        "1 for the cap mode the daemon holds",
+        each(CAP_MODES, lambda d, mode: d.cap_mode == mode),
+        labels=("mode",),
+    ),
+    gauge(
+        "mpsagent_daemon_multi_user",
+        "1 when the daemon runs one MPS server for every user (-M), 0 when one per user",
+        one(lambda d: d.multi_user),
+    ),
+    counter(
+        "mpsagent_cap_tamper",
+        "Daemon values found changed behind the agent (and restored)",
+        one(lambda d: d.cap_tamper),
+    ),
+    gauge(
+        "mpsagent_daemon_busy",
+        "1 while another control session keeps the MPS control daemon busy (it lives; cap switches fail)",
+        one(lambda d: d.busy is not None),
+    ),
+    counter(
+        "mpsagent_daemon_busy_episodes",
+        "Times another control session kept the MPS control daemon busy beyond the agent's bounded wait",
+        one(lambda d: d.busy_episodes),
+    ),
+    gauge(
+        "mpsagent_daemon_thread_ceiling_percent",
+        "The thread percentage the MPS daemon allows any client of the resource",
+        one(lambda d: None if d.ceilings is None else d.ceilings.thread_percentage),
+    ),
+)
+"""The daemon's families; each sample also gets the resource's label (`status_document.RESOURCE_METRICS`)."""
