@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 log = get_logger("mpsagent.app")
 
-MAX_LOGGED_GRANTS = 5
-
 
 class _NoGpuHealth:
     """GPUs from a node snapshot: there is no NVML to ask about their health."""
