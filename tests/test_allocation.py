@@ -92,7 +92,7 @@ def test_what_a_grant_would_be_records_nothing(allocator: ResourceAllocator) -> 
 def test_an_allocate_records_every_container_or_none(allocator: ResourceAllocator) -> None:
     allocations = allocator.allocate([ids(GPU0, 0), ids(GPU1, 0, 1)])
     granted = [tuple(ids(GPU0, 0)), tuple(ids(GPU1, 0, 1))]
-    assert [a.grant.replica_ids for a in allocations] == live(allocator) == granted
+    assert [a.setup.replica_ids for a in allocations] == live(allocator) == granted
     assert [a.record.grant.grant_id for a in allocations] == [1, 2]
     version = allocator.ledger.version
     with pytest.raises(RequestError):

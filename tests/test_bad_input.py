@@ -83,7 +83,7 @@ def test_allocate_answers_or_refuses_with_a_message_and_a_refusal_changes_nothin
         return
     assert len(allocations) == len(requests)
     for allocation, ids in zip(allocations, requests, strict=True):
-        assert set(allocation.grant.replica_ids) == set(ids)
+        assert set(allocation.setup.replica_ids) == set(ids)
 
 
 @settings(max_examples=300, deadline=None)

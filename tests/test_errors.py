@@ -30,8 +30,21 @@ def drawn_tree() -> dict[str, str | None]:
 
 
 def defined_tree() -> dict[str, str | None]:
-    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.MpsAgentError)]
-    return {c.__name__: None if c is errors.MpsAgentError else c.__base__.__name__ for c in classes}
+    """Each exception class errors.py defines, with its base; a base from elsewhere (Exception, OSError) is a root
+    the drawing names too, except Exception, under which the tree itself hangs."""
+    classes = [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, Exception) and c.__module__ == errors.__name__
+    ]
+    tree: dict[str, str | None] = {}
+    for c in classes:
+        base = c.__base__
+        assert base is not None
+        tree[c.__name__] = None if base is Exception else base.__name__
+        if base is not Exception and base.__module__ != errors.__name__:
+            tree[base.__name__] = None
+    return tree
 
 
 def test_the_docstring_draws_every_error_class_under_its_base() -> None:

@@ -12,7 +12,7 @@ from mpsagent.domain.shares import GpuSlots, GrantKind, Share, ShareModel
 
 A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
 SHARES = ShareModel(
-    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, ids=4),),
+    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=4),),
     rule=GrantRule.PROPORTIONAL,
     unit_bytes=None,
     enforce=True,

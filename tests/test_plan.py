@@ -16,8 +16,8 @@ from mpsagent.domain.container import (
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
     ENV_VISIBLE_DEVICES,
-    container_grant,
     container_pipe_directory,
+    container_setup,
 )
 from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
 from mpsagent.domain.shares import Ceilings, GrantKind
@@ -299,7 +299,7 @@ def test_two_resources_split_eight_gpus() -> None:
 
 def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
     _, high = plan(t4_node(8), *SPLIT, mps=EQUAL).resources
-    grant = container_grant(high, ids((6, 0)), SHM)
+    grant = container_setup(high, ids((6, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8191M,1=8191M,2=8191M,3=8191M"
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "50"
@@ -401,7 +401,7 @@ def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
 
 def test_a_full_grant_has_no_caps() -> None:
     resource = only_resource(t4_node(2), "{name: gpu, replicas: 4}")
-    grant = container_grant(resource, tuple(reversed(resource.device_ids)), SHM)
+    grant = container_setup(resource, tuple(reversed(resource.device_ids)), SHM)
     assert grant.full is True
     assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs
@@ -430,7 +430,7 @@ def test_a_full_grant_has_no_caps() -> None:
 )
 def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
     resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
-    grant = container_grant(resource, ids(*pairs), SHM)
+    grant = container_setup(resource, ids(*pairs), SHM)
     assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
@@ -464,7 +464,7 @@ def test_device_strategies(
     flags: str, pairs: list[tuple[int, int]], visible_env: str | None, cdi: tuple[str, ...]
 ) -> None:
     resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", flags=flags)
-    grant = container_grant(resource, ids(*pairs), SHM)
+    grant = container_setup(resource, ids(*pairs), SHM)
     assert grant.envs.get(ENV_VISIBLE_DEVICES) == visible_env
     assert grant.cdi_devices == cdi
     assert grant.envs[ENV_PIPE_DIRECTORY] == "/mps/nvidia.com/gpu/pipe"
@@ -473,14 +473,14 @@ def test_device_strategies(
 def test_index_strategy_on_the_second_resource_gives_host_indices() -> None:
     _, high = plan(t4_node(8), *SPLIT, flags="{plugin: {deviceIDStrategy: index}}").resources
     assert high.device_id_strategy is DeviceIdStrategy.INDEX
-    grant = container_grant(high, ids((5, 0), (4, 1)), SHM)
+    grant = container_setup(high, ids((5, 0), (4, 1)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == "4,5"
 
 
 def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
     resource = only_resource(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
     assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
-    grant = container_grant(resource, resource.device_ids, SHM)
+    grant = container_setup(resource, resource.device_ids, SHM)
     assert grant.full is True
     assert grant.cdi_devices == (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}")
     assert set(grant.envs) == {ENV_PIPE_DIRECTORY}

@@ -14,7 +14,7 @@ from mpsagent.domain.shares import Ceilings, GpuSlots, GrantKind, Share, ShareMo
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
 SHARES = ShareModel(
-    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, ids=8),),
+    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=8),),
     rule=GrantRule.PROPORTIONAL,
     unit_bytes=None,
     enforce=True,
@@ -135,8 +135,8 @@ def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
 
 TWO_GPUS = ShareModel(
     gpus=(
-        GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, ids=4),
-        GpuSlots(uuid=GpuUuid("GPU-b"), ordinal=1, memory_bytes=16 << 30, ids=4),
+        GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=4),
+        GpuSlots(uuid=GpuUuid("GPU-b"), ordinal=1, memory_bytes=16 << 30, id_count=4),
     ),
     rule=GrantRule.PROPORTIONAL,
     unit_bytes=None,

@@ -25,7 +25,7 @@ from grpclib.testing import ChannelFor
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.errors import DaemonCommandError
-from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
@@ -37,12 +37,12 @@ CALL_TIMEOUT_S = 5
 
 @dataclass
 class Daemon:
-    """Stands in for the resource server's `hold_caps`: records each call, fails while `failing` is set."""
+    """Stands in for the resource server's `set_ceilings`: records each call, fails while `failing` is set."""
 
     calls: list[bool] = field(default_factory=list)
     failing: str | None = None
 
-    async def hold_caps(self, *, verify: bool = False) -> None:
+    async def set_ceilings(self, *, verify: bool = False) -> None:
         self.calls.append(verify)
         if self.failing is not None:
             raise DaemonCommandError(self.failing)
@@ -54,7 +54,7 @@ class Served:
     allocator: ResourceAllocator
     inventory: Inventory
     daemon: Daemon
-    granted: list[Allocation] = field(default_factory=list)
+    granted: list[ContainerAllocation] = field(default_factory=list)
     timed: list[tuple[str, str]] = field(default_factory=list)
 
     def live(self) -> list[tuple[str, ...]]:
@@ -68,13 +68,13 @@ def serve(tmp_path: Path, text: str | None = None) -> Served:
     allocator = ResourceAllocator(resource, plan.shm_directory)
     inventory = Inventory(resource, daemon_ready=True)
     daemon = Daemon()
-    granted: list[Allocation] = []
+    granted: list[ContainerAllocation] = []
     timed: list[tuple[str, str]] = []
     servicer = DevicePluginServicer(
         allocator,
         inventory,
         pre_start_required=True,
-        hold_caps=daemon.hold_caps,
+        set_ceilings=daemon.set_ceilings,
         on_granted=granted.extend,
         rpc_timer=lambda rpc, _seconds, outcome: timed.append((rpc, outcome)),
     )
@@ -145,7 +145,7 @@ def test_allocate_answers_each_container_with_its_grant_and_records_it(served: S
     }
     # The second container's grant holds GPU1::2 too: the first has ended (the kubelet granted it again).
     assert served.live() == [tuple(ALL)]
-    assert [a.grant.replica_ids for a in served.granted] == [tuple(ids(GPU1, 2)), tuple(ALL)]
+    assert [a.setup.replica_ids for a in served.granted] == [tuple(ids(GPU1, 2)), tuple(ALL)]
     assert served.daemon.calls == [False]  # the daemon holds the ledger's caps before the answer
     assert served.timed == [("allocate", "ok")]
 
@@ -210,7 +210,7 @@ def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Serv
     # caps of what is left.
     assert served.live() == [tuple(ids(GPU0, 0))]
     assert served.daemon.calls == [False, False, False]
-    assert [a.grant.replica_ids for a in served.granted] == [tuple(ids(GPU0, 0))]
+    assert [a.setup.replica_ids for a in served.granted] == [tuple(ids(GPU0, 0))]
     assert served.timed == [("allocate", "ok"), ("allocate", "failed")]
 
 

@@ -37,7 +37,7 @@ from mpsagent.mps.daemon_status import (
     DaemonStatus,
     FrontEndFailure,
     RecordDamage,
-    cap_mode,
+    ceiling_mode,
     utc,
 )
 
@@ -103,7 +103,7 @@ def serving_views() -> list[ResourceView]:
         daemon=DaemonStatus(
             pid=4242,
             up=True,
-            cap_mode=cap_mode(allocator.ceilings(), gpus.shares.full_hardware()),
+            cap_mode=ceiling_mode(allocator.ceilings(), gpus.shares.full_hardware()),
             ceilings=CeilingsStatus.of(allocator.ceilings()),
             restarts=1,
             restart_attempts=2,
@@ -243,7 +243,7 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
         daemon=DaemonStatus(
             pid=4242,
             up=True,
-            cap_mode=cap_mode(allocator.ceilings(), gpus.shares.full_hardware()),
+            cap_mode=ceiling_mode(allocator.ceilings(), gpus.shares.full_hardware()),
             ceilings=CeilingsStatus.of(allocator.ceilings()),
         ),
         registered=True,

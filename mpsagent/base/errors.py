@@ -17,6 +17,11 @@ MpsAgentError                 base, never raised itself
     ├── ControlRunError       the agent could not run the control front-end at all: the agent's failure
     ├── DaemonBusyError       the daemon refused sessions while another one is open: busy, not hung
     └── UnrecordedDaemonError a daemon answers on the pipe directory, but daemon.json names no live PID for it
+
+OSError
+└── FileRefusedError          a file the agent reads or writes is not a regular file, or is too large: an OSError,
+    └── FileTooLargeError     so that whatever handles an unreadable file handles it too; readers that must say what
+                              the file was for turn it into FileReadError (`host.read_input_file`)
 """
 
 from __future__ import annotations
@@ -32,6 +37,22 @@ def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
     text = str(value)
     short = text if len(text) <= limit else text[:limit] + "..."
     return short if short.isascii() and short.isprintable() else ascii(short)[1:-1]
+
+
+class FileRefusedError(OSError):
+    """A file the agent reads or writes is not a regular file (a FIFO blocks, a device never ends, a link may
+    lead anywhere) or is larger than it accepts. An OSError, so that whatever handles an unreadable or unwritable
+    file handles this one too; its message names the file (`what`, `path`) and what is wrong with it (`problem`)."""
+
+    def __init__(self, path: Path, what: str, problem: str) -> None:
+        super().__init__(f"{what} {path} {problem}")
+        self.path = path
+        self.what = what
+        self.problem = problem
+
+
+class FileTooLargeError(FileRefusedError):
+    """A regular file larger than its reader accepts."""
 
 
 class MpsAgentError(Exception):

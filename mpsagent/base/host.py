@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from mpsagent.base.errors import FileReadError
+from mpsagent.base.errors import FileReadError, FileRefusedError, FileTooLargeError
 from mpsagent.base.values import MIB
 
 _KINDS = (
@@ -22,22 +22,6 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
-
-
-class FileRefusedError(OSError):
-    """A file the agent reads or writes is not a regular file (a FIFO blocks, a device never ends, a link may
-    lead anywhere) or is larger than it accepts. An OSError, so that whatever handles an unreadable or unwritable
-    file handles this one too; its message names the file (`what`, `path`) and what is wrong with it (`problem`)."""
-
-    def __init__(self, path: Path, what: str, problem: str) -> None:
-        super().__init__(f"{what} {path} {problem}")
-        self.path = path
-        self.what = what
-        self.problem = problem
-
-
-class FileTooLargeError(FileRefusedError):
-    """A regular file larger than its reader accepts."""
 
 
 def size_text(size: int) -> str:

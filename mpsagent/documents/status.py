@@ -18,8 +18,8 @@ import msgspec
 
 from mpsagent import __version__
 from mpsagent.base.devices import GpuUuid, Health, gpu_of
-from mpsagent.base.errors import UsageError
-from mpsagent.base.host import FileRefusedError, pid_alive, process_started, read_regular_file, write_atomically
+from mpsagent.base.errors import FileRefusedError, UsageError
+from mpsagent.base.host import pid_alive, process_started, read_regular_file, write_atomically
 from mpsagent.documents.status_document import (
     GpuStatus,
     GrantStatus,

@@ -17,7 +17,7 @@ import msgspec
 from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
 from mpsagent.base.values import MIB
-from mpsagent.mps.daemon_status import CAP_MODES, DAEMON_METRICS, DaemonStatus
+from mpsagent.mps.daemon_status import CEILING_MODES, DAEMON_METRICS, DaemonStatus
 
 
 class GpuBound(NamedTuple):
@@ -112,7 +112,7 @@ LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     counter(
         "mpsagent_grants",
         "Grants made by Allocate, by kind (full, capped)",
-        each(CAP_MODES, lambda ledger, kind: ledger.allocated.get(kind, 0)),
+        each(CEILING_MODES, lambda ledger, kind: ledger.allocated.get(kind, 0)),
         labels=("kind",),
     ),
     counter(
@@ -128,7 +128,7 @@ LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     gauge(
         "mpsagent_active_grants",
         "Live grants in the ledger",
-        each(CAP_MODES, lambda ledger, kind: ledger.live.get(kind, 0)),
+        each(CEILING_MODES, lambda ledger, kind: ledger.live.get(kind, 0)),
         labels=("kind",),
     ),
 )

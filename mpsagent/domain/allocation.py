@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError, shown
-from mpsagent.domain.container import ContainerGrant, container_grant
-from mpsagent.domain.ledger import Ledger, RecordResult
+from mpsagent.domain.container import ContainerSetup, container_setup
+from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
@@ -48,9 +48,12 @@ def client_limit_error(resource: str, over: Sequence[ClientLimit]) -> RequestErr
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Allocation:
-    grant: ContainerGrant
-    record: RecordResult
+class ContainerAllocation:
+    """One container's part of an Allocate: what it is given (`setup`, the answer's content) and the ledger's
+    record of it (`record`: the `ledger.Grant` and the earlier grants it showed ended)."""
+
+    setup: ContainerSetup
+    record: Recorded
 
 
 class ResourceAllocator:
@@ -87,17 +90,17 @@ class ResourceAllocator:
             raise size_error(self.resource.name, len(unique))
         return unique
 
-    def grant_for(self, ids: Sequence[str]) -> ContainerGrant:
+    def grant_for(self, ids: Sequence[str]) -> ContainerSetup:
         """What a container asking for these IDs would get; records nothing (the dry run calls this too)."""
-        return container_grant(self.resource, self.check_request(ids), self._shm)
+        return container_setup(self.resource, self.check_request(ids), self._shm)
 
-    def allocate(self, requests: Sequence[Sequence[str]]) -> list[Allocation]:
+    def allocate(self, requests: Sequence[Sequence[str]]) -> list[ContainerAllocation]:
         """Check every container request, then record them all; a refusal records nothing."""
         grants = [self.grant_for(ids) for ids in requests]
         self._check_clients(grants)
-        return [Allocation(grant=g, record=self.ledger.record(g.replica_ids, g.share)) for g in grants]
+        return [ContainerAllocation(setup=g, record=self.ledger.record(g.replica_ids, g.share)) for g in grants]
 
-    def _check_clients(self, grants: Sequence[ContainerGrant]) -> None:
+    def _check_clients(self, grants: Sequence[ContainerSetup]) -> None:
         """Refuse grants that would give a GPU more live grants (MPS clients) than MPS serves."""
         ending = {holder.grant_id: holder for g in grants for r in g.replica_ids if (holder := self.ledger.holder(r))}
         over = self.resource.shares.clients_over_limit(
@@ -106,7 +109,7 @@ class ResourceAllocator:
         if over:
             raise client_limit_error(self.resource.name, over)
 
-    def withdraw(self, allocations: Sequence[Allocation]) -> None:
+    def withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
         """Undo `allocate` (its answer was an error): the ledger is as it was before, as far as nothing else has
         changed it meanwhile (see Ledger.withdraw)."""
         for allocation in reversed(allocations):

@@ -1,5 +1,5 @@
 """What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
-devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_grant`.
+devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_setup`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class Mount:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ContainerGrant:
-    """What one container is given: its replicas, its share of each GPU, and its environment."""
+class ContainerSetup:
+    """What one container is given (the content of its Allocate answer): its replicas, its share of each GPU, its
+    environment, mounts and CDI devices. The ledger's record of who holds those replicas is `ledger.Grant`."""
 
     replica_ids: tuple[ReplicaId, ...]
     share: Share
@@ -55,7 +56,7 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
     return ",".join(gpu.uuid for gpu in gpus)
 
 
-def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerGrant:
+def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
     """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
     share = resource.shares.share_of(replica_ids)
     granted = {gpu_of(replica) for replica in replica_ids}
@@ -74,4 +75,4 @@ def container_grant(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], 
         Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
     )
-    return ContainerGrant(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)
+    return ContainerSetup(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)

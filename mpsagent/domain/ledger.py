@@ -58,7 +58,9 @@ class Grant:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RecordResult:
+class Recorded:
+    """What recording one container's replicas did: the new grant, and the ones it ended."""
+
     grant: Grant
     ended: tuple[Grant, ...]
     """Earlier grants that this one shows to have ended (they held one of its replicas)."""
@@ -96,20 +98,20 @@ class Ledger:
         """The live grants' shares, counted for ceilings and the client limit (read it; the ledger keeps it)."""
         return self._tally
 
-    def record(self, replica_ids: tuple[ReplicaId, ...], share: Share) -> RecordResult:
+    def record(self, replica_ids: tuple[ReplicaId, ...], share: Share) -> Recorded:
         """Record an Allocate's grant."""
         result = self._add(replica_ids, share, owner=None)
         self._stats.grants[share.kind] += 1
         self._stats.regranted_replicas += len(result.grant.superseded_ids)
         return result
 
-    def adopt(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef) -> RecordResult:
+    def adopt(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef) -> Recorded:
         """Record a grant the kubelet lists but this agent never saw allocated (made before it started)."""
         result = self._add(replica_ids, share, owner=owner)
         self._stats.adopted_grants += 1
         return result
 
-    def _add(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef | None) -> RecordResult:
+    def _add(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef | None) -> Recorded:
         ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
         ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
         self._stats.superseded_grants += len(ended)
@@ -130,9 +132,9 @@ class Ledger:
         for replica in replica_ids:
             self._holder[replica] = grant.grant_id
         self._version += 1
-        return RecordResult(grant=grant, ended=ended)
+        return Recorded(grant=grant, ended=ended)
 
-    def withdraw(self, result: RecordResult) -> None:
+    def withdraw(self, result: Recorded) -> None:
         """Undo an Allocate's `record`: the Allocate was answered with an error, so no container got the grant.
 
         The grant goes, and the grants it ended are live again, unless another grant took one of their replicas

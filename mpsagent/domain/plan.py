@@ -169,7 +169,7 @@ def _share_model(spec: ResourceSpec, sharing: SharingConfig, gpus: tuple[Gpu, ..
                 uuid=gpu.uuid,
                 ordinal=ordinal,
                 memory_bytes=gpu.memory_bytes,
-                ids=count,
+                id_count=count,
                 max_clients=MAX_CLIENTS_PER_GPU
                 if gpu.compute_capability >= (7, 0)
                 else MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,

@@ -57,7 +57,7 @@ class GpuSlots:
     uuid: GpuUuid
     ordinal: int
     memory_bytes: int
-    ids: int
+    id_count: int
     max_clients: int = MAX_CLIENTS_PER_GPU
 
     @property
@@ -225,7 +225,7 @@ class ShareModel:
         """A share's memory on `gpu` (see `_capped_mib`)."""
         if self.unit_bytes is not None:
             return _capped_mib(gpu, held * self.unit_bytes // MIB)
-        return _capped_mib(gpu, gpu.memory_bytes * held // gpu.ids // MIB)
+        return _capped_mib(gpu, gpu.memory_bytes * held // gpu.id_count // MIB)
 
     def _place(self, replica: ReplicaId) -> tuple[GpuSlots | None, bool]:
         """The GPU of the resource an ID names (None: none), and whether the resource advertises the ID: its index is
@@ -235,7 +235,7 @@ class ShareModel:
         if gpu is None:
             return None, False
         canonical = index.isascii() and index.isdigit() and len(index) <= MAX_INDEX_DIGITS and str(int(index)) == index
-        return gpu, canonical and int(index) < gpu.ids
+        return gpu, canonical and int(index) < gpu.id_count
 
     def advertises(self, replica: ReplicaId) -> bool:
         return self._place(replica)[1]
@@ -269,7 +269,7 @@ class ShareModel:
                 uuid=self.gpus[ordinal].uuid,
                 ordinal=ordinal,
                 held=k,
-                of=self.gpus[ordinal].ids,
+                of=self.gpus[ordinal].id_count,
                 memory_mib=self._memory_mib(self.gpus[ordinal], k),
             )
             for ordinal, k in counts
@@ -319,7 +319,7 @@ class ShareModel:
 
     def _equal_share(self, held: tuple[GpuShare, ...]) -> Share:
         """The NVIDIA rule: every ID of the resource is a full grant; anything else 1/replicas of every GPU."""
-        if held and sum(share.held for share in held) >= sum(gpu.ids for gpu in self.gpus):
+        if held and sum(share.held for share in held) >= sum(gpu.id_count for gpu in self.gpus):
             bounds = tuple((gpu.ordinal, gpu.memory_mib) for gpu in self.gpus)
             return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=bounds)
         smallest = self.smallest_caps()
@@ -337,13 +337,13 @@ class ShareModel:
     def smallest_caps(self) -> Ceilings:
         """The caps of the smallest share: one ID of each GPU."""
         if self.equal:
-            replicas = self.gpus[0].ids
+            replicas = self.gpus[0].id_count
             return Ceilings(
                 thread_percentage=FULL_THREAD_PERCENTAGE // replicas,
                 memory_mib=tuple(_capped_mib(gpu, gpu.memory_bytes // replicas // MIB) for gpu in self.gpus),
             )
         return Ceilings(
-            thread_percentage=max(1, min(FULL_THREAD_PERCENTAGE // gpu.ids for gpu in self.gpus)),
+            thread_percentage=max(1, min(FULL_THREAD_PERCENTAGE // gpu.id_count for gpu in self.gpus)),
             memory_mib=tuple(self._memory_mib(gpu, 1) for gpu in self.gpus),
         )
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from mpsagent.base.errors import AgentLockedError, HostError
-from mpsagent.base.host import FileRefusedError, PidLock
+from mpsagent.base.errors import AgentLockedError, FileRefusedError, HostError
+from mpsagent.base.host import PidLock
 from mpsagent.domain.plan import ResourcePlan
 
 LOCK_DIRECTORY = "mpsagent-locks"

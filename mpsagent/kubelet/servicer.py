@@ -23,7 +23,7 @@ from grpclib.server import Stream
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.errors import MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
-from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 
 log = get_logger(__name__)
@@ -31,9 +31,9 @@ log = get_logger(__name__)
 _Request = TypeVar("_Request", bound=Message)
 
 
-class HoldCaps(Protocol):
-    """Makes the resource's daemon hold the cap mode the ledger's live grants need; raises when it cannot.
-    `verify`: read the daemon's real values back even when it is believed to hold that mode."""
+class SetCeilings(Protocol):
+    """Makes the resource's daemon hold the ceilings the ledger's live grants need; raises when it cannot.
+    `verify`: read the daemon's real values back even when it is believed to hold them."""
 
     async def __call__(self, *, verify: bool = False) -> None: ...
 
@@ -41,7 +41,7 @@ class HoldCaps(Protocol):
 RpcTimer = Callable[[str, float, str], None]
 """Told how long an RPC took (`allocate`, `preferred_allocation`) and its outcome: `ok`, `refused` (the request
 was wrong) or `failed` (the node, or a bug)."""
-OnGranted = Callable[[Sequence[Allocation]], None]
+OnGranted = Callable[[Sequence[ContainerAllocation]], None]
 """Told of the grants of an Allocate that is answered OK."""
 RESTORE_TIMEOUT_S = 30.0
 
@@ -50,7 +50,7 @@ async def _no_daemon(*, verify: bool = False) -> None:
     return None
 
 
-def _nothing_on_granted(allocations: Sequence[Allocation]) -> None:
+def _nothing_on_granted(allocations: Sequence[ContainerAllocation]) -> None:
     return None
 
 
@@ -101,14 +101,14 @@ class DevicePluginServicer:
         inventory: Inventory,
         *,
         pre_start_required: bool = False,
-        hold_caps: HoldCaps = _no_daemon,
+        set_ceilings: SetCeilings = _no_daemon,
         on_granted: OnGranted = _nothing_on_granted,
         rpc_timer: RpcTimer | None = None,
     ) -> None:
         self._allocator = allocator
         self._inventory = inventory
         self._pre_start_required = pre_start_required
-        self._hold_caps = hold_caps
+        self._set_ceilings = set_ceilings
         self._on_granted = on_granted
         self._rpc_timer = rpc_timer
         self._closing = anyio.Event()
@@ -183,7 +183,7 @@ class DevicePluginServicer:
         with self._answering("Allocate", "allocate", containers=len(requests)):
             allocations = self._allocator.allocate(requests)
             try:
-                await self._hold_caps()
+                await self._set_ceilings()
             except BaseException:
                 await self._withdraw(allocations)
                 raise
@@ -191,18 +191,18 @@ class DevicePluginServicer:
         return pb.AllocateResponse(
             container_responses=[
                 pb.ContainerAllocateResponse(
-                    envs=dict(a.grant.envs),
+                    envs=dict(a.setup.envs),
                     mounts=[
                         pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
-                        for m in a.grant.mounts
+                        for m in a.setup.mounts
                     ],
-                    cdi_devices=[pb.CDIDevice(name=name) for name in a.grant.cdi_devices],
+                    cdi_devices=[pb.CDIDevice(name=name) for name in a.setup.cdi_devices],
                 )
                 for a in allocations
             ]
         )
 
-    async def _withdraw(self, allocations: Sequence[Allocation]) -> None:
+    async def _withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
         """An Allocate answered with an error starts no container: its grants go, and the daemon is brought back to
         the caps of the grants left (a switch that failed halfway may have lifted them). Shielded: a cancelled
         Allocate is withdrawn too."""
@@ -210,7 +210,7 @@ class DevicePluginServicer:
         self._log.warning("allocate withdrawn", grants=[a.record.grant.grant_id for a in allocations])
         with anyio.move_on_after(RESTORE_TIMEOUT_S, shield=True):
             try:
-                await self._hold_caps()
+                await self._set_ceilings()
             except (MpsAgentError, OSError) as exc:
                 self._log.error("mps daemon caps not changed", reason=str(exc))
 
@@ -234,7 +234,7 @@ class DevicePluginServicer:
             # The caps follow the ledger's live grants, never a request's IDs: a restarted container starts under
             # the caps the ledger needs, checked against the daemon's real values (any client container can change
             # them), whatever a failure in between left the daemon holding.
-            await self._hold_caps(verify=True)
+            await self._set_ceilings(verify=True)
         return pb.PreStartContainerResponse()
 
     @contextmanager

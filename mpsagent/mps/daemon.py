@@ -53,7 +53,7 @@ from mpsagent.mps.daemon_status import (
     DaemonStatus,
     FrontEndFailure,
     RecordDamage,
-    cap_mode,
+    ceiling_mode,
     utc,
 )
 from mpsagent.mps.launch import (
@@ -177,7 +177,7 @@ class DaemonSupervisor:
         return DaemonStatus(
             pid=self._pid,
             up=self._up,
-            cap_mode=cap_mode(self._held, self._resource.shares.full_hardware()),
+            cap_mode=ceiling_mode(self._held, self._resource.shares.full_hardware()),
             ceilings=CeilingsStatus.of(self._held),
             restarts=self.restarts,
             restart_attempts=self.restart_attempts,

@@ -18,8 +18,11 @@ from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import MetricRow, counter, each, gauge, one
 from mpsagent.domain.shares import Ceilings
 
-CapMode = Literal["full", "capped"]
-CAP_MODES: tuple[CapMode, ...] = ("full", "capped")
+CeilingMode = Literal["full", "capped"]
+"""Whether the daemon's ceilings are the whole hardware ("full") or any is lower ("capped"): the status file's
+`capMode` and `daemon.json`'s `mode`, kept for older readers. Not a grant's kind (`shares.GrantKind`), which says
+whether one container holds every ID of its GPUs."""
+CEILING_MODES: tuple[CeilingMode, ...] = ("full", "capped")
 
 
 def utc(wall: float) -> str:
@@ -27,7 +30,7 @@ def utc(wall: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
-def cap_mode(held: Ceilings | None, full: Ceilings) -> CapMode | None:
+def ceiling_mode(held: Ceilings | None, full: Ceilings) -> CeilingMode | None:
     """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
     if held is None:
         return None
@@ -79,7 +82,7 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 
     pid: Pid | None = None
     up: bool
-    cap_mode: CapMode | None = None
+    cap_mode: CeilingMode | None = None
     ceilings: CeilingsStatus | None = None
     """What the daemon is known to hold; None while they are being set, or after a change failed."""
     restarts: Count = 0
@@ -109,7 +112,7 @@ DAEMON_METRICS: tuple[MetricRow[DaemonStatus], ...] = (
     gauge(
         "mpsagent_daemon_cap_mode",
         "1 for the cap mode the daemon holds",
-        each(CAP_MODES, lambda d, mode: d.cap_mode == mode),
+        each(CEILING_MODES, lambda d, mode: d.cap_mode == mode),
         labels=("mode",),
     ),
     gauge(

@@ -13,8 +13,8 @@ import anyio
 from anyio.abc import Process
 from structlog.typing import FilteringBoundLogger
 
-from mpsagent.base.errors import DaemonError, UnrecordedDaemonError
-from mpsagent.base.host import FileRefusedError, open_private_file, pid_alive
+from mpsagent.base.errors import DaemonError, FileRefusedError, UnrecordedDaemonError
+from mpsagent.base.host import open_private_file, pid_alive
 from mpsagent.base.values import MultiUser
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_launch, multi_user_server

@@ -22,8 +22,8 @@ import os
 import stat
 from pathlib import Path
 
-from mpsagent.base.errors import AgentLockedError, HostError
-from mpsagent.base.host import FileRefusedError, PidLock, file_kind
+from mpsagent.base.errors import AgentLockedError, FileRefusedError, HostError
+from mpsagent.base.host import PidLock, file_kind
 from mpsagent.domain.plan import NodePlan, ResourcePlan
 
 LOCK_FILE = "agent.lock"

@@ -17,9 +17,9 @@ from typing import Annotated
 import msgspec
 
 from mpsagent.base.episodes import FailureEpisodes
+from mpsagent.base.errors import FileRefusedError
 from mpsagent.base.host import (
     PID_MAX_LIMIT,
-    FileRefusedError,
     os_reason,
     pid_alive,
     read_regular_file,

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mpsagent.base.devices import Gpu
-from mpsagent.base.host import FileRefusedError, FileTooLargeError, read_regular_file, write_atomically
+from mpsagent.base.errors import FileRefusedError, FileTooLargeError
+from mpsagent.base.host import read_regular_file, write_atomically
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.plan import ResourcePlan
 

@@ -2,7 +2,7 @@
 endpoint, built whole before anything runs, and one task that runs the daemon supervisor, then the endpoint.
 
 Every path that needs the daemon to hold the ledger's ceilings (an Allocate, a PreStartContainer, a
-reconciliation) goes through `hold_caps`: a daemon that cannot hold them is the same failure for all three, raised
+reconciliation) goes through `set_ceilings`: a daemon that cannot hold them is the same failure for all three, raised
 to an RPC (which answers UNAVAILABLE and changes nothing) and logged for a reconciliation (which has no caller).
 """
 
@@ -19,7 +19,7 @@ from mpsagent.base.errors import DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
 from mpsagent.documents.status import ResourceView
-from mpsagent.domain.allocation import Allocation, ResourceAllocator
+from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.gpu.port import GpuSource
@@ -61,7 +61,7 @@ class ResourceServer:
             self.allocator,
             self.inventory,
             pre_start_required=plan.enforce_caps,
-            hold_caps=self.hold_caps,
+            set_ceilings=self.set_ceilings,
             on_granted=self._on_granted,
             rpc_timer=rpc_timer,
         )
@@ -88,18 +88,18 @@ class ResourceServer:
             await tg.start(self.endpoint.run)
             task_status.started()
 
-    async def hold_caps(self, *, verify: bool = False) -> None:
+    async def set_ceilings(self, *, verify: bool = False) -> None:
         """Make the daemon hold the ceilings the ledger's live grants need (`verify`: read back even ceilings it is
         believed to hold); raises DaemonError when it cannot."""
         await self.daemon.set_ceilings(self.allocator.ceilings(), verify=verify)
 
     async def hold_ledger_ceilings(self) -> None:
-        """After a reconciliation changed the ledger: as `hold_caps`, logged instead of raised (a daemon that is
+        """After a reconciliation changed the ledger: as `set_ceilings`, logged instead of raised (a daemon that is
         down takes the ceilings when it is back; before the daemon runs, `grants_known` does this)."""
         if not self._running:
             return
         try:
-            await self.hold_caps()
+            await self.set_ceilings()
         except DaemonError as exc:
             self._log.error("mps daemon caps not changed", reason=str(exc))
 
@@ -114,7 +114,7 @@ class ResourceServer:
             registration_failures=statistics.registration_failures,
         )
 
-    def _on_granted(self, allocations: Sequence[Allocation]) -> None:
+    def _on_granted(self, allocations: Sequence[ContainerAllocation]) -> None:
         for allocation in allocations:
             grant = allocation.record.grant
             self._log.info(
