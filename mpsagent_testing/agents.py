@@ -58,38 +58,36 @@ def pod_resources_socket(directory: Path) -> Path:
     return directory / "pr" / "kubelet.sock"
 
 
+def spawn_agent(log_path: Path, *args: str, env: dict[str, str] | None = None, level: str = "debug") -> AgentProcess:
+    """`python -m mpsagent ARGS` from the checkout, its JSON log (at `level`) in `log_path`; `env` on top of ours."""
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mpsagent", "--log-format", "json", "--log-level", level, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=ROOT,
+        )
+    return AgentProcess(process, log_path)
+
+
 class AgentLauncher:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.started: list[AgentProcess] = []
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> AgentProcess:
-        log_path = self.directory / f"agent-{len(self.started)}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with log_path.open("wb") as log_file:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "mpsagent",
-                    "--log-format",
-                    "json",
-                    "--log-level",
-                    "debug",
-                    "--pod-resources-socket",
-                    str(pod_resources_socket(self.directory)),
-                    # Never the node's real features directory: tests that want labels name their own file.
-                    "--nfd-features-file",
-                    str(self.directory / "nfd-absent" / "mpsagent"),
-                    *args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-                cwd=ROOT,
-            )
-        agent = AgentProcess(process, log_path)
+        agent = spawn_agent(
+            self.directory / f"agent-{len(self.started)}.log",
+            "--pod-resources-socket",
+            str(pod_resources_socket(self.directory)),
+            # Never the node's real features directory: tests that want labels name their own file.
+            "--nfd-features-file",
+            str(self.directory / "nfd-absent" / "mpsagent"),
+            *args,
+            env=env,
+        )
         self.started.append(agent)
         return agent
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpsagent_testing.agents import AgentProcess
+from mpsagent_testing.agents import AgentProcess, spawn_agent
 from mpsagent_testing.cluster.layout import RUN
 from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
 from mpsagent_testing.nvml.control import FakeNvmlDriver
@@ -55,18 +55,12 @@ class HostAgents:
     def start(self, config_text: str, *extra: str) -> AgentProcess:
         config = self.directory / f"config-{len(self.started)}.yaml"
         config.write_text(config_text)
-        log_path = self.directory / f"agent-{len(self.started)}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "mpsagent", "--config-file", str(config), "--mps-root", str(MPS_ROOT),
-                 "--log-format", "json", "--log-level", "info", "--nfd-features-file", "", *extra],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**self.env, "PYTHONUNBUFFERED": "1"},
-                cwd=ROOT,
-            )  # fmt: skip
-        agent = AgentProcess(process, log_path)
+        agent = spawn_agent(
+            self.directory / f"agent-{len(self.started)}.log",
+            "--config-file", str(config), "--mps-root", str(MPS_ROOT), "--nfd-features-file", "", *extra,
+            env=self.env,
+            level="info",
+        )  # fmt: skip
         self.started.append(agent)
         return agent
 
