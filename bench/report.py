@@ -29,13 +29,14 @@ def catalogue(params: Params) -> list[Metric]:
     metrics = [
         Metric("allocate_agent_median_ms", f"Allocate 1 replica, agent, median ({base})", "ms"),
         Metric("allocate_floor_median_ms", "Allocate 1 replica, floor, median", "ms"),
-        Metric("allocate_ratio_median", "Allocate median, agent / floor", "x", 1.5),
+        Metric("allocate_ratio_median", "Allocate median, agent / floor", "x", 1.2),
         Metric("allocate_agent_p99_ms", "Allocate 1 replica, agent, p99", "ms", 3.0),
         Metric("allocate_floor_p99_ms", "Allocate 1 replica, floor, p99", "ms"),
-        Metric("allocate_ratio_p99", "Allocate p99, agent / floor", "x"),
+        Metric("allocate_ratio_p99", "Allocate p99, agent / floor", "x", 2.0),
         Metric("full_grant_median_ms", f"Allocate full grant, {full_ids} IDs, median ({scale})", "ms", 10.0),
         Metric("full_grant_p99_ms", f"Allocate full grant, {full_ids} IDs, p99", "ms", 10.0),
         Metric("full_grant_floor_median_ms", f"Allocate {full_ids} IDs, floor, median", "ms"),
+        Metric("full_grant_ratio_median", f"Allocate {full_ids} IDs median, agent / floor", "x", 1.5),
     ]
     for size, target in ((1, None), (scale.replicas, None), (full_ids, 5.0)):
         name = f"GetPreferredAllocation size {size} of {full_ids}"

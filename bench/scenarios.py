@@ -314,6 +314,7 @@ def _scale_calls(params: Params, stub: Any, floor_stub: Any, ids: list[str], out
     agent_ns, floor_ns = timed_pair(stub.Allocate, floor_stub.Allocate, allocate_request(ids))
     _latency(out, "full_grant", agent_ns, keep=True)
     _latency(out, "full_grant_floor", floor_ns, keep=True)
+    out.metrics["full_grant_ratio_median"] = median(agent_ns) / median(floor_ns)
     for size in (1, params.scale.replicas, len(ids)):
         request = preferred_request(ids, size)
         for call in (stub.GetPreferredAllocation, floor_stub.GetPreferredAllocation):

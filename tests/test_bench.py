@@ -36,6 +36,7 @@ POSITIVE = (
     "allocate_floor_p99_ms",
     "allocate_ratio_median",
     "allocate_ratio_p99",
+    "full_grant_ratio_median",
     "full_grant_median_ms",
     "full_grant_p99_ms",
     "preferred_1_median_ms",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError, shown
@@ -73,13 +74,13 @@ class ResourceAllocator:
 
     def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:
         unique = tuple(dict.fromkeys(ids))
-        unknown = [i for i in unique if i not in self._known]
-        if unknown:
+        if not self._known.issuperset(unique):
+            unknown = [i for i in unique if i not in self._known]
             raise RequestError(
                 f"{self.resource.name}: unknown device ID{'s' if len(unknown) > 1 else ''} {describe_ids(unknown)}"
                 f" in {what}; this resource advertises IDs of the form <GPU UUID>::<replica>"
             )
-        return tuple(ReplicaId(i) for i in unique)
+        return cast(tuple[ReplicaId, ...], unique)  # checked: each is one the resource advertises
 
     def check_request(self, ids: Sequence[str]) -> tuple[ReplicaId, ...]:
         """Deduplicate and check one container's IDs; raises RequestError naming what is wrong."""
@@ -102,7 +103,7 @@ class ResourceAllocator:
 
     def _check_clients(self, grants: Sequence[ContainerSetup]) -> None:
         """Refuse grants that would give a GPU more live grants (MPS clients) than MPS serves."""
-        ending = {holder.grant_id: holder for g in grants for r in g.replica_ids if (holder := self.ledger.holder(r))}
+        ending = {holder.grant_id: holder for g in grants for holder in self.ledger.holders(g.replica_ids)}
         over = self.resource.shares.clients_over_limit(
             self.ledger.tally, [holder.share for holder in ending.values()], [g.share for g in grants]
         )

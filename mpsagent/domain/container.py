@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from mpsagent.base.devices import Gpu, ReplicaId, gpu_of
+from mpsagent.base.devices import Gpu, ReplicaId
 from mpsagent.base.values import DeviceIdStrategy, DeviceListStrategy
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Share
@@ -59,7 +59,7 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
 def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
     """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
     share = resource.shares.share_of(replica_ids)
-    granted = {gpu_of(replica) for replica in replica_ids}
+    granted = {gpu.uuid for gpu in share.gpus}
     gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
     pipe_directory = container_pipe_directory(resource)
     envs = {ENV_PIPE_DIRECTORY: str(pipe_directory)}

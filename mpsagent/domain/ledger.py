@@ -112,11 +112,15 @@ class Ledger:
         return result
 
     def _add(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef | None) -> Recorded:
-        ended_ids = {self._holder[r] for r in replica_ids if r in self._holder}
-        ended = tuple(self._end(grant_id) for grant_id in sorted(ended_ids))
+        # Every Allocate runs these over its IDs (a node's full grant names hundreds): map and filter, not loops.
+        ended_ids: set[int | None] = set(map(self._holder.get, replica_ids))
+        ended_ids.discard(None)
+        # The new grant takes its IDs over below: ending the old ones need not let go of those first.
+        taken_over = frozenset(replica_ids)
+        ended = tuple(self._end(i, taken_over) for i in sorted(i for i in ended_ids if i is not None))
         self._stats.superseded_grants += len(ended)
-        ended_replicas = {r for g in ended for r in g.replica_ids}
-        regranted = tuple(r for r in replica_ids if r in ended_replicas)
+        ended_replicas = set().union(*(g.replica_ids for g in ended))
+        regranted = tuple(filter(ended_replicas.__contains__, replica_ids))
         grant = Grant(
             grant_id=next(self._ids),
             replica_ids=replica_ids,
@@ -129,8 +133,7 @@ class Ledger:
         )
         self._live[grant.grant_id] = grant
         self._tally.add(share)
-        for replica in replica_ids:
-            self._holder[replica] = grant.grant_id
+        self._holder.update(dict.fromkeys(replica_ids, grant.grant_id))
         self._version += 1
         return Recorded(grant=grant, ended=ended)
 
@@ -188,17 +191,24 @@ class Ledger:
         self._stats.released_grants += len(released)
         return released
 
-    def _end(self, grant_id: int) -> Grant:
+    def _end(self, grant_id: int, taken_over: frozenset[ReplicaId] = frozenset()) -> Grant:
+        """End a live grant; its IDs in `taken_over` are about to be held by a new grant and are left to it."""
         self._version += 1
         grant = self._live.pop(grant_id)
         self._tally.remove(grant.share)
-        for replica in grant.replica_ids:
-            if self._holder.get(replica) == grant_id:
-                del self._holder[replica]
+        holder = self._holder
+        for replica in set(grant.replica_ids).difference(taken_over):
+            if holder.get(replica) == grant_id:
+                del holder[replica]
         return grant
 
     def live_grants(self) -> tuple[Grant, ...]:
         return tuple(self._live.values())
+
+    def holders(self, replica_ids: Iterable[ReplicaId]) -> list[Grant]:
+        """The live grants that hold any of these IDs, each once."""
+        grant_ids = dict.fromkeys(map(self._holder.get, replica_ids))
+        return [self._live[grant_id] for grant_id in grant_ids if grant_id is not None]
 
     def holder(self, replica_id: ReplicaId) -> Grant | None:
         grant_id = self._holder.get(replica_id)

@@ -14,7 +14,6 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.base.devices import gpu_of
 from mpsagent.base.errors import DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
@@ -123,7 +122,7 @@ class ResourceServer:
                 kind=grant.kind.value,
                 share=grant.share.describe(),
                 replicas=len(grant.replica_ids),
-                gpus=sorted({gpu_of(r) for r in grant.replica_ids}),
+                gpus=sorted(gpu.uuid for gpu in grant.share.gpus),
             )
             ended = allocation.record.ended
             if ended:
