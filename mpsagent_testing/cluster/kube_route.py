@@ -21,6 +21,7 @@ from mpsagent_testing.cluster import kubectl
 from mpsagent_testing.cluster.build import binary
 from mpsagent_testing.cluster.host_agent import fake_gpu, fake_nvml_config
 from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.cluster.node import unmount_below
 from mpsagent_testing.nvml.build import SONAME, build_fake_nvml
 from mpsagent_testing.repo import BUILD, ROOT
 
@@ -44,20 +45,6 @@ def _mount(*args: str) -> None:
         raise RuntimeError(f"mount {' '.join(args)}: {done.stderr.strip()}")
 
 
-def _mounts_at_or_below(root: Path) -> list[str]:
-    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    below = [p for p in points if p == str(root) or p.startswith(f"{root}/")]
-    return sorted(set(below), key=lambda p: p.count("/"), reverse=True)
-
-
-def _unmount_all(root: Path) -> None:
-    for _ in range(4):  # a point can be mounted more than once
-        for point in _mounts_at_or_below(root):
-            subprocess.run(["umount", point], capture_output=True, timeout=30, check=False)
-    for point in _mounts_at_or_below(root):
-        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30, check=False)
-
-
 @contextlib.contextmanager
 def prepared_node(node_name: str, gpus: int = 2) -> Iterator[Path]:
     """The node labelled as a GPU node, the MPS root a shared mount, a directory with the fake NVML library and
@@ -79,7 +66,7 @@ def prepared_node(node_name: str, gpus: int = 2) -> Iterator[Path]:
         yield fake
     finally:
         kubectl.run("label", "node", node_name, f"{GPU_LABEL}-", check=False)
-        _unmount_all(MPS_ROOT)
+        unmount_below(MPS_ROOT)
         shutil.rmtree(made, ignore_errors=True)
         shutil.rmtree(fake, ignore_errors=True)
 

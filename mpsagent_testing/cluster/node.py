@@ -39,6 +39,7 @@ from mpsagent_testing.cluster.layout import (
     SERVICE_CIDR,
     STATE,
 )
+from mpsagent_testing.processes import kill_container
 
 MADE_ELSEWHERE = (
     Path("/var/lib/cni"),
@@ -155,17 +156,6 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            tree.setdefault(parent, []).append(int(entry.name))
-    return tree
-
-
 def _shims() -> list[int]:
     """The containerd shims of this node's containerd (they name its socket), which outlive containerd."""
     found = []
@@ -181,17 +171,7 @@ def _shims() -> list[int]:
 
 def _kill_containers() -> int:
     """SIGKILL every shim of this node and everything below it (the containers' processes); how many."""
-    tree = _children()
-    doomed: list[int] = []
-    pending = _shims()
-    while pending:
-        pid = pending.pop()
-        doomed.append(pid)
-        pending.extend(tree.get(pid, []))
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return len(doomed)
+    return sum(len(kill_container(shim)) for shim in _shims())
 
 
 # --- waits ------------------------------------------------------------------------------------------------------
@@ -558,6 +538,26 @@ def _mounts_below(roots: list[Path]) -> list[str]:
     return sorted(set(found), key=lambda p: p.count("/"), reverse=True)
 
 
+UNMOUNT_PASSES = 4
+"""A point can be mounted more than once (a bind over itself, a tmpfs on it): passes until nothing is left."""
+
+
+def unmount_below(*roots: Path) -> list[str]:
+    """Unmount everything at or below `roots`, deepest first; what stays busy is detached (`umount -l`). The points
+    that were mounted."""
+    unmounted: list[str] = []
+    for _ in range(UNMOUNT_PASSES):
+        points = _mounts_below(list(roots))
+        if not points:
+            return unmounted
+        for point in points:
+            subprocess.run(["umount", point], capture_output=True, timeout=30, check=False)
+        unmounted += points
+    for point in _mounts_below(list(roots)):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30, check=False)
+    return unmounted
+
+
 def down() -> list[str]:
     """End the node, pass or fail: every recorded process (the kubelet first, containerd's containers before
     containerd), every mount below the node's directories, and the node's, the kubelet's and containerd's files.
@@ -575,11 +575,7 @@ def down() -> list[str]:
         _stop(processes["containerd"])
         done.append(f"stopped containerd (pid {processes['containerd'].pid})")
     roots = [KUBELET_ROOT, STATE, RUN]
-    for point in _mounts_below(roots):
-        result = subprocess.run(["umount", point], capture_output=True, timeout=30, check=False)
-        if result.returncode != 0:
-            subprocess.run(["umount", "-l", point], capture_output=True, timeout=30, check=False)
-        done.append(f"unmounted {point}")
+    done += [f"unmounted {point}" for point in unmount_below(*roots)]
     hosts_line = STATE / "hosts-line"
     if hosts_line.is_file():
         line = hosts_line.read_text()
