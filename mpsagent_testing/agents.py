@@ -150,8 +150,13 @@ def serve(
 
 def status(short_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """`mpsagent --status` for the agent whose MPS root is `short_dir / "mps"`."""
+    return status_of(short_dir / "mps", *extra)
+
+
+def status_of(mps_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`mpsagent --status` for the agent whose MPS root is `mps_root`."""
     return subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(short_dir / "mps"), *extra],
+        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(mps_root), *extra],
         capture_output=True,
         text=True,
         timeout=30,

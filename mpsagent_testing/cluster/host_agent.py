@@ -5,17 +5,15 @@ GPUs from the fake NVML library (driven from outside through `FakeNvmlDriver`) a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from mpsagent_testing.agents import AgentProcess, spawn_agent
+from mpsagent_testing.agents import AgentProcess, spawn_agent, status_of
 from mpsagent_testing.cluster.layout import RUN
 from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
 from mpsagent_testing.nvml.control import FakeNvmlDriver
 from mpsagent_testing.processes import kill_processes_using
-from mpsagent_testing.repo import BUILD, ROOT
+from mpsagent_testing.repo import BUILD
 
 MPS_ROOT = RUN / "mps"
 GIB = 1024**3
@@ -75,14 +73,7 @@ class HostAgents:
 
 def status() -> dict[str, Any]:
     """`mpsagent --status --output json` for the node's agent."""
-    done = subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(MPS_ROOT), "--output", "json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
+    done = status_of(MPS_ROOT, "--output", "json")
     if done.returncode != 0:
         raise AssertionError(f"mpsagent --status exited {done.returncode}: {done.stderr[-2000:]}")
     document: dict[str, Any] = json.loads(done.stdout)
@@ -90,10 +81,7 @@ def status() -> dict[str, Any]:
 
 
 def status_text() -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "mpsagent", "--status", "--mps-root", str(MPS_ROOT)],
-        capture_output=True, text=True, timeout=30, cwd=ROOT, check=False,
-    )  # fmt: skip
+    done = status_of(MPS_ROOT)
     return done.stdout + done.stderr
 
 
