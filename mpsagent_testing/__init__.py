@@ -11,6 +11,7 @@ only; nothing in `mpsagent` imports it (an import-linter contract).
 - `nvml` — the fake `libnvidia-ml.so.1` (`build`) and what drives it from outside (`control`);
 - `mps` — the real control daemon's front-end for tests (`daemon`) and a fake `nvidia-cuda-mps-control` for faults;
 - `cuda_torch` — a stand-in `torch` for the GPU share bench's clients;
-- `processes` — finding and ending what a test started; `metrics` — reading `/metrics`;
+- `processes` — finding and ending what a test started; `waiting` — the one bounded wait for a condition;
+  `metrics` — reading `/metrics`;
   `strategies` — hypothesis strategies for untrusted documents.
 A new fake goes here, in the module of the system it stands in for."""

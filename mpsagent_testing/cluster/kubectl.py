@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from mpsagent_testing import waiting
 from mpsagent_testing.cluster.build import binary
 from mpsagent_testing.cluster.layout import KUBECONFIG
 
 T = TypeVar("T")
 KUBECTL_TIMEOUT_S = 60
+API_POLL_S = 0.2
 
 
 class KubectlError(RuntimeError):
@@ -45,13 +46,6 @@ def apply(manifest: dict[str, Any] | list[dict[str, Any]]) -> None:
     run("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
 
-def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll `check` until it returns something other than None (or False); TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:g} s for {what}")
-        time.sleep(interval)
+def wait_for(check: Callable[[], T], timeout: float, what: str) -> T:
+    """`waiting.wait_for`, asking the API server at most five times a second (each ask is a kubectl process)."""
+    return waiting.wait_for(check, timeout, what, interval=API_POLL_S)

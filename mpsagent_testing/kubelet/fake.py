@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +13,9 @@ from typing import Any
 import grpc
 
 from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2
+from mpsagent_testing.waiting import WAIT_S, wait_for
 
-WAIT_S = 10.0
+__all__ = ["WAIT_S", "FakeKubelet", "Plugin", "wait_for"]
 
 
 @dataclass
@@ -33,16 +32,6 @@ class Plugin:
 
     def latest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return self.updates[-1] if self.updates else []
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = WAIT_S, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class FakeKubelet(dp_grpc.RegistrationServicer):
