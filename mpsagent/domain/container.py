@@ -1,5 +1,6 @@
 """What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
-devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_setup`.
+devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_setup`; a DRA claim's CDI
+spec takes the same edits for its share (`share_edits`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,18 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
     return ",".join(gpu.uuid for gpu in gpus)
 
 
-def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
-    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
-    share = resource.shares.share_of(replica_ids)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContainerEdits:
+    """What a container holding a share gets, through an Allocate answer or a claim's CDI spec alike."""
+
+    envs: dict[str, str]
+    mounts: tuple[Mount, ...]
+    cdi_devices: tuple[str, ...]
+    """NVIDIA's CDI devices of its GPUs (`cdi-cri`); empty when NVIDIA_VISIBLE_DEVICES names them."""
+
+
+def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> ContainerEdits:
+    """The environment, mounts and devices of a container holding `share` of the resource's GPUs."""
     granted = {gpu.uuid for gpu in share.gpus}
     gpus = [gpu for gpu in resource.gpus if gpu.uuid in granted]
     pipe_directory = container_pipe_directory(resource)
@@ -75,4 +85,13 @@ def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], 
         Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
     )
-    return ContainerSetup(replica_ids=replica_ids, share=share, envs=envs, mounts=mounts, cdi_devices=cdi)
+    return ContainerEdits(envs=envs, mounts=mounts, cdi_devices=cdi)
+
+
+def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
+    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
+    share = resource.shares.share_of(replica_ids)
+    edits = share_edits(resource, share, shm_directory)
+    return ContainerSetup(
+        replica_ids=replica_ids, share=share, envs=edits.envs, mounts=edits.mounts, cdi_devices=edits.cdi_devices
+    )

@@ -2,8 +2,12 @@
 
 The kubelet is the authority on allocations: the ledger records, it never refuses. The kubelet hands out a replica
 only once it is free, so a replica granted again means its earlier grant (the whole container) has ended. The ledger
-alone changes a grant, one method per change (record, withdraw, adopt, mark_listed, mark_unlisted, release), each
-moving `version`.
+alone changes a grant, one method per change (record, withdraw, adopt, hold_claim, mark_listed, mark_unlisted,
+release), each moving `version`.
+
+A DRA claim's share of a GPU (`hold_claim`) is a grant too, so that the ceilings and MPS's client limit count both
+routes; it holds no replica IDs, and only its claim's unprepare (or a restart's checkpoint) ends it: the kubelet's
+pod-resources listing, which ends device-plugin grants, does not speak for it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mpsagent.base.devices import ContainerRef, ReplicaId
+from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.shares import GrantKind, Share, ShareTally
 
 
@@ -40,6 +45,10 @@ class Grant:
     superseded_ids: tuple[ReplicaId, ...] = ()
     adopted: bool = False
     """Learned from the kubelet's listing rather than from an Allocate of this agent."""
+    claim: ClaimRef | None = None
+    """The DRA claim whose share of one GPU this is (`Ledger.hold_claim`); None for a device-plugin grant."""
+    claim_device: str = ""
+    """The claim's device (`gpu-0`) this share is of."""
     _listing: _Listing = field(default_factory=_Listing, compare=False)
 
     @property
@@ -74,6 +83,8 @@ class LedgerStatistics:
     """Ended because a later grant (or the kubelet's listing) holds their replicas."""
     adopted_grants: int = 0
     released_grants: int = 0
+    claim_grants: int = 0
+    """DRA claims' shares held (`hold_claim`), all time."""
     live_grants: dict[GrantKind, int] = field(default_factory=lambda: dict.fromkeys(GrantKind, 0))
 
 
@@ -136,6 +147,23 @@ class Ledger:
         self._holder.update(dict.fromkeys(replica_ids, grant.grant_id))
         self._version += 1
         return Recorded(grant=grant, ended=ended)
+
+    def hold_claim(self, claim: ClaimRef, device: str, share: Share) -> Grant:
+        """Hold a prepared DRA claim's share of one GPU, until `release` (its unprepare)."""
+        grant = Grant(
+            grant_id=next(self._ids),
+            replica_ids=(),
+            share=share,
+            granted_at=self._wall(),
+            granted_monotonic=self._monotonic(),
+            claim=claim,
+            claim_device=device,
+        )
+        self._live[grant.grant_id] = grant
+        self._tally.add(share)
+        self._stats.claim_grants += 1
+        self._version += 1
+        return grant
 
     def withdraw(self, result: Recorded) -> None:
         """Undo an Allocate's `record`: the Allocate was answered with an error, so no container got the grant.
@@ -214,9 +242,17 @@ class Ledger:
         grant_id = self._holder.get(replica_id)
         return self._live[grant_id] if grant_id is not None else None
 
+    def listed_route(self) -> tuple[Grant, ...]:
+        """The live device-plugin grants: those the kubelet's pod-resources listing speaks for (no claim's)."""
+        return tuple(grant for grant in self._live.values() if grant.claim is None)
+
+    def claim_grants(self) -> tuple[Grant, ...]:
+        """The live DRA claims' shares."""
+        return tuple(grant for grant in self._live.values() if grant.claim is not None)
+
     def never_listed(self) -> int:
-        """Live grants that no listing of the kubelet has shown yet (their container is not known)."""
-        return sum(grant.owner is None for grant in self._live.values())
+        """Live device-plugin grants that no listing of the kubelet has shown yet (their container is not known)."""
+        return sum(grant.owner is None and grant.claim is None for grant in self._live.values())
 
     def statistics(self) -> LedgerStatistics:
         live = dict.fromkeys(GrantKind, 0)
@@ -228,5 +264,6 @@ class Ledger:
             superseded_grants=self._stats.superseded_grants,
             adopted_grants=self._stats.adopted_grants,
             released_grants=self._stats.released_grants,
+            claim_grants=self._stats.claim_grants,
             live_grants=live,
         )

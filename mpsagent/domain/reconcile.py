@@ -11,7 +11,8 @@ allocations without calling Allocate. Its pod-resources listing is therefore the
   naming IDs the resource does not advertise, an older configuration's, as the smallest share: `unplaced`);
 - a grant no container lists is released, but only once it has been missing for the grace period, because a pod
   admitted a moment ago may not be listed yet. The grace clock starts no earlier than the grant itself (a listing
-  taken before an Allocate cannot show its grant), so every grant is given at least one full grace period.
+  taken before an Allocate cannot show its grant), so every grant is given at least one full grace period. A DRA
+  claim's share is not the listing's to end (its unprepare is).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def reconcile(
 
     expired: list[int] = []
     missing = 0
-    for grant in ledger.live_grants():
+    for grant in ledger.listed_route():
         if grant.grant_id in seen:
             continue
         if now - ledger.mark_unlisted(grant, now) >= grace_s:

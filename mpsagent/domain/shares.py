@@ -302,6 +302,25 @@ class ShareModel:
             bounds=tuple(by_ordinal.items()),
         )
 
+    def capacity_share(self, ordinal: int, memory_mib: int, thread_percentage: int) -> Share:
+        """The share of a DRA claim that consumed `memory_mib` of one GPU and asks `thread_percentage` of its SMs:
+        capped at exactly that memory (a claim's memory is whole MiB: the read-back, in whole GiB from 1 GiB, then
+        tells a lift apart only beyond the GiB it is in; docs/cap-model.md), whole when it is all of both."""
+        gpu = self.gpus[ordinal]
+        memory = max(1, min(memory_mib, gpu.memory_mib))
+        threads = max(1, min(thread_percentage, FULL_THREAD_PERCENTAGE))
+        held = (GpuShare(uuid=gpu.uuid, ordinal=ordinal, held=memory, of=gpu.memory_mib, memory_mib=memory),)
+        if memory >= gpu.memory_mib and threads >= FULL_THREAD_PERCENTAGE:
+            bounds = ((ordinal, gpu.memory_mib),)
+            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=bounds)
+        return Share(
+            gpus=held,
+            kind=GrantKind.CAPPED,
+            thread_percentage=threads,
+            env_memory_mib=tuple(memory for _ in self.gpus),
+            bounds=((ordinal, memory),),
+        )
+
     def joined(self, shares: Sequence[Share]) -> Share:
         """The share of containers that hold some IDs together (the kubelet hands the IDs of a pod's init containers
         on to its later containers, and lists both): one that covers each of theirs and no more. The one among them

@@ -1,0 +1,137 @@
+"""Dynamic Resource Allocation: what the node publishes (one device per GPU with consumable `memory` and `compute`),
+what a claim's allocation asks of each GPU, and what a prepared claim holds.
+
+Pure and synchronous, like the rest of the domain: the DRA adapter (`mpsagent.dra`) turns API objects and kubelet
+messages into these Structs and back, the supervisor's claim server (`supervisor.claim_server`) decides with them,
+and `--once` shows them. A claim's share of a GPU is a `shares.Share` like a device-plugin grant's, entered in the
+same ledger, so that both routes share one daemon, its ceilings and its client limit.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+DRA_DRIVER = "mps.mpsagent.io"
+"""The DRA driver's name: its DeviceClass selects devices of this driver, and the kubelet registers it so."""
+CDI_VENDOR_CLASS = "mpsagent.io/mps-share"
+"""The CDI kind of a prepared claim's devices: `mpsagent.io/mps-share=<claim UID>-<device>`."""
+DEVICE_NAME_PREFIX = "gpu-"
+MEMORY = "memory"
+COMPUTE = "compute"
+MEMORY_STEP_BYTES = 1 << 20
+"""A claim's memory is counted in MiB (MPS's pinned-memory limits are MiB): the request policy's step and least."""
+FULL_COMPUTE = 100
+
+
+class ClaimRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A ResourceClaim as the kubelet names it in NodePrepareResources."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class ClaimDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One device result of a claim's allocation that is this driver's and this node's."""
+
+    request: str
+    """The request's name (`gpu`, or `gpu/sub` for a subrequest)."""
+    pool: str
+    device: str
+    share_id: str | None = None
+    memory_bytes: int | None = None
+    """The consumed `memory` capacity; None when the allocation names none (no consumable capacity)."""
+    compute: int | None = None
+    """The consumed `compute` capacity (per cent of the SMs); None when the allocation names none."""
+
+
+class OpaqueConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One opaque configuration of this driver in the claim (its class's first, then the claim's own)."""
+
+    requests: tuple[str, ...]
+    """The requests it applies to; empty: every request."""
+    parameters: bytes
+    """The raw JSON of `opaque.parameters`, checked by `share_parameters`."""
+    source: str
+    """Where it came from, for messages: `claim` or `class`."""
+
+
+class ClaimAllocation(msgspec.Struct, frozen=True, kw_only=True):
+    """What the API server says a claim was allocated, of this driver on this node."""
+
+    claim: ClaimRef
+    devices: tuple[ClaimDevice, ...]
+    configs: tuple[OpaqueConfig, ...] = ()
+    pods: tuple[str, ...] = ()
+    """The pods it is reserved for (`namespace/name`), for `--status`."""
+
+
+# --- what the node publishes -------------------------------------------------------------------------------
+
+
+class CapacityPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """A consumable capacity with its request policy (a valid range with a step)."""
+
+    value: int
+    default: int
+    minimum: int
+    maximum: int
+    step: int
+
+
+class SliceDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU as the ResourceSlice shows it."""
+
+    name: str
+    uuid: str
+    index: int
+    product_name: str
+    compute_capability: str
+    """A semantic version (`9.0.0`)."""
+    driver_version: str
+    """A semantic version (`580.65.6`), or `0.0.0` when unknown."""
+    resource: str
+    """The device-plugin resource whose MPS daemon serves the GPU."""
+    memory: CapacityPolicy
+    compute: CapacityPolicy
+
+
+class NodeSlice(msgspec.Struct, frozen=True, kw_only=True):
+    """The node's one ResourceSlice: a pool named after the node, one device per shared GPU."""
+
+    driver: str
+    node: str
+    pool: str
+    devices: tuple[SliceDevice, ...]
+
+
+# --- what a prepared claim holds ---------------------------------------------------------------------------
+
+
+class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
+    """One device of a prepared claim: what the kubelet is told, and the share the ledger holds for it."""
+
+    request: str
+    pool: str
+    device: str
+    share_id: str | None
+    cdi_device_ids: tuple[str, ...]
+    resource: str
+    gpu: str
+    memory_mib: int
+    """Its memory cap; the GPU's whole memory for a whole-GPU share."""
+    thread_percentage: int
+    whole: bool
+
+
+class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
+    """A claim the agent prepared: checkpointed, so that an agent restart keeps it."""
+
+    claim: ClaimRef
+    devices: tuple[PreparedDevice, ...]
+    pods: tuple[str, ...] = ()
+    prepared_at: float = 0.0
+    """Wall-clock time, for people."""
