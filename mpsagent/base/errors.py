@@ -10,6 +10,10 @@ MpsAgentError                 base, never raised itself
 │   └── SnapshotError         a node snapshot file is unreadable or malformed (exit 2)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 ├── AgentLockedError          another agent already serves a resource (exit 1)
+├── KubeApiError              a call to the Kubernetes API server failed: unreachable, timed out, or an HTTP error;
+│   │                         carries the HTTP status (None when there was no answer)
+│   └── ClaimRefusedError     a ResourceClaim the API server returned cannot be prepared: re-created since the
+│                             kubelet asked, not allocated, or beyond the agent's bounds
 ├── HostError                 the node refuses what the agent needs: a directory it cannot create or trust, a file
 │                             it cannot open, a socket it cannot serve (exit 1)
 └── DaemonError               the MPS control daemon did not start, answer or hold a value (exit 1)
@@ -119,6 +123,28 @@ class RequestError(MpsAgentError):
 
 class AgentLockedError(MpsAgentError):
     """Another mpsagent process already serves the resource."""
+
+
+class KubeApiError(MpsAgentError):
+    """A call to the Kubernetes API server failed: no answer in time, no connection, or an HTTP error. `status` is
+    the HTTP status (None when there was no answer), `message` what the server (or the client) said; the message
+    starts with what the agent was doing ("reading ResourceClaim default/gpu")."""
+
+    def __init__(self, doing: str, message: str, status: int | None = None) -> None:
+        self.doing = doing
+        self.message = message
+        self.status = status
+        suffix = f" (HTTP {status})" if status is not None else ""
+        super().__init__(f"{doing}: {message}{suffix}")
+
+
+class ClaimRefusedError(KubeApiError):
+    """A ResourceClaim the API server returned cannot be prepared: it is not the one the kubelet named (deleted and
+    re-created: another UID), it is not allocated, or it holds more than the agent reads. Trying again with the
+    same claim does not help."""
+
+    def __init__(self, claim: str, problem: str) -> None:
+        super().__init__(f"claim {claim}", problem)
 
 
 class HostError(MpsAgentError):

@@ -1,0 +1,167 @@
+"""The Container Device Interface spec files of prepared claims: one file a claim, whose devices the kubelet names
+to the container runtime (`mpsagent.io/mps-share=<claim UID>-<device>`), which then gives each container the
+device's environment and mounts. The claim handler writes a claim's file when it prepares it and removes it when
+it unprepares it; at start it lists the files (`claim_spec_uids`) to remove those of claims it no longer holds.
+
+A file name carries a claim's UID, which comes from the kubelet: only a Kubernetes UID's characters are accepted,
+so that no name can reach outside the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from mpsagent.base.errors import FileRefusedError, HostError, RequestError, shown
+from mpsagent.base.host import os_reason, write_atomically
+from mpsagent.domain.claims import CDI_VENDOR_CLASS
+from mpsagent.domain.container import Mount
+
+CDI_VERSION = "0.6.0"
+SPEC_MODE = 0o644
+"""The container runtime reads the specs, possibly as another user."""
+DIRECTORY_MODE = 0o755
+MAX_UID_CHARS = 64
+_FILE_PREFIX = CDI_VENDOR_CLASS.replace("/", "-") + "_"
+"""`mpsagent.io-mps-share_`: CDI's convention for spec file names, `<vendor>-<class>_<suffix>.json`."""
+_UID = re.compile(r"[0-9a-f][0-9a-f-]*")
+_SPEC_FILE = re.compile(re.escape(_FILE_PREFIX) + r"(?P<uid>[0-9a-f][0-9a-f-]*)\.json")
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
+"""A CDI device name: letters, digits, `_`, `.`, `:` and `-`, from and to a letter or digit."""
+_WHAT = "the CDI spec"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CdiDevice:
+    """One device of a claim's spec: what a container given it sees."""
+
+    name: str
+    """Unique in the spec and among the driver's devices: `<claim UID>-gpu-0`."""
+    envs: Mapping[str, str]
+    mounts: Sequence[Mount]
+
+
+class _CdiMount(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    host_path: str
+    container_path: str
+    options: tuple[str, ...]
+
+
+class _ContainerEdits(msgspec.Struct, frozen=True, kw_only=True):
+    env: tuple[str, ...]
+    mounts: tuple[_CdiMount, ...]
+
+
+class _SpecDevice(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    name: str
+    container_edits: _ContainerEdits
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    cdi_version: str
+    kind: str
+    devices: tuple[_SpecDevice, ...]
+
+
+def cdi_device_id(name: str) -> str:
+    """The fully qualified CDI device name the kubelet passes on: `mpsagent.io/mps-share=<name>`."""
+    return f"{CDI_VENDOR_CLASS}={name}"
+
+
+def _checked_uid(claim_uid: str) -> str:
+    if len(claim_uid) > MAX_UID_CHARS or _UID.fullmatch(claim_uid) is None:
+        raise RequestError(
+            f"claim UID `{shown(claim_uid)}` is not a Kubernetes UID (at most {MAX_UID_CHARS} characters of "
+            "0-9, a-f and '-'): the agent names no file after it"
+        )
+    return claim_uid
+
+
+def spec_path(directory: Path, claim_uid: str) -> Path:
+    """Where the claim's spec is: `<directory>/mpsagent.io-mps-share_<uid>.json`. Raises RequestError for a UID
+    that is not a Kubernetes UID."""
+    return directory / f"{_FILE_PREFIX}{_checked_uid(claim_uid)}.json"
+
+
+def _spec_device(device: CdiDevice) -> _SpecDevice:
+    if len(device.name) > 2 * MAX_UID_CHARS or _DEVICE_NAME.fullmatch(device.name) is None:
+        raise RequestError(
+            f"CDI device name `{shown(device.name)}` is not valid: letters, digits, '_', '.', ':' and '-', "
+            "from and to a letter or digit"
+        )
+    mounts = tuple(
+        _CdiMount(
+            host_path=mount.host_path,
+            container_path=mount.container_path,
+            options=("rbind", "ro" if mount.read_only else "rw"),
+        )
+        for mount in device.mounts
+    )
+    envs = tuple(f"{key}={value}" for key, value in device.envs.items())
+    return _SpecDevice(name=device.name, container_edits=_ContainerEdits(env=envs, mounts=mounts))
+
+
+def spec_json(devices: Sequence[CdiDevice]) -> bytes:
+    """The spec file's content for these devices."""
+    spec = _Spec(cdi_version=CDI_VERSION, kind=CDI_VENDOR_CLASS, devices=tuple(_spec_device(d) for d in devices))
+    return msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
+
+
+def _make_directory(directory: Path) -> None:
+    try:
+        directory.mkdir(mode=DIRECTORY_MODE)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+    os.chmod(directory, DIRECTORY_MODE)  # whatever the umask: the container runtime reads it
+
+
+def write_claim_spec(directory: Path, claim_uid: str, devices: Sequence[CdiDevice]) -> Path:
+    """Write (or replace) the claim's spec in `directory`, created when missing; readers see the old file or the
+    new one, never part of one. Returns its path. Raises RequestError for a UID or a device name CDI cannot carry,
+    HostError when the file cannot be written."""
+    path = spec_path(directory, claim_uid)
+    data = spec_json(devices)
+    try:
+        _make_directory(directory)
+        write_atomically(path, data, SPEC_MODE, what=_WHAT, durable=True)
+    except FileRefusedError as exc:
+        raise HostError(f"cannot write {_WHAT} {path}: it {exc.problem}") from exc
+    except OSError as exc:
+        raise HostError(f"cannot write {_WHAT} {path}: {os_reason(exc)}") from exc
+    return path
+
+
+def remove_claim_spec(directory: Path, claim_uid: str) -> bool:
+    """Remove the claim's spec; False when there was none (removing twice is fine). Raises RequestError for a UID
+    that is not a Kubernetes UID, HostError when the file cannot be removed."""
+    path = spec_path(directory, claim_uid)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise HostError(f"cannot remove {_WHAT} {path}: {os_reason(exc)}") from exc
+    return True
+
+
+def claim_spec_uids(directory: Path) -> set[str]:
+    """The UIDs of the claims whose specs are in `directory` (none when it is missing); other files are not ours
+    and are left out. Raises HostError when the directory cannot be read."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        raise HostError(f"cannot list the CDI specs in {directory}: {os_reason(exc)}") from exc
+    return {
+        found["uid"]
+        for name in names
+        if (found := _SPEC_FILE.fullmatch(name)) is not None and len(found["uid"]) <= MAX_UID_CHARS
+    }
