@@ -12,7 +12,13 @@ from grpc_tools import protoc
 
 PROTO_DIR = Path(__file__).with_name("protos")
 OUT = Path(__file__).with_name("_generated")
-PROTOS = ("deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto")
+PROTOS = (
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+    "dra/v1/api.proto",
+    "pluginregistration/v1/api.proto",
+)
+_MODULES = ("api_pb2", "api_pb2_grpc")
 
 
 def _generate() -> None:
@@ -28,17 +34,26 @@ def _generate() -> None:
             raise RuntimeError(f"protoc failed for {proto}")
 
 
-def load() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
-    """(deviceplugin pb2, deviceplugin grpc, podresources pb2, podresources grpc)"""
+def _modules(*protos: str) -> tuple[ModuleType, ...]:
+    """Each proto's message module and gRPC module, in turn."""
     _generate()
     if str(OUT) not in sys.path:
         sys.path.insert(0, str(OUT))
-    return (
-        importlib.import_module("deviceplugin.v1beta1.api_pb2"),
-        importlib.import_module("deviceplugin.v1beta1.api_pb2_grpc"),
-        importlib.import_module("podresources.v1.api_pb2"),
-        importlib.import_module("podresources.v1.api_pb2_grpc"),
-    )
+    packages = [str(Path(proto).parent).replace("/", ".") for proto in protos]
+    return tuple(importlib.import_module(f"{package}.{module}") for package in packages for module in _MODULES)
+
+
+def load() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """(deviceplugin pb2, deviceplugin grpc, podresources pb2, podresources grpc)"""
+    dp, dp_g, pr, pr_g = _modules(PROTOS[0], PROTOS[1])
+    return dp, dp_g, pr, pr_g
+
+
+def load_dra() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """(DRA v1 pb2, DRA v1 grpc, plugin registration v1 pb2, plugin registration v1 grpc)"""
+    dra, dra_g, reg, reg_g = _modules(PROTOS[2], PROTOS[3])
+    return dra, dra_g, reg, reg_g
 
 
 dp_pb2, dp_grpc, pr_pb2, pr_grpc = load()
+dra_pb2, dra_grpc, reg_pb2, reg_grpc = load_dra()
