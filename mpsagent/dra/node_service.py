@@ -1,0 +1,184 @@
+"""The DRA node service (`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`): the kubelet asks it to prepare a pod's
+ResourceClaims before the pod's containers start, and to unprepare them once the pod is gone.
+
+A thin layer: it bounds and checks what the kubelet sent, turns the claims into `ClaimRef`s for a `ClaimHandler`
+(which decides, and reports each claim's outcome), and turns the outcomes into the reply. Per-claim failures are
+the handler's to report, in the reply; a request outside the bounds is INVALID_ARGUMENT and reaches no handler; a
+failure of the handler as a whole is UNAVAILABLE (an agent error: the node) or INTERNAL (anything else: a bug), and
+the kubelet tries again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import msgspec
+from grpclib import GRPCError, Status
+
+from mpsagent._proto.k8s.io.kubelet.pkg.apis.dra import v1 as pb
+from mpsagent.base.errors import MpsAgentError, RequestError, shown
+from mpsagent.base.logs import get_logger
+from mpsagent.domain.claims import ClaimRef, PreparedDevice
+
+log = get_logger(__name__)
+
+SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+"""The gRPC service, as the registration's supported versions name it (`v1.DRAPlugin`)."""
+MAX_CLAIMS = 128
+"""Claims in one request: a pod's claims (the API server allows 32 per pod), with room to spare."""
+MAX_NAMESPACE_CHARS = 253
+MAX_NAME_CHARS = 253
+MAX_UID_CHARS = 128
+# A namespace and a claim's name are DNS names (a label, a subdomain); a UID is a UUID. The UID ends up in file
+# names and CDI device names: never a `/`, never `.` or `..`.
+_DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_FIELDS = (
+    ("namespace", MAX_NAMESPACE_CHARS, _DNS_NAME, "a DNS name"),
+    ("name", MAX_NAME_CHARS, _DNS_NAME, "a DNS name"),
+    ("uid", MAX_UID_CHARS, _UID, "letters, digits, '.', '_' and '-', from a letter or digit"),
+)
+NO_OUTCOME = "the agent gave no outcome for this claim (a bug: its log may tell more); the kubelet will ask again"
+
+
+class PrepareOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """What preparing one claim came to: its devices, or why it failed (`error` non-empty: its devices are
+    ignored)."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class ClaimHandler(Protocol):
+    """What prepares and unprepares claims. Each call gets distinct claims (by UID), checked against the bounds,
+    and answers for each by UID; a claim it leaves out is answered as failed."""
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareOutcome]:
+        """Each claim's outcome, by UID."""
+        ...
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        """Each claim's error text by UID; `""`: done (a claim that was never prepared, or is already unprepared,
+        is done)."""
+        ...
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeServiceStatistics:
+    prepare_calls: int = 0
+    unprepare_calls: int = 0
+    claims_prepared: int = 0
+    """Claims answered without an error by prepare calls answered OK."""
+    claim_errors: int = 0
+    """Claims answered with an error (prepare or unprepare), in calls answered OK."""
+    refused: int = 0
+    """Calls answered INVALID_ARGUMENT: the request was outside the bounds."""
+    failed: int = 0
+    """Calls answered UNAVAILABLE or INTERNAL: the handler failed as a whole."""
+
+
+def claim_refs(claims: Sequence[pb.Claim]) -> list[ClaimRef]:
+    """The request's claims, checked against the bounds, each UID once (in the order first given); raises
+    RequestError naming what is wrong."""
+    if len(claims) > MAX_CLAIMS:
+        raise RequestError(f"{len(claims)} claims in one request; at most {MAX_CLAIMS} are accepted")
+    refs: dict[str, ClaimRef] = {}
+    for index, claim in enumerate(claims):
+        for field, limit, pattern, form in _FIELDS:
+            value: str = getattr(claim, field)
+            where = f"claims[{index}].{field}"
+            if not value:
+                raise RequestError(f"{where} is empty")
+            if len(value) > limit:
+                raise RequestError(f"{where} is {len(value)} characters long; at most {limit} are accepted")
+            if not pattern.fullmatch(value):
+                raise RequestError(f"{where} '{shown(value, 80)}' is not {form}")
+        ref = ClaimRef(namespace=claim.namespace, name=claim.name, uid=claim.uid)
+        known = refs.setdefault(ref.uid, ref)
+        if known != ref:
+            raise RequestError(f"claims[{index}]: UID {ref.uid} names both {known} and {ref}")
+    return list(refs.values())
+
+
+def device_message(device: PreparedDevice) -> pb.Device:
+    return pb.Device(
+        request_names=[device.request],
+        pool_name=device.pool,
+        device_name=device.device,
+        cdi_device_ids=list(device.cdi_device_ids),
+        share_id=device.share_id,
+    )
+
+
+class DraNodeService(pb.DraPluginBase):
+    """The DRAPlugin servicer (grpclib's IServable, through the generated base)."""
+
+    def __init__(self, handler: ClaimHandler) -> None:
+        self._handler = handler
+        self._stats = NodeServiceStatistics()
+
+    def statistics(self) -> NodeServiceStatistics:
+        return replace(self._stats)
+
+    async def node_prepare_resources(self, message: pb.NodePrepareResourcesRequest) -> pb.NodePrepareResourcesResponse:
+        self._stats.prepare_calls += 1
+        with self._answering("NodePrepareResources", "prepare", claims=len(message.claims)):
+            claims = claim_refs(message.claims)
+            outcomes = await self._handler.prepare(claims) if claims else {}
+        replies: dict[str, pb.NodePrepareResourceResponse] = {}
+        for claim in claims:
+            outcome = outcomes.get(claim.uid)
+            if outcome is None:
+                log.error("claim not answered by the handler", rpc="NodePrepareResources", claim=str(claim))
+                outcome = PrepareOutcome(error=NO_OUTCOME)
+            if outcome.error:
+                self._stats.claim_errors += 1
+                replies[claim.uid] = pb.NodePrepareResourceResponse(error=outcome.error)
+            else:
+                self._stats.claims_prepared += 1
+                replies[claim.uid] = pb.NodePrepareResourceResponse(
+                    devices=[device_message(d) for d in outcome.devices]
+                )
+        return pb.NodePrepareResourcesResponse(claims=replies)
+
+    async def node_unprepare_resources(
+        self, message: pb.NodeUnprepareResourcesRequest
+    ) -> pb.NodeUnprepareResourcesResponse:
+        self._stats.unprepare_calls += 1
+        with self._answering("NodeUnprepareResources", "unprepare", claims=len(message.claims)):
+            claims = claim_refs(message.claims)
+            errors = await self._handler.unprepare(claims) if claims else {}
+        replies: dict[str, pb.NodeUnprepareResourceResponse] = {}
+        for claim in claims:
+            error = errors.get(claim.uid)
+            if error is None:
+                log.error("claim not answered by the handler", rpc="NodeUnprepareResources", claim=str(claim))
+                error = NO_OUTCOME
+            if error:
+                self._stats.claim_errors += 1
+            replies[claim.uid] = pb.NodeUnprepareResourceResponse(error=error)
+        return pb.NodeUnprepareResourcesResponse(claims=replies)
+
+    @contextmanager
+    def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:
+        """A request outside the bounds is INVALID_ARGUMENT with the reason; an agent error of the handler as a
+        whole UNAVAILABLE with its message; anything else a bug: INTERNAL with a short message, and the traceback
+        in the log."""
+        try:
+            yield
+        except RequestError as exc:
+            self._stats.refused += 1
+            log.warning(f"{action} refused", reason=str(exc), **context)
+            raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc}: {exc}") from exc
+        except MpsAgentError as exc:
+            self._stats.failed += 1
+            log.error(f"{action} failed", reason=str(exc), **context)  # noqa: TRY400 (an agent error: no traceback)
+            raise GRPCError(Status.UNAVAILABLE, f"{rpc}: {exc}") from exc
+        except Exception as exc:
+            self._stats.failed += 1
+            log.exception(f"{action} failed unexpectedly", **context)
+            raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc

@@ -1,0 +1,83 @@
+"""The kubelet's plugin registry (`pluginregistration.Registration`, v1): the kubelet finds the registration socket
+in its `plugins_registry` directory, asks it what the plugin is (GetInfo), and says whether it took it
+(NotifyRegistrationStatus). It registers the plugin again whenever the socket is created again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mpsagent._proto import pluginregistration as pb
+from mpsagent.base.errors import shown
+from mpsagent.base.logs import get_logger
+
+log = get_logger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
+"""The gRPC services the DRA endpoint offers, as the kubelet reads them: `v1.DRAPlugin` is
+`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`."""
+MAX_ERROR_CHARS = 1000
+
+
+@dataclass(kw_only=True, slots=True)
+class RegistrationStatistics:
+    registrations: int = 0
+    """Registrations the kubelet accepted."""
+    registration_failures: int = 0
+    """Registrations the kubelet refused."""
+
+
+class RegistrationService(pb.RegistrationBase):
+    """The Registration servicer (grpclib's IServable, through the generated base): tells the kubelet the driver's
+    name and its DRA service's socket, and keeps what the kubelet answered."""
+
+    def __init__(self, *, driver: str, endpoint: Path) -> None:
+        """`endpoint`: the DRA service's socket, an absolute path as the kubelet sees it."""
+        if not endpoint.is_absolute():
+            raise ValueError(f"the DRA endpoint must be an absolute path, not {endpoint}")
+        self.driver = driver
+        self.endpoint = endpoint
+        self._registered = False
+        self._last_error = ""
+        self._stats = RegistrationStatistics()
+        self._log = log.bind(driver=driver)
+
+    @property
+    def registered(self) -> bool:
+        """The kubelet accepted the plugin, and its registration socket has not been created again since."""
+        return self._registered
+
+    @property
+    def last_error(self) -> str:
+        """Why the kubelet last refused the plugin; "" when it never did, or accepted it since."""
+        return self._last_error
+
+    def statistics(self) -> RegistrationStatistics:
+        return replace(self._stats)
+
+    def forget(self) -> None:
+        """The registration socket was created again: the kubelet registers the plugin anew (or not)."""
+        self._registered = False
+
+    async def get_info(self, message: pb.InfoRequest) -> pb.PluginInfo:
+        self._log.debug("kubelet asked for the plugin's info")
+        return pb.PluginInfo(
+            type=PLUGIN_TYPE,
+            name=self.driver,
+            endpoint=str(self.endpoint),
+            supported_versions=list(SUPPORTED_VERSIONS),
+        )
+
+    async def notify_registration_status(self, message: pb.RegistrationStatus) -> pb.RegistrationStatusResponse:
+        if message.plugin_registered:
+            self._registered = True
+            self._last_error = ""
+            self._stats.registrations += 1
+            self._log.info("registered with kubelet", endpoint=str(self.endpoint))
+        else:
+            self._registered = False
+            self._last_error = shown(message.error or "no reason given", MAX_ERROR_CHARS)
+            self._stats.registration_failures += 1
+            self._log.error("kubelet refused the plugin", reason=self._last_error, endpoint=str(self.endpoint))
+        return pb.RegistrationStatusResponse()
