@@ -1,0 +1,223 @@
+"""The DRA plugin's endpoint: the DRA node service on `<kubelet dir>/plugins/<driver>/dra.sock` and the
+registration service on `<kubelet dir>/plugins_registry/<driver>-reg.sock`, where the kubelet's plugin watcher
+finds it. One long-lived task serves both, serves a socket again when its file is removed (someone emptied the
+directory: the kubelet would not find the plugin again), and removes both files when it ends."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+from grpclib.server import Server
+
+from mpsagent.base.backoff import Backoff
+from mpsagent.base.episodes import FailureEpisodes
+from mpsagent.base.errors import HostError
+from mpsagent.base.logs import get_logger
+from mpsagent.dra.node_service import ClaimHandler, DraNodeService, NodeServiceStatistics
+from mpsagent.dra.registration import RegistrationService, RegistrationStatistics
+
+log = get_logger(__name__)
+
+DRA_SOCKET_NAME = "dra.sock"
+REGISTRATION_SOCKET_SUFFIX = "-reg.sock"
+WATCH_INTERVAL_S = 2.0
+"""How often the socket files are looked at."""
+SERVE_AGAIN_BACKOFF_MAX_S = 30.0
+"""The longest wait between tries to serve a removed socket again, while serving fails."""
+CLOSE_GRACE_S = 1.0
+"""How long a closing server's running requests get to end, per socket."""
+_DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+@dataclass(frozen=True, slots=True)
+class _FileIdentity:
+    """A socket file's identity: the inode number alone is not one (ext4 hands a freed number out again at once);
+    the change time is set when a file is created."""
+
+    device: int
+    inode: int
+    changed_ns: int
+
+
+def _identity(path: Path) -> _FileIdentity | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return _FileIdentity(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+class _ServedSocket:
+    """One grpclib server on one unix socket file, which it owns: it removes the file when it closes, unless the
+    file is no longer the one it created."""
+
+    def __init__(self, path: Path, servable: DraNodeService | RegistrationService, what: str) -> None:
+        self.path = path
+        self.what = what
+        self._servable = servable
+        self._server: Server | None = None
+        self._identity: _FileIdentity | None = None
+
+    @property
+    def gone(self) -> bool:
+        """Not served: the file is not the socket this serves (removed, or replaced), or serving it again failed."""
+        return self._server is None or _identity(self.path) != self._identity
+
+    async def serve(self) -> None:
+        """Serve on the socket file (removing a stale socket there first). Serving again closes the server it
+        replaces first, with its connections (a client connects again through the new file): that server's file is
+        gone, and closing it must not remove the new one. Raises HostError when it cannot."""
+        old, self._server = self._server, None
+        if old is not None:
+            await _close(old)
+        server = Server([self._servable])
+        try:
+            self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            try:
+                if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                    raise HostError(
+                        f"cannot serve the {self.what} socket {self.path}: something else than a socket is there; "
+                        "remove it"
+                    )
+                self.path.unlink()
+                log.info("stale socket removed", socket=str(self.path))
+            except FileNotFoundError:
+                pass
+            # Owner-only from the first moment: the kubelet runs as root, nobody else may prepare claims.
+            old_umask = os.umask(0o177)
+            try:
+                await server.start(path=str(self.path))
+            finally:
+                os.umask(old_umask)
+        except OSError as exc:
+            raise HostError(
+                f"cannot serve the {self.what} socket {self.path} ({exc.strerror or exc}); the agent must be able to "
+                "write the kubelet's directory (the DRA endpoint's kubelet directory names it)"
+            ) from exc
+        self._server, self._identity = server, _identity(self.path)
+        log.info("serving", socket=str(self.path), service=self.what)
+
+    async def close(self) -> None:
+        """Stop serving (the running requests get CLOSE_GRACE_S to end), and remove the socket file if it is still
+        the one served. Shielded: it also finishes when cancelled."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await _close(server)
+        if _identity(self.path) == self._identity:
+            try:
+                self.path.unlink()
+            except OSError as exc:
+                log.warning("socket not removed", socket=str(self.path), reason=str(exc))
+
+
+async def _close(server: Server) -> None:
+    server.close()
+    with anyio.move_on_after(CLOSE_GRACE_S, shield=True):
+        await server.wait_closed()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DraEndpointStatistics:
+    registration: RegistrationStatistics
+    service: NodeServiceStatistics
+    sockets_served_again: int
+    """Socket files served again after they were removed."""
+    serve_again_failures: int
+    """Tries to serve a removed socket again that failed."""
+
+
+class DraEndpoint:
+    """Owns the DRA plugin's two gRPC servers; `run` is their long-lived task."""
+
+    def __init__(
+        self,
+        *,
+        kubelet_dir: Path,
+        driver: str,
+        handler: ClaimHandler,
+        watch_interval_s: float = WATCH_INTERVAL_S,
+    ) -> None:
+        """`kubelet_dir`: the kubelet's directory (`/var/lib/kubelet`), at the same path as the kubelet sees it (the
+        registration tells the kubelet the DRA socket's absolute path); `driver`: the DRA driver's name, which
+        names the sockets too."""
+        if not _DRIVER_NAME.fullmatch(driver) or len(driver) > 63:
+            raise ValueError(f"{driver!r} is not a DRA driver name (a DNS subdomain of at most 63 characters)")
+        if not kubelet_dir.is_absolute():
+            raise ValueError(f"the kubelet directory must be an absolute path, not {kubelet_dir}")
+        self.driver = driver
+        self.dra_socket = kubelet_dir / "plugins" / driver / DRA_SOCKET_NAME
+        self.registration_socket = kubelet_dir / "plugins_registry" / f"{driver}{REGISTRATION_SOCKET_SUFFIX}"
+        self.node_service = DraNodeService(handler)
+        self.registration = RegistrationService(driver=driver, endpoint=self.dra_socket)
+        self._watch_interval_s = watch_interval_s
+        self._served_again = 0
+        self._log = log.bind(driver=driver)
+        self._serving_again = FailureEpisodes(
+            self._log, failed="removed socket not served again", again="removed socket served again", level="error"
+        )
+
+    @property
+    def registered(self) -> bool:
+        """The kubelet accepted the plugin (and its registration socket was not created again since)."""
+        return self.registration.registered
+
+    @property
+    def registration_error(self) -> str:
+        """Why the kubelet last refused the plugin; "" when it did not."""
+        return self.registration.last_error
+
+    def statistics(self) -> DraEndpointStatistics:
+        return DraEndpointStatistics(
+            registration=self.registration.statistics(),
+            service=self.node_service.statistics(),
+            sockets_served_again=self._served_again,
+            serve_again_failures=self._serving_again.failures,
+        )
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; reports started once both sockets are served (the DRA socket first: the kubelet
+        may call it as soon as it has the registration); removes both socket files when it ends. Raises HostError
+        when it cannot serve at the start."""
+        dra = _ServedSocket(self.dra_socket, self.node_service, "DRA node service")
+        registry = _ServedSocket(self.registration_socket, self.registration, "DRA plugin registration")
+        try:
+            await dra.serve()
+            await registry.serve()
+            task_status.started()
+            await self._keep_serving(dra, registry)
+        finally:
+            # The registration first: the kubelet forgets the plugin when its socket goes.
+            await registry.close()
+            await dra.close()
+            self.registration.forget()
+            self._log.info("DRA endpoint closed")
+
+    async def _keep_serving(self, *sockets: _ServedSocket) -> None:
+        """Serve a socket again when its file is removed; while that fails, try again with a growing wait."""
+        retry = Backoff(self._watch_interval_s, max(self._watch_interval_s, SERVE_AGAIN_BACKOFF_MAX_S))
+        failing = self._serving_again
+        while True:
+            await anyio.sleep(retry.delay)
+            try:
+                for socket in sockets:
+                    if socket.gone:
+                        if socket.path == self.registration_socket:
+                            self.registration.forget()  # the kubelet forgot it; it registers it again, or not
+                        if not failing.failing:
+                            self._log.warning("socket file removed; serving it again", socket=str(socket.path))
+                        await socket.serve()
+                        self._served_again += 1
+            except HostError as exc:
+                retry.grow()
+                failing.failed(str(exc), retry_in_s=round(retry.delay, 1))
+                continue
+            failing.works()
+            retry.reset()

@@ -1,0 +1,397 @@
+"""The DRA endpoint (mpsagent.dra) on real unix sockets in a temporary kubelet directory, driven by grpcio as the
+kubelet: the plugin registry's GetInfo and NotifyRegistrationStatus, the DRA node service's NodePrepareResources
+and NodeUnprepareResources over a test double of the claim handler (the real one is the supervisor's), the bounds on
+what the kubelet sends, and the socket files' life (stale ones replaced, a removed one served again, both removed
+at the end)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from mpsagent.base.errors import HostError
+from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, PreparedDevice
+from mpsagent.dra.endpoint import DraEndpoint
+from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, PrepareOutcome
+from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, reg_grpc, reg_pb2
+from mpsagent_testing.waiting import wait_for
+
+CALL_TIMEOUT_S = 5
+STOP_TIMEOUT_S = 5
+WATCH_INTERVAL_S = 0.05
+
+
+def prepared(request: str, device: str, share_id: str | None, *cdi: str) -> PreparedDevice:
+    return PreparedDevice(
+        request=request,
+        pool="node-a",
+        device=device,
+        share_id=share_id,
+        cdi_device_ids=cdi,
+        resource="nvidia.com/gpu",
+        gpu="GPU-0",
+        memory_mib=1024,
+        thread_percentage=25,
+        whole=False,
+    )
+
+
+@dataclass
+class FakeClaimHandler:
+    """Answers from `outcomes` and `unprepare_errors` (a claim not in them: prepared with no device, unprepared),
+    records every call, and raises `failing` when set."""
+
+    outcomes: dict[str, PrepareOutcome] = field(default_factory=dict)
+    unprepare_errors: dict[str, str] = field(default_factory=dict)
+    leave_out: set[str] = field(default_factory=set)
+    failing: Exception | None = None
+    prepare_calls: list[list[ClaimRef]] = field(default_factory=list)
+    unprepare_calls: list[list[ClaimRef]] = field(default_factory=list)
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareOutcome]:
+        self.prepare_calls.append(list(claims))
+        if self.failing is not None:
+            raise self.failing
+        return {c.uid: self.outcomes.get(c.uid, PrepareOutcome()) for c in claims if c.uid not in self.leave_out}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        self.unprepare_calls.append(list(claims))
+        if self.failing is not None:
+            raise self.failing
+        return {c.uid: self.unprepare_errors.get(c.uid, "") for c in claims if c.uid not in self.leave_out}
+
+
+@dataclass
+class Running:
+    endpoint: DraEndpoint
+    handler: FakeClaimHandler
+    portal: BlockingPortal
+    task: concurrent.futures.Future[Any]
+
+    def stop(self) -> float:
+        """Cancel the endpoint's task and wait (bounded) for it to end; how long it took."""
+        began = time.monotonic()
+        self.task.cancel()
+        done, _ = concurrent.futures.wait([self.task], timeout=STOP_TIMEOUT_S)
+        assert done, f"the endpoint did not end within {STOP_TIMEOUT_S}s of its cancellation"
+        return time.monotonic() - began
+
+    def registry(self) -> Any:
+        return reg_grpc.RegistrationStub(_channel(self.endpoint.registration_socket))
+
+    def dra(self) -> Any:
+        return dra_grpc.DRAPluginStub(_channel(self.endpoint.dra_socket))
+
+
+_channels: list[grpc.Channel] = []
+
+
+def _channel(path: Path) -> grpc.Channel:
+    channel = grpc.insecure_channel(f"unix://{path}")
+    _channels.append(channel)
+    return channel
+
+
+@pytest.fixture(autouse=True)
+def _close_channels() -> Iterator[None]:
+    yield
+    while _channels:
+        _channels.pop().close()
+
+
+@pytest.fixture
+def kubelet_dir() -> Iterator[Path]:
+    """A kubelet directory with a short path (unix socket paths are limited to 107 bytes)."""
+    top = Path(tempfile.mkdtemp(prefix="mpdra", dir="/tmp"))
+    yield top / "kubelet"
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def start(kubelet_dir: Path, portal: BlockingPortal, handler: FakeClaimHandler | None = None) -> Running:
+    handler = handler or FakeClaimHandler()
+    endpoint = DraEndpoint(
+        kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=handler, watch_interval_s=WATCH_INTERVAL_S
+    )
+    task, _ = portal.start_task(endpoint.run)
+    return Running(endpoint, handler, portal, task)
+
+
+@pytest.fixture
+def running(kubelet_dir: Path) -> Iterator[Running]:
+    with start_blocking_portal() as portal:
+        served = start(kubelet_dir, portal)
+        try:
+            yield served
+        finally:
+            served.stop()
+
+
+def claim(uid: str, *, namespace: str = "default", name: str | None = None) -> Any:
+    return dra_pb2.Claim(namespace=namespace, name=name or f"claim-{uid}", uid=uid)
+
+
+def ref(uid: str) -> ClaimRef:
+    return ClaimRef(namespace="default", name=f"claim-{uid}", uid=uid)
+
+
+def prepare(served: Running, *claims: Any) -> Any:
+    return served.dra().NodePrepareResources(dra_pb2.NodePrepareResourcesRequest(claims=claims), timeout=CALL_TIMEOUT_S)
+
+
+def unprepare(served: Running, *claims: Any) -> Any:
+    return served.dra().NodeUnprepareResources(
+        dra_pb2.NodeUnprepareResourcesRequest(claims=claims), timeout=CALL_TIMEOUT_S
+    )
+
+
+def refused_prepare(served: Running, *claims: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        prepare(served, *claims)
+    return error.value
+
+
+def get_info(served: Running) -> Any:
+    return served.registry().GetInfo(reg_pb2.InfoRequest(), timeout=CALL_TIMEOUT_S)
+
+
+def notify(served: Running, registered: bool, error: str = "") -> None:
+    served.registry().NotifyRegistrationStatus(
+        reg_pb2.RegistrationStatus(plugin_registered=registered, error=error), timeout=CALL_TIMEOUT_S
+    )
+
+
+def is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+# --- registration ----------------------------------------------------------------------------------------------
+
+
+def test_get_info_names_the_driver_and_its_dra_socket(running: Running, kubelet_dir: Path) -> None:
+    info = get_info(running)
+    dra_socket = kubelet_dir / "plugins" / DRA_DRIVER / "dra.sock"
+    assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRA_DRIVER, str(dra_socket))
+    assert list(info.supported_versions) == ["v1.DRAPlugin"]
+    assert running.endpoint.dra_socket == dra_socket
+    assert running.endpoint.registration_socket == kubelet_dir / "plugins_registry" / f"{DRA_DRIVER}-reg.sock"
+    for path in (dra_socket, running.endpoint.registration_socket):
+        assert stat.S_ISSOCK(path.stat().st_mode)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert running.endpoint.registered is False
+
+
+def test_the_kubelets_registration_status_is_kept(running: Running) -> None:
+    notify(running, True)
+    assert (running.endpoint.registered, running.endpoint.registration_error) == (True, "")
+    notify(running, False, "boom")
+    assert (running.endpoint.registered, running.endpoint.registration_error) == (False, "boom")
+    stats = running.endpoint.statistics().registration
+    assert (stats.registrations, stats.registration_failures) == (1, 1)
+    notify(running, True)
+    assert (running.endpoint.registered, running.endpoint.registration_error) == (True, "")
+
+
+# --- prepare and unprepare -------------------------------------------------------------------------------------
+
+
+def test_prepare_answers_each_claims_devices_or_its_error(running: Running) -> None:
+    cdi_a = "mpsagent.io/mps-share=uid-a-gpu-0"
+    running.handler.outcomes = {
+        "uid-a": PrepareOutcome(
+            devices=(prepared("gpu", "gpu-0", "share-1", cdi_a), prepared("gpu/sub", "gpu-1", None, "x=1", "x=2"))
+        ),
+        "uid-b": PrepareOutcome(error="no GPU has 40 GiB free"),
+    }
+    response = prepare(running, claim("uid-a"), claim("uid-b", namespace="team-b", name="big"))
+    assert sorted(response.claims) == ["uid-a", "uid-b"]
+    a, b = response.claims["uid-a"], response.claims["uid-b"]
+    assert a.error == ""
+    first, second = a.devices
+    assert (list(first.request_names), first.pool_name, first.device_name) == (["gpu"], "node-a", "gpu-0")
+    assert (list(first.cdi_device_ids), first.HasField("share_id"), first.share_id) == ([cdi_a], True, "share-1")
+    assert (list(second.request_names), second.device_name, list(second.cdi_device_ids)) == (
+        ["gpu/sub"],
+        "gpu-1",
+        ["x=1", "x=2"],
+    )
+    assert not second.HasField("share_id")
+    assert (b.error, list(b.devices)) == ("no GPU has 40 GiB free", [])
+    assert running.handler.prepare_calls == [[ref("uid-a"), ClaimRef(namespace="team-b", name="big", uid="uid-b")]]
+    stats = running.endpoint.statistics().service
+    assert (stats.prepare_calls, stats.claims_prepared, stats.claim_errors) == (1, 1, 1)
+
+
+def test_a_claim_given_twice_is_prepared_once(running: Running) -> None:
+    response = prepare(running, claim("uid-a"), claim("uid-b"), claim("uid-a"))
+    assert sorted(response.claims) == ["uid-a", "uid-b"]
+    assert running.handler.prepare_calls == [[ref("uid-a"), ref("uid-b")]]
+
+
+def test_a_claim_the_handler_leaves_out_is_answered_as_failed(running: Running) -> None:
+    running.handler.leave_out = {"uid-b"}
+    response = prepare(running, claim("uid-a"), claim("uid-b"))
+    assert (response.claims["uid-a"].error, response.claims["uid-b"].error) == ("", NO_OUTCOME)
+    response = unprepare(running, claim("uid-a"), claim("uid-b"))
+    assert (response.claims["uid-a"].error, response.claims["uid-b"].error) == ("", NO_OUTCOME)
+
+
+def test_unprepare_answers_every_claim(running: Running) -> None:
+    running.handler.unprepare_errors = {"uid-b": "the MPS daemon did not answer"}
+    response = unprepare(running, claim("uid-a"), claim("uid-b"), claim("uid-a"))
+    assert sorted(response.claims) == ["uid-a", "uid-b"]
+    assert response.claims["uid-a"].error == ""
+    assert response.claims["uid-b"].error == "the MPS daemon did not answer"
+    assert running.handler.unprepare_calls == [[ref("uid-a"), ref("uid-b")]]
+
+
+def test_an_empty_request_is_answered_without_the_handler(running: Running) -> None:
+    assert dict(prepare(running).claims) == {}
+    assert dict(unprepare(running).claims) == {}
+    assert running.handler.prepare_calls == running.handler.unprepare_calls == []
+
+
+# --- bounds ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("claims", "named"),
+    [
+        ([claim(f"uid-{i}") for i in range(MAX_CLAIMS + 1)], f"{MAX_CLAIMS + 1} claims in one request"),
+        ([claim("uid-a"), claim("uid-b", namespace="n" * 300)], "claims[1].namespace is 300 characters long"),
+        ([claim("uid-a", name="c" * 254)], "claims[0].name is 254 characters long"),
+        ([claim("u" * 129)], "claims[0].uid is 129 characters long"),
+        ([claim("", name="c")], "claims[0].uid is empty"),
+        ([claim("../etc", name="c")], "claims[0].uid '../etc' is not"),
+        ([claim("uid-a", namespace="Not_A_Name")], "claims[0].namespace 'Not_A_Name' is not a DNS name"),
+        ([claim("uid-a"), claim("uid-a", name="other")], "claims[1]: UID uid-a names both"),
+    ],
+)
+def test_a_request_outside_the_bounds_is_refused_by_name_and_reaches_no_handler(
+    running: Running, claims: list[Any], named: str
+) -> None:
+    error = refused_prepare(running, *claims)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in error.details()
+    assert len(error.details()) < 300
+    with pytest.raises(grpc.RpcError) as unprepared:
+        unprepare(running, *claims)
+    assert unprepared.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in unprepared.value.details()
+    assert running.handler.prepare_calls == running.handler.unprepare_calls == []
+    assert running.endpoint.statistics().service.refused == 2
+
+
+def test_the_largest_request_within_the_bounds_is_answered(running: Running) -> None:
+    claims = [claim(f"{i:03d}" + "u" * 125, namespace="n" * 253, name="c" * 253) for i in range(MAX_CLAIMS)]
+    assert len(prepare(running, *claims).claims) == MAX_CLAIMS
+
+
+# --- failures of the handler -----------------------------------------------------------------------------------
+
+
+def test_an_unexpected_handler_failure_is_internal_with_a_short_message(running: Running) -> None:
+    running.handler.failing = RuntimeError("a bug with a very long story " * 100)
+    error = refused_prepare(running, claim("uid-a"))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert error.details() == "internal error in NodePrepareResources; the mpsagent log has the details"
+    assert running.endpoint.statistics().service.failed == 1
+
+
+def test_an_agent_error_of_the_handler_is_unavailable_with_its_message(running: Running) -> None:
+    running.handler.failing = HostError("the claim checkpoint cannot be written")
+    with pytest.raises(grpc.RpcError) as error:
+        unprepare(running, claim("uid-a"))
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.details() == "NodeUnprepareResources: the claim checkpoint cannot be written"
+
+
+# --- the socket files ------------------------------------------------------------------------------------------
+
+
+def test_both_socket_files_are_removed_when_the_endpoint_is_cancelled(kubelet_dir: Path) -> None:
+    with start_blocking_portal() as portal:
+        served = start(kubelet_dir, portal)
+        notify(served, True)
+        took = served.stop()
+    assert took < 2 * STOP_TIMEOUT_S / 3
+    assert not served.endpoint.dra_socket.exists()
+    assert not served.endpoint.registration_socket.exists()
+    assert served.endpoint.registered is False
+
+
+def test_a_removed_registration_socket_is_served_again(running: Running) -> None:
+    notify(running, True)
+    running.endpoint.registration_socket.unlink()
+    wait_for(lambda: is_socket(running.endpoint.registration_socket), what="the registration socket again")
+    wait_for(lambda: running.endpoint.statistics().sockets_served_again == 1, what="the count of sockets served")
+    # The kubelet registers the plugin anew through the new socket.
+    assert running.endpoint.registered is False
+    assert get_info(running).name == DRA_DRIVER
+    notify(running, True)
+    assert running.endpoint.registered is True
+
+
+def test_a_removed_dra_socket_is_served_again(running: Running) -> None:
+    running.endpoint.dra_socket.unlink()
+    wait_for(lambda: is_socket(running.endpoint.dra_socket), what="the DRA socket again")
+    assert sorted(prepare(running, claim("uid-a")).claims) == ["uid-a"]
+
+
+def test_stale_socket_files_are_replaced(kubelet_dir: Path) -> None:
+    paths = [
+        kubelet_dir / "plugins" / DRA_DRIVER / "dra.sock",
+        kubelet_dir / "plugins_registry" / f"{DRA_DRIVER}-reg.sock",
+    ]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with socket.socket(socket.AF_UNIX) as stale:
+            stale.bind(str(path))  # closed without unlinking: what a killed agent leaves
+    with start_blocking_portal() as portal:
+        served = start(kubelet_dir, portal)
+        try:
+            assert get_info(served).name == DRA_DRIVER
+            assert sorted(prepare(served, claim("uid-a")).claims) == ["uid-a"]
+        finally:
+            served.stop()
+
+
+def test_something_else_than_a_socket_in_the_way_is_an_error_at_the_start(kubelet_dir: Path) -> None:
+    path = kubelet_dir / "plugins" / DRA_DRIVER / "dra.sock"
+    path.parent.mkdir(parents=True)
+    path.write_text("not a socket")
+    with start_blocking_portal() as portal, pytest.raises(HostError, match="something else than a socket"):
+        start(kubelet_dir, portal)
+    assert path.read_text() == "not a socket"
+    assert not (kubelet_dir / "plugins_registry" / f"{DRA_DRIVER}-reg.sock").exists()
+
+
+def test_a_driver_name_that_is_no_dns_name_is_refused(kubelet_dir: Path) -> None:
+    with pytest.raises(ValueError, match="not a DRA driver name"):
+        DraEndpoint(kubelet_dir=kubelet_dir, driver="../evil", handler=FakeClaimHandler())
+
+
+def test_a_socket_that_cannot_be_served_again_is_tried_again(running: Running) -> None:
+    path = running.endpoint.registration_socket
+    path.unlink()
+    path.write_text("in the way")
+    wait_for(lambda: running.endpoint.statistics().serve_again_failures >= 2, what="two failed tries")
+    assert path.read_text() == "in the way"  # not removed: it is not a socket
+    path.unlink()
+    wait_for(lambda: is_socket(path), what="the registration socket again")
+    assert get_info(running).name == DRA_DRIVER
+    assert running.endpoint.statistics().sockets_served_again == 1
