@@ -20,8 +20,10 @@ from mpsagent.base.errors import (
     SnapshotError,
     UsageError,
 )
+from mpsagent.base.host import node_name
 from mpsagent.base.logs import configure_logging, get_logger
 from mpsagent.base.settings import SETTINGS, Settings
+from mpsagent.base.values import DraMode
 from mpsagent.documents.report import plan_report, render_json, render_text
 from mpsagent.documents.status import read_status, render_status_json, render_status_text
 from mpsagent.domain.plan import NodePlan, build_plan
@@ -106,6 +108,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 control_bin=settings.mps_control_bin,
                 manages_compute_mode=source.manages_compute_mode,
                 multi_user_offered=offers_multi_user(settings.mps_control_bin),
+                dra_node=node_name(settings.node_name) if settings.dra is DraMode.ON else None,
             )
             print(render_json(report) if settings.output == "json" else render_text(report))
             return EXIT_OK

@@ -121,6 +121,12 @@ PID_MAX_LIMIT = 4_194_304
 """The largest PID a 64-bit Linux kernel gives (the ceiling of /proc/sys/kernel/pid_max)."""
 
 
+def node_name(configured: str | None) -> str:
+    """The node's name in the API server: the one configured (--node-name), else the host name in lower case, as
+    the kubelet names its node when not told otherwise."""
+    return configured or os.uname().nodename.lower()
+
+
 def valid_pid(pid: int) -> bool:
     """Whether `pid` can name a process the agent watches: above 1 (kill(-1) reaches every process, kill(0) the
     caller's group, PID 1 is init) and within the kernel's range."""

@@ -20,6 +20,7 @@ from mpsagent.base.errors import UsageError, shown
 from mpsagent.base.values import (
     APPLICATION_XIDS,
     DEFAULT_PROBE_INTERVAL_S,
+    DraMode,
     LogFormat,
     LogLevel,
     MpsDaemonOwner,
@@ -38,6 +39,9 @@ MIN_RECONCILE_GRACE_S = 10.0
 DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
+DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+MAX_NODE_NAME_CHARS = 253
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # Below 1 s the rounds cost more than they protect; above 60 s a lifted cap would last too long.
 PROBE_INTERVAL_BOUNDS_S = (1.0, 60.0)
 MAX_SECONDS = 86400.0
@@ -205,6 +209,13 @@ def _address(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)  # `:PORT` means every address
 
 
+def _node_name(text: str) -> str | None:
+    """A node's name is a DNS subdomain (RFC 1123): the ResourceSlice's pool and `spec.nodeName`."""
+    if text and (len(text) > MAX_NODE_NAME_CHARS or not _NODE_NAME.fullmatch(text)):
+        raise ValueError("must be the node's name as the API server has it (lower case, digits, '-' and '.'); not")
+    return text or None
+
+
 def _mps_root(text: str) -> Path | None:
     """Absolute: Allocate hands paths under it to the kubelet, which resolves them on the host, not here."""
     if text and not Path(text).is_absolute():
@@ -358,6 +369,44 @@ class Settings:
         default=DEFAULT_PROC_ROOT,
         metavar="DIR",
         help="the host's /proc, to map GPU processes to containers",
+    )
+    dra: DraMode = setting(
+        flag="--dra",
+        env="DRA",
+        key="dra",
+        parse=DraMode,
+        default=DraMode.OFF,
+        choices=tuple(DraMode),
+        help="also serve the GPUs as the Dynamic Resource Allocation driver mps.mpsagent.io: a ResourceSlice whose "
+        "devices claims take memory and compute of, prepared beside the device plugin's grants",
+        nvidia="the NVIDIA DRA driver (a component of its own)",
+    )
+    kubeconfig: Path | None = setting(
+        flag="--kubeconfig",
+        env="KUBECONFIG",
+        key="kubeconfig",
+        parse=_path,
+        metavar="FILE",
+        help="the API server's address and credentials, for --dra on",
+        absent="(the pod's service account)",
+    )
+    node_name: str | None = setting(
+        flag="--node-name",
+        env="NODE_NAME",
+        key="nodeName",
+        parse=_node_name,
+        metavar="NAME",
+        help="this node's name in the API server, for --dra on",
+        absent="(the host name)",
+    )
+    cdi_spec_dir: Path = setting(
+        flag="--cdi-spec-dir",
+        env="CDI_SPEC_DIR",
+        key="cdiSpecDir",
+        parse=_path,
+        default=DEFAULT_CDI_SPEC_DIR,
+        metavar="DIR",
+        help="where prepared claims' CDI specs are written for the container runtime, for --dra on",
     )
     log_format: LogFormat = setting(
         flag="--log-format",

@@ -110,6 +110,13 @@ class LogLevel(enum.StrEnum):
     ERROR = "error"
 
 
+class DraMode(enum.StrEnum):
+    """Whether the agent also serves its GPUs as a Dynamic Resource Allocation driver, beside the device plugin."""
+
+    OFF = "off"
+    ON = "on"
+
+
 class MpsOnExit(enum.StrEnum):
     KEEP = "keep"
     QUIT = "quit"

@@ -27,6 +27,8 @@ from mpsagent.gpu.port import GpuHealthSource
 log = get_logger(__name__)
 
 RPC_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+PREPARE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""A prepare reads the claim from the API server and waits for the daemon: milliseconds to tens of them."""
 
 
 class AgentMetrics:
@@ -50,6 +52,14 @@ class AgentMetrics:
             for rpc, title in (("allocate", "Allocate"), ("preferred_allocation", "GetPreferredAllocation"))
         }
         self._rpc_seconds = rpc_seconds
+        self._prepare_seconds = Histogram(
+            "mpsagent_claim_prepare_duration_seconds",
+            "Time to prepare one DRA claim for the kubelet (read it, hold its shares and ceilings, write its CDI "
+            "spec and the checkpoint), by outcome (ok, refused)",
+            ["outcome"],
+            buckets=PREPARE_BUCKETS_S,
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         Info("mpsagent_build", "The running agent's version", registry=self.registry).info(
             {"version": __version__, "python": platform.python_version()}
@@ -66,6 +76,14 @@ class AgentMetrics:
 
         def observe(rpc: str, seconds: float, outcome: str) -> None:
             self._rpc_seconds[rpc].labels(resource, outcome).observe(seconds)
+
+        return observe
+
+    def claim_timer(self) -> Callable[[float, str], None]:
+        """What the DRA claim server calls with each prepare's seconds and its outcome."""
+
+        def observe(seconds: float, outcome: str) -> None:
+            self._prepare_seconds.labels(outcome).observe(seconds)
 
         return observe
 

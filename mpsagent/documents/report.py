@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 
 import msgspec
+import yaml
 
 from mpsagent.base.devices import ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
 from mpsagent.base.values import MIB
 from mpsagent.documents.report_document import (
     CeilingsReport,
+    ClaimExampleReport,
     ComputeModeReport,
     DaemonStartReport,
+    DraReport,
     ExampleReport,
     GpuReport,
     MountReport,
@@ -22,7 +25,10 @@ from mpsagent.documents.report_document import (
     ResourceReport,
 )
 from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.claim_shares import claim_shares, node_slice
+from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.plan import NodePlan, ResourcePlan
+from mpsagent.dra.api import resource_slice
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
 from mpsagent.node.nfd import node_labels
 
@@ -115,10 +121,50 @@ def _resource_report(
     )
 
 
+EXAMPLE_CLAIMS = (
+    ("8Gi", 8 << 30, None),
+    ("8Gi and 25% of the SMs", 8 << 30, 25),
+    ("no capacity request (the whole GPU)", None, None),
+)
+NODE_UID_PLACEHOLDER = "<the node's UID>"
+
+
+def dra_report(plan: NodePlan, node: str) -> DraReport:
+    """The node's ResourceSlice, and what the example claims get of its first device."""
+    published = node_slice(plan, node)
+    examples = []
+    for title, memory, compute in EXAMPLE_CLAIMS if published.devices else ():
+        device = ClaimDevice(
+            request="gpu", pool=node, device=published.devices[0].name, memory_bytes=memory, compute=compute
+        )
+        allocation = ClaimAllocation(claim=ClaimRef(namespace="default", name="example", uid="0"), devices=(device,))
+        (share,) = claim_shares(plan, allocation, node)
+        examples.append(
+            ClaimExampleReport(
+                title=title,
+                device=device.device,
+                memory_mib=share.share.gpus[0].memory_mib,
+                thread_percentage=share.share.thread_percentage,
+                whole=share.share.full,
+                envs=dict(sorted(share.edits.envs.items())),
+                ceilings=share.resource.shares.ceilings([share.share]).describe(),
+            )
+        )
+    manifest = resource_slice(published, generation=1, node_uid=NODE_UID_PLACEHOLDER).to_dict()
+    ordered = {key: manifest[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in manifest}
+    return DraReport(resource_slice=ordered, examples=tuple(examples))
+
+
 def plan_report(
-    plan: NodePlan, *, control_bin: str, manages_compute_mode: bool, multi_user_offered: bool | None
+    plan: NodePlan,
+    *,
+    control_bin: str,
+    manages_compute_mode: bool,
+    multi_user_offered: bool | None,
+    dra_node: str | None = None,
 ) -> PlanReport:
-    """`multi_user_offered`: whether the control binary's `-h` lists --multiuser-server (None: not known)."""
+    """`multi_user_offered`: whether the control binary's `-h` lists --multiuser-server (None: not known);
+    `dra_node`: the node's name with --dra on (None: off)."""
     return PlanReport(
         driver_version=plan.driver_version,
         gpu_source=plan.gpu_source,
@@ -146,6 +192,7 @@ def plan_report(
             for resource in plan.resources
         ),
         labels=node_labels(plan.gpus, plan.resources),
+        dra=dra_report(plan, dra_node) if dra_node is not None else None,
     )
 
 
@@ -213,4 +260,25 @@ def render_text(report: PlanReport) -> str:
     for res in report.resources:
         lines += _resource_lines(res)
     lines += ["", "Node labels:", *(f"  {k}={v}" for k, v in report.labels.items())]
+    if report.dra is not None:
+        lines += _dra_lines(report.dra)
     return "\n".join(lines)
+
+
+def _dra_lines(dra: DraReport) -> list[str]:
+    manifest = yaml.safe_dump(dra.resource_slice, sort_keys=False, default_flow_style=False).rstrip()
+    lines = [
+        "",
+        f"DRA driver {DRA_DRIVER}: the ResourceSlice it publishes:",
+        *(f"  {line}" for line in manifest.splitlines()),
+    ]
+    for example in dra.examples:
+        got = (
+            "whole GPU, no caps"
+            if example.whole
+            else (f"{example.memory_mib} MiB, threads {example.thread_percentage}%")
+        )
+        lines.append(f"  a claim for {example.title} on {example.device}: {got}")
+        lines += [f"    {k}={v}" for k, v in example.envs.items()]
+        lines.append(f"    daemon ceilings while it is the only live share: {example.ceilings}")
+    return lines

@@ -7,6 +7,8 @@ tests/golden/once-*.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -87,7 +89,28 @@ class ResourceReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     examples: tuple[ExampleReport, ...]
 
 
-class PlanReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+class ClaimExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """What a container of an example claim gets on the node's first shared GPU."""
+
+    title: str
+    device: str
+    memory_mib: int = msgspec.field(name="memoryMiB")
+    thread_percentage: int
+    whole: bool
+    envs: dict[str, str]
+    ceilings: str
+    """The daemon's ceilings while this is the only live share of its resource."""
+
+
+class DraReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """With --dra on: the ResourceSlice the agent would publish, and what example claims get."""
+
+    resource_slice: dict[str, Any]
+    """The ResourceSlice object (resource.k8s.io/v1), as the API server is sent it."""
+    examples: tuple[ClaimExampleReport, ...]
+
+
+class PlanReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
     """What `--once` prints."""
 
     driver_version: str
@@ -95,3 +118,4 @@ class PlanReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     gpus: tuple[GpuReport, ...]
     resources: tuple[ResourceReport, ...]
     labels: dict[str, str]
+    dra: DraReport | None = None

@@ -21,6 +21,7 @@ from mpsagent.base.devices import GpuUuid, Health, gpu_of
 from mpsagent.base.errors import FileRefusedError, UsageError
 from mpsagent.base.host import pid_alive, process_started, read_regular_file, write_atomically
 from mpsagent.documents.status_document import (
+    DraStatus,
     GpuStatus,
     GrantStatus,
     LedgerStatus,
@@ -123,6 +124,7 @@ def _grant_status(grant: Grant) -> GrantStatus:
         granted_at=utc(grant.granted_at),
         unlisted_since=_wall(grant.missing_since),
         device_ids=grant.replica_ids,
+        claim=str(grant.claim) if grant.claim else None,
     )
 
 
@@ -158,6 +160,7 @@ def status_document(
     pod_resources: PodResourcesStatus,
     unhealthy_gpus: dict[GpuUuid, str],
     resources: Sequence[ResourceView],
+    dra: DraStatus | None = None,
 ) -> StatusDocument:
     return StatusDocument(
         version=version,
@@ -166,12 +169,22 @@ def status_document(
         pod_resources=pod_resources,
         unhealthy_gpus=dict(sorted(unhealthy_gpus.items())),
         resources=tuple(_resource_status(view) for view in resources),
+        dra=dra,
     )
 
 
 def render_status_json(document: StatusDocument, *, indent: int = 2) -> str:
-    """The document as JSON: the standard library's layout and escaping, which status.json has always had."""
-    return json.dumps(msgspec.to_builtins(document), indent=indent)
+    """The document as JSON: the standard library's layout and escaping, which status.json has always had. The
+    DRA fields (`dra`, a grant's `claim`) are left out when absent, so that an agent without --dra writes the bytes
+    it always wrote."""
+    builtins = msgspec.to_builtins(document)
+    if builtins["dra"] is None:
+        del builtins["dra"]
+    for resource in builtins["resources"]:
+        for grant in resource["grants"]:
+            if grant["claim"] is None:
+                del grant["claim"]
+    return json.dumps(builtins, indent=indent)
 
 
 def write_status(mps_root: Path, document: StatusDocument) -> None:
@@ -238,6 +251,8 @@ def readiness_problems(document: StatusDocument) -> list[str]:
             problems.append(
                 f"{res.name}: mps control daemon busy since {res.daemon.busy.at} (another control session is open)"
             )
+    if document.dra is not None and not document.dra.registered:
+        problems.append(f"DRA driver {document.dra.driver}: not registered with the kubelet")
     return problems
 
 
@@ -313,6 +328,8 @@ def _gpu_lines(gpus: dict[str, GpuStatus]) -> list[str]:
 def _holder(grant: GrantStatus, now: float) -> str:
     """The grant's container, or that it is waiting for one: the kubelet lists a container only once its Allocate
     has returned, so a new grant is not "unlisted" until its container was listed once."""
+    if grant.claim is not None:
+        return f"claim {grant.claim}"
     if grant.container is None:
         return f"waiting for the kubelet to list its container (granted {_ago(grant.granted_at, now)})"
     holder = grant.container + (" (adopted)" if grant.adopted else "")
@@ -325,7 +342,26 @@ def _grant_line(grant: GrantStatus, now: float) -> str:
     ids = grant.device_ids
     shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
     share = f" [{grant.share}]" if grant.share else ""
-    return f"    #{grant.grant_id} {grant.kind:<6} {_holder(grant, now)}{share}: {shown}"
+    return f"    #{grant.grant_id} {grant.kind:<6} {_holder(grant, now)}{share}" + (f": {shown}" if ids else "")
+
+
+def _dra_lines(dra: DraStatus) -> list[str]:
+    lines = [
+        "",
+        f"DRA driver {dra.driver} on node {dra.node}: {'registered' if dra.registered else 'NOT registered'} with "
+        f"the kubelet, ResourceSlice {'published' if dra.slice_published else 'NOT published'}; "
+        f"{dra.prepared} prepares, {dra.refused} refused, {dra.unprepared} unprepared",
+        f"  prepared claims: {len(dra.claims)}",
+    ]
+    for claim in dra.claims:
+        pods = ", ".join(claim.pods) or "no pod reserved"
+        lines.append(f"    {claim.claim} (uid {claim.uid}, prepared {claim.prepared_at}) for {pods}")
+        lines += [
+            f"      {d.device} ({d.gpu}, {d.resource}): "
+            + ("whole GPU" if d.whole else f"{d.memory_mib} MiB, threads {d.thread_percentage}%")
+            for d in claim.devices
+        ]
+    return lines
 
 
 def render_status_text(document: StatusDocument) -> str:
@@ -352,4 +388,6 @@ def render_status_text(document: StatusDocument) -> str:
             f"  grants: {len(res.grants)}",
             *(_grant_line(grant, now) for grant in res.grants),
         ]
+    if document.dra is not None:
+        lines += _dra_lines(document.dra)
     return "\n".join(lines)

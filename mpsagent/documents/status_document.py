@@ -143,6 +143,8 @@ class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     granted_at: str
     unlisted_since: str | None = None
     device_ids: tuple[str, ...]
+    claim: str | None = None
+    """The DRA claim (`namespace/name`) whose share of a GPU this is; None for a device-plugin grant."""
 
 
 class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -208,6 +210,58 @@ POD_RESOURCES_METRICS: tuple[MetricRow[PodResourcesStatus], ...] = (
 )
 
 
+class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    device: str
+    gpu: str
+    resource: str
+    memory_mib: Count = msgspec.field(name="memoryMiB")
+    thread_percentage: Count
+    whole: bool
+
+
+class ClaimStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    claim: str
+    """`namespace/name`."""
+    uid: str
+    pods: tuple[str, ...] = ()
+    devices: tuple[ClaimDeviceStatus, ...] = ()
+    prepared_at: str
+
+
+class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The DRA driver's part (`--dra on`): its registration with the kubelet, the node's slice, the claims."""
+
+    driver: str
+    node: str
+    registered: bool = False
+    slice_published: bool = False
+    prepared: Count = 0
+    """Prepares answered with devices, all time (a retried prepare of a prepared claim counts again)."""
+    refused: Count = 0
+    unprepared: Count = 0
+    claims: tuple[ClaimStatus, ...] = ()
+
+
+DRA_METRICS: tuple[MetricRow[DraStatus], ...] = (
+    gauge(
+        "mpsagent_dra_registered", "1 while the DRA driver is registered with the kubelet", one(lambda d: d.registered)
+    ),
+    gauge(
+        "mpsagent_dra_slice_published",
+        "1 once the node's ResourceSlice is published (and its last publish worked)",
+        one(lambda d: d.slice_published),
+    ),
+    gauge("mpsagent_dra_prepared_claims", "DRA claims prepared on the node now", one(lambda d: len(d.claims))),
+    counter(
+        "mpsagent_dra_prepares",
+        "DRA claim prepares, by outcome (ok, refused)",
+        each(("ok", "refused"), lambda d, outcome: d.prepared if outcome == "ok" else d.refused),
+        labels=("outcome",),
+    ),
+    counter("mpsagent_dra_unprepares", "DRA claims unprepared", one(lambda d: d.unprepared)),
+)
+
+
 class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """What status.json holds, `--status` prints, and metrics and `/readyz` read."""
 
@@ -217,6 +271,8 @@ class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pod_resources: PodResourcesStatus
     unhealthy_gpus: dict[str, str] = {}
     resources: tuple[ResourceStatus, ...]
+    dra: DraStatus | None = None
+    """Absent unless the agent runs with --dra on."""
     written_at: str | None = None
     """Set by write_status."""
 
@@ -228,5 +284,6 @@ def _resources(document: StatusDocument) -> Iterable[tuple[Labels, ResourceStatu
 STATUS_METRICS: tuple[MetricRow[StatusDocument], ...] = (
     *within(("resource",), _resources, RESOURCE_METRICS),
     *within((), lambda document: (((), document.pod_resources),), POD_RESOURCES_METRICS),
+    *within((), lambda document: (((), document.dra),) if document.dra else (), DRA_METRICS),
 )
 """Every family `/metrics` reads from the status document, in the order it shows them."""

@@ -19,9 +19,10 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import MpsAgentError, agent_errors
+from mpsagent.base.host import node_name
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
-from mpsagent.base.values import MpsDaemonOwner, MpsOnExit
+from mpsagent.base.values import DraMode, MpsDaemonOwner, MpsOnExit
 from mpsagent.documents.status import starting_document
 from mpsagent.domain.plan import NodePlan
 from mpsagent.gpu.monitor import GpuHealthMonitor
@@ -31,6 +32,7 @@ from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarge
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.node.nfd import node_labels, remove_features, write_features
 from mpsagent.node.systemd import SystemdNotifier
+from mpsagent.supervisor.claim_server import ClaimServer
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent.supervisor.stop_signals import wait_stop_signal
@@ -100,6 +102,39 @@ def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> 
     return WebEndpoint(settings.metrics_address, metrics)
 
 
+def _claim_server(
+    settings: Settings, plan: NodePlan, resources: Sequence[ResourceServer], web: WebEndpoint | None
+) -> ClaimServer | None:
+    if settings.dra is not DraMode.ON:
+        return None
+    return ClaimServer(
+        plan=plan,
+        resources=resources,
+        node=node_name(settings.node_name),
+        kubelet_dir=settings.kubelet_socket.parent.parent,
+        cdi_dir=settings.cdi_spec_dir,
+        kubeconfig=settings.kubeconfig,
+        prepare_timer=web.metrics.claim_timer() if web else None,
+    )
+
+
+def _hold_locks(locks: ExitStack, settings: Settings, plan: NodePlan) -> None:
+    # Before the MPS root is touched: another agent of this node may serve the resource from another root.
+    locks.enter_context(NodeGuard(settings.kubelet_socket.parent, plan.resources))
+    prepare_directories(plan)
+    for resource_plan in plan.resources:
+        locks.enter_context(ResourceLock(resource_plan))
+        if settings.mps_daemon is MpsDaemonOwner.AGENT:
+            locks.enter_context(
+                ResourceLock(
+                    resource_plan,
+                    file_name=DAEMON_OWNER_LOCK_FILE,
+                    role="already runs the MPS daemon of",
+                    hint="if it is a daemon host (mpsagent --daemon-host), start the agent with --mps-daemon host",
+                )
+            )
+
+
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
     received = await wait_stop_signal()
     log.info("stopping", reason=received.name)
@@ -115,20 +150,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
     web = _web_endpoint(settings, plan, gpu_source)
     with ExitStack() as locks:
         locks.callback(notifier.close)
-        # Before the MPS root is touched: another agent of this node may serve the resource from another root.
-        locks.enter_context(NodeGuard(settings.kubelet_socket.parent, plan.resources))
-        prepare_directories(plan)
-        for resource_plan in plan.resources:
-            locks.enter_context(ResourceLock(resource_plan))
-            if settings.mps_daemon is MpsDaemonOwner.AGENT:
-                locks.enter_context(
-                    ResourceLock(
-                        resource_plan,
-                        file_name=DAEMON_OWNER_LOCK_FILE,
-                        role="already runs the MPS daemon of",
-                        hint="if it is a daemon host (mpsagent --daemon-host), start the agent with --mps-daemon host",
-                    )
-                )
+        _hold_locks(locks, settings, plan)
         reconciler = PodResourcesReconciler(socket=settings.pod_resources_socket, grace_s=settings.reconcile_grace_s)
         resources = [
             ResourceServer(
@@ -145,7 +167,11 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
             reconciler.add_target(
                 ReconcileTarget(allocator=resource.allocator, on_ledger_changed=resource.hold_ledger_ceilings)
             )
-        # Before any daemon holds ceilings: containers that run since before this start must keep their caps.
+        claims = _claim_server(settings, plan, resources, web)
+        # Before any daemon holds ceilings: containers that run since before this start must keep their caps (the
+        # prepared claims' too).
+        if claims is not None:
+            claims.restore()
         if await reconciler.reconcile_once():
             for resource in resources:
                 resource.grants_known()
@@ -161,6 +187,8 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                 await tg.start(health.run)
                 for resource in resources:
                     await tg.start(resource.run)
+                if claims is not None:
+                    await tg.start(claims.run)
                 await tg.start(reconciler.run)
                 publisher = StatePublisher(
                     mps_root=settings.mps_root,
@@ -170,6 +198,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                     unhealthy_gpus=health.unhealthy,
                     notifier=notifier,
                     web=web,
+                    dra=claims.status if claims is not None else lambda: None,
                 )
                 tg.start_soon(publisher.run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))

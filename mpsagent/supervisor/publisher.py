@@ -25,7 +25,7 @@ from mpsagent.documents.status import (
     summary,
     write_status,
 )
-from mpsagent.documents.status_document import PodResourcesStatus, StatusDocument
+from mpsagent.documents.status_document import DraStatus, PodResourcesStatus, StatusDocument
 from mpsagent.kubelet.podresources import PodResourcesReconciler
 from mpsagent.node.systemd import SystemdNotifier
 
@@ -52,7 +52,9 @@ class StatePublisher:
         unhealthy_gpus: Callable[[], dict[GpuUuid, str]],
         notifier: SystemdNotifier,
         web: WebEndpoint | None,
+        dra: Callable[[], DraStatus | None] = lambda: None,
     ) -> None:
+        """`dra`: the DRA driver's status (None without --dra on)."""
         self._mps_root = mps_root
         self._pod_resources_socket = pod_resources_socket
         self._resources = resources
@@ -60,6 +62,7 @@ class StatePublisher:
         self._unhealthy_gpus = unhealthy_gpus
         self._notifier = notifier
         self._web = web
+        self._dra = dra
         self._unwritten = FailureEpisodes(
             log,
             failed="status file not written",
@@ -67,7 +70,9 @@ class StatePublisher:
             hint=f"retried every {STATUS_INTERVAL_S:g}s; --status shows the last state written",
         )
 
-    def _document(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> StatusDocument:
+    def _document(
+        self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str], dra: DraStatus | None
+    ) -> StatusDocument:
         return status_document(
             version=__version__,
             pid=os.getpid(),
@@ -80,11 +85,15 @@ class StatePublisher:
             ),
             unhealthy_gpus=unhealthy_gpus,
             resources=views,
+            dra=dra,
         )
 
-    def _fingerprint(self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str]) -> Hashable:
+    def _fingerprint(
+        self, views: Sequence[ResourceView], unhealthy_gpus: dict[GpuUuid, str], dra: DraStatus | None
+    ) -> Hashable:
         """Cheap to take, and different whenever the document would be: most cycles build nothing."""
         return (
+            dra,
             len(asyncio.all_tasks()),
             self._reconciler.available,
             self._reconciler.successes,
@@ -120,10 +129,10 @@ class StatePublisher:
         announced_ready = False
         try:
             while True:
-                views, unhealthy_gpus = self._resources(), self._unhealthy_gpus()
-                fingerprint = self._fingerprint(views, unhealthy_gpus)
+                views, unhealthy_gpus, dra = self._resources(), self._unhealthy_gpus(), self._dra()
+                fingerprint = self._fingerprint(views, unhealthy_gpus, dra)
                 if document is None or fingerprint != seen:
-                    seen, document = fingerprint, self._document(views, unhealthy_gpus)
+                    seen, document = fingerprint, self._document(views, unhealthy_gpus, dra)
                     unwritten = True
                     if not announced_ready and not readiness_problems(document):
                         self._notifier.notify("READY=1")
