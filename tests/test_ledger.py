@@ -7,6 +7,7 @@ import pytest
 
 from mpsagent.base.config import GrantRule
 from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.shares import GpuSlots, GrantKind, Share, ShareModel
 
@@ -137,3 +138,128 @@ def test_reading_the_ledger_changes_nothing() -> None:
     version = ledger.version
     ledger.holder(A[0]), ledger.live_grants(), ledger.statistics(), ledger.never_listed(), ledger.tally.clients(0)
     assert ledger.version == version
+
+
+# --- DRA claims' shares -------------------------------------------------------------------------------------
+
+CLAIM = ClaimRef(namespace="ml", name="train-gpu", uid="0b5f1c52-8f5e-4a55-9b0e-3f8a1c2d4e6f")
+OTHER_CLAIM = ClaimRef(namespace="ml", name="eval-gpu", uid="7d0c1e9a-2b3c-4d5e-8f90-a1b2c3d4e5f6")
+QUARTER_MIB = 4095  # `A[0]`'s cap (a quarter of 16 GiB, readable); a claim's 10000 MiB and 60 % lie above it
+
+
+def claim_share(memory_mib: int = 10000, threads: int = 60) -> Share:
+    return SHARES.capacity_share(0, memory_mib, threads)
+
+
+def test_a_claims_share_lifts_the_ceilings_while_held_and_they_fall_back_when_released() -> None:
+    ledger = Ledger(clock=lambda: 1700000000.0, monotonic=lambda: 42.0)
+    record(ledger, A[0])
+    before = SHARES.ceilings(ledger.tally)
+    assert (before.thread_percentage, before.memory_mib) == (25, (QUARTER_MIB,))
+    held = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
+    assert (held.claim, held.claim_device, held.replica_ids, held.kind) == (CLAIM, "gpu-0", (), GrantKind.CAPPED)
+    assert (held.granted_at, held.granted_monotonic, held.adopted, held.owner) == (1700000000.0, 42.0, False, None)
+    during = SHARES.ceilings(ledger.tally)
+    assert (during.thread_percentage, during.memory_mib) == (60, (10000,))
+    assert ledger.tally.clients(0) == 2
+    assert ledger.release([held.grant_id]) == (held,)
+    assert SHARES.ceilings(ledger.tally) == before
+    assert ledger.tally.clients(0) == 1
+
+
+def test_a_smaller_claim_leaves_the_ceilings_at_the_largest_share() -> None:
+    ledger = Ledger()
+    record(ledger, A[0], A[1])  # 8191 MiB, 50 %
+    ledger.hold_claim(CLAIM, "gpu-0", claim_share(2048, 10))
+    ceilings = SHARES.ceilings(ledger.tally)
+    assert (ceilings.thread_percentage, ceilings.memory_mib) == (50, (8191,))
+
+
+def test_a_claim_of_the_whole_gpu_lifts_the_ceilings_to_the_hardware() -> None:
+    ledger = Ledger()
+    record(ledger, A[0])
+    whole = ledger.hold_claim(CLAIM, "gpu-0", SHARES.capacity_share(0, 16384, 100))
+    assert whole.kind is GrantKind.FULL
+    assert SHARES.ceilings(ledger.tally) == SHARES.full_hardware()
+
+
+def test_a_claim_is_a_client_of_its_gpu_for_the_client_limit() -> None:
+    """MPS takes 48 clients per GPU, whichever route they came by."""
+    shares = ShareModel(
+        gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=48 << 30, id_count=48),),
+        rule=GrantRule.PROPORTIONAL,
+        unit_bytes=None,
+        enforce=True,
+    )
+    replicas = [ReplicaId(f"GPU-a::{i}") for i in range(48)]
+    ledger = Ledger()
+    for replica in replicas[:47]:
+        ledger.record((replica,), shares.share_of((replica,)))
+    claim = shares.capacity_share(0, 1024, 2)
+    assert shares.clients_over_limit(ledger.tally, (), [claim]) == ()
+    held = ledger.hold_claim(CLAIM, "gpu-0", claim)
+    assert ledger.tally.clients(0) == 48
+    assert shares.full_gpus(ledger.tally) == {GpuUuid("GPU-a")}
+    (over,) = shares.clients_over_limit(ledger.tally, (), [claim])
+    assert (over.ordinal, over.grants, over.limit) == (0, 49, 48)
+    # A device-plugin grant of the last replica is over too: the claim counts as a client.
+    last = shares.share_of((replicas[47],))
+    assert shares.clients_over_limit(ledger.tally, (), [last]) != ()
+    ledger.release([held.grant_id])
+    assert shares.clients_over_limit(ledger.tally, (), [claim]) == ()
+
+
+def test_claim_grants_are_apart_from_the_listed_route() -> None:
+    """The kubelet's pod-resources listing speaks for device-plugin grants only: a claim's share is never waited for
+    there (never_listed), nor one of the grants a listing reconciles (listed_route)."""
+    ledger = Ledger()
+    plugin = record(ledger, A[0]).grant
+    first = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
+    second = ledger.hold_claim(OTHER_CLAIM, "gpu-0", claim_share(2048, 10))
+    assert ledger.listed_route() == (plugin,)
+    assert ledger.claim_grants() == (first, second)
+    assert ledger.never_listed() == 1
+    assert set(ledger.live_grants()) == {plugin, first, second}
+    ledger.mark_listed(plugin, OWNER)
+    assert ledger.never_listed() == 0
+    ledger.release([first.grant_id])
+    assert ledger.claim_grants() == (second,)
+    assert ledger.listed_route() == (plugin,)
+
+
+def test_a_device_plugin_grant_never_ends_a_claims_share() -> None:
+    ledger = Ledger()
+    held = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
+    result = ledger.record(tuple(A), share(*A))  # every replica of the GPU
+    assert result.ended == ()
+    assert ledger.claim_grants() == (held,)
+    ledger.withdraw(result)
+    assert ledger.claim_grants() == (held,)
+    assert ledger.holders(A) == []
+
+
+def test_the_statistics_count_claims_held_all_time_and_live_by_kind() -> None:
+    ledger = Ledger()
+    record(ledger, A[0])
+    capped = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
+    ledger.hold_claim(OTHER_CLAIM, "gpu-0", SHARES.capacity_share(0, 16384, 100))
+    stats = ledger.statistics()
+    assert stats.claim_grants == 2
+    assert stats.live_grants == {GrantKind.CAPPED: 2, GrantKind.FULL: 1}
+    assert stats.grants == {GrantKind.CAPPED: 1, GrantKind.FULL: 0}  # Allocates only
+    ledger.release([capped.grant_id])
+    stats = ledger.statistics()
+    assert (stats.claim_grants, stats.released_grants) == (2, 1)
+    assert stats.live_grants == {GrantKind.CAPPED: 1, GrantKind.FULL: 1}
+
+
+def test_the_version_moves_when_a_claim_is_held_and_released() -> None:
+    ledger = Ledger()
+    version = ledger.version
+    held = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
+    assert ledger.version > version
+    version = ledger.version
+    ledger.claim_grants(), ledger.listed_route(), ledger.never_listed(), ledger.statistics()
+    assert ledger.version == version
+    ledger.release([held.grant_id])
+    assert ledger.version > version

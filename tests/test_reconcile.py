@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from mpsagent.base.config import GrantRule
 from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import Holding, ListedDevices, holdings, reconcile
 from mpsagent.domain.shares import Ceilings, GpuSlots, GrantKind, Share, ShareModel
@@ -322,3 +323,36 @@ def test_after_the_grace_period_the_ledger_is_exactly_the_listing(
     held = {frozenset(g.replica_ids): g.owner for g in ledger.live_grants()}
     assert held == {frozenset(h.replica_ids): h.container for h in listed if h.replica_ids}
     assert sum(ledger.holder(r) is not None for r in IDS) == sum(len(h.replica_ids) for h in listed)
+
+
+# --- DRA claims' shares: not the listing's to end -----------------------------------------------------------
+
+CLAIM = ClaimRef(namespace="ml", name="train-gpu", uid="0b5f1c52-8f5e-4a55-9b0e-3f8a1c2d4e6f")
+
+
+def test_a_claims_share_outlives_any_listing_while_an_unlisted_device_plugin_grant_is_released() -> None:
+    """The kubelet's pod-resources listing does not show a claim's share; only its unprepare ends it."""
+    ledger = new_ledger()
+    claim = ledger.hold_claim(CLAIM, "gpu-0", SHARES.capacity_share(0, 10000, 60))
+    plugin = ledger.record((IDS[0],), CAPPED).grant
+    first = run(ledger, [], now=100)
+    assert (first.missing, first.released) == (1, ())
+    result = run(ledger, [], now=100 + 1000 * 60)
+    assert result.released == (plugin,)
+    assert result.missing == 0
+    assert ledger.live_grants() == (claim,)
+    assert claim.missing_since is None
+    ceilings = SHARES.ceilings(ledger.tally)
+    assert (ceilings.thread_percentage, ceilings.memory_mib) == (60, (10000,))
+
+
+def test_a_listing_of_other_containers_leaves_a_claims_share_alone() -> None:
+    ledger = new_ledger()
+    claim = ledger.hold_claim(CLAIM, "gpu-0", SHARES.capacity_share(0, 2048, 10))
+    listed = [Holding(container=ref("a"), replica_ids=tuple(IDS))]  # every replica of the GPU, adopted
+    for now in (1, 100, 10_000):
+        result = run(ledger, listed, now=now)
+        assert claim not in result.released + result.replaced
+    assert ledger.claim_grants() == (claim,)
+    assert claim.owner is None
+    assert ledger.tally.clients(0) == 2
