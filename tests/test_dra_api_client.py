@@ -1,0 +1,359 @@
+"""The API server adapter's calls against a mock transport (the real server is the e2e tests'): the requests it
+makes, the answers it turns into the domain's Structs, every failure one KubeApiError with the HTTP status, and
+the credentials `connect` accepts or refuses with a message that says what to do."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from lightkube import AsyncClient, KubeConfig
+from lightkube.config.models import Cluster, User
+
+from mpsagent.base.errors import ClaimRefusedError, KubeApiError, UsageError
+from mpsagent.domain.claims import DRA_DRIVER, ClaimRef
+from mpsagent.dra import api
+from mpsagent.dra.api import KubeApi, connect, resource_slice
+from tests.test_dra_api_convert import CLAIM, NODE, NODE_SLICE, REF
+
+Handler = Callable[[httpx2.Request], Awaitable[httpx2.Response]]
+SLICE_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+def kube_api(handler: Handler) -> KubeApi:
+    config = KubeConfig.from_one(cluster=Cluster(server="https://k8s.test:6443"), user=User(token="t0ken"))
+    client = AsyncClient(config, transport=httpx2.MockTransport(handler), field_manager=api.FIELD_MANAGER)
+    return KubeApi(client)
+
+
+def status(code: int, message: str) -> httpx2.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
+    return httpx2.Response(code, json=body)
+
+
+class Server:
+    """Answers by (method, path); records each request."""
+
+    def __init__(self, answers: dict[tuple[str, str], Any]) -> None:
+        self.answers = answers
+        self.requests: list[httpx2.Request] = []
+
+    async def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        self.requests.append(request)
+        answer = self.answers.get((request.method, request.url.path), status(404, "not found"))
+        return answer if isinstance(answer, httpx2.Response) else httpx2.Response(200, json=answer)
+
+    def calls(self) -> list[str]:
+        return [f"{r.method} {r.url.path}" for r in self.requests]
+
+
+@pytest.mark.anyio
+async def test_read_claim_gets_the_claim_and_converts_it() -> None:
+    server = Server({("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/trainer-gpu"): CLAIM})
+    kube = kube_api(server)
+    try:
+        allocation = await kube.read_claim(REF, driver=DRA_DRIVER, node=NODE)
+    finally:
+        await kube.close()
+    assert [d.device for d in allocation.devices] == ["gpu-0", "gpu-1"]
+    assert server.requests[0].headers["authorization"] == "Bearer t0ken"
+
+
+@pytest.mark.anyio
+async def test_a_re_created_claim_is_refused_as_such() -> None:
+    kube = kube_api(Server({("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/trainer-gpu"): CLAIM}))
+    ref = ClaimRef(namespace="team-a", name="trainer-gpu", uid="11111111-0000-4000-8000-000000000000")
+    with pytest.raises(ClaimRefusedError, match="it was deleted and re-created"):
+        await kube.read_claim(ref, driver=DRA_DRIVER, node=NODE)
+    await kube.close()
+
+
+@pytest.mark.anyio
+async def test_a_missing_claim_is_an_api_error_with_its_status() -> None:
+    message = 'resourceclaims.resource.k8s.io "trainer-gpu" not found'
+    kube = kube_api(
+        Server({("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/trainer-gpu"): status(404, message)})
+    )
+    with pytest.raises(KubeApiError) as caught:
+        await kube.read_claim(REF, driver=DRA_DRIVER, node=NODE)
+    await kube.close()
+    assert caught.value.status == 404
+    assert str(caught.value) == f"reading ResourceClaim team-a/trainer-gpu: {message} (HTTP 404)"
+
+
+async def refuse_connection(request: httpx2.Request) -> httpx2.Response:
+    raise httpx2.ConnectError("[Errno 111] Connection refused", request=request)
+
+
+async def plain_500(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(500, text="oops")
+
+
+async def read_timeout(request: httpx2.Request) -> httpx2.Response:
+    raise httpx2.ReadTimeout("timed out", request=request)
+
+
+async def bare_503(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(503)
+
+
+async def broken_status(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(500, content=b"{not json", headers={"Content-Type": "application/json"})
+
+
+async def garbage(request: httpx2.Request) -> httpx2.Response:
+    return httpx2.Response(200, json={"metadata": "not an object"})
+
+
+@pytest.mark.parametrize(
+    ("handler", "expected", "code"),
+    [
+        (refuse_connection, "[Errno 111] Connection refused", None),
+        (plain_500, "Internal Server Error (HTTP 500)", 500),
+        (read_timeout, "no answer within 10 s (ReadTimeout)", None),
+        (bare_503, "Service Unavailable (HTTP 503)", 503),
+        (broken_status, "Internal Server Error (HTTP 500)", 500),
+        (garbage, "the answer is not what the API says: Expected `object | null`, got `str` - at `$.metadata`", None),
+    ],
+)
+@pytest.mark.anyio
+async def test_every_failure_is_one_api_error(handler: Handler, expected: str, code: int | None) -> None:
+    kube = kube_api(handler)
+    with pytest.raises(KubeApiError) as caught:
+        await kube.read_claim(REF, driver=DRA_DRIVER, node=NODE)
+    await kube.close()
+    assert str(caught.value) == f"reading ResourceClaim team-a/trainer-gpu: {expected}"
+    assert caught.value.status == code
+
+
+@pytest.mark.anyio
+async def test_a_call_is_bounded_whatever_the_server_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "CALL_TIMEOUT_S", 0.05)
+
+    async def never(request: httpx2.Request) -> httpx2.Response:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    kube = kube_api(never)
+    with pytest.raises(
+        KubeApiError, match=r"reading ResourceClaim team-a/trainer-gpu: no complete answer within 0.05 s"
+    ):
+        await kube.read_claim(REF, driver=DRA_DRIVER, node=NODE)
+    await kube.close()
+
+
+NODE_OBJECT = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": "4f6e3d2c-node"}}
+SLICE = f"{SLICE_PATH}/node-1-mps-mpsagent-io"
+
+
+@pytest.mark.anyio
+async def test_publishing_a_new_slice_applies_it_at_generation_one_owned_by_the_node() -> None:
+    server = Server(
+        {
+            ("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT,
+            ("PATCH", SLICE): {
+                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}}
+            },
+        }
+    )
+    kube = kube_api(server)
+    await kube.publish_slice(NODE_SLICE)
+    await kube.close()
+    assert server.calls() == [f"GET {SLICE}", f"GET /api/v1/nodes/{NODE}", f"PATCH {SLICE}"]
+    applied = server.requests[-1]
+    assert applied.headers["content-type"] == "application/apply-patch+yaml"
+    assert dict(applied.url.params) == {"fieldManager": "mpsagent", "force": "true"}
+    body = json.loads(applied.content)
+    assert body == resource_slice(NODE_SLICE, generation=1, node_uid="4f6e3d2c-node").to_dict()
+
+
+@pytest.mark.anyio
+async def test_publishing_again_keeps_the_generation_until_the_slice_changes() -> None:
+    existing = resource_slice(NODE_SLICE, generation=7, node_uid="4f6e3d2c-node").to_dict()
+    server = Server(
+        {("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT, ("GET", SLICE): existing, ("PATCH", SLICE): existing}
+    )
+    kube = kube_api(server)
+    await kube.publish_slice(NODE_SLICE)
+    changed = type(NODE_SLICE)(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=NODE_SLICE.devices[:1])
+    await kube.publish_slice(changed)
+    await kube.close()
+    generations = [json.loads(r.content)["spec"]["pool"]["generation"] for r in server.requests if r.method == "PATCH"]
+    assert generations == [7, 8]
+
+
+@pytest.mark.anyio
+async def test_a_slice_of_another_pool_is_deleted_before_the_new_one_is_applied() -> None:
+    existing = copy.deepcopy(resource_slice(NODE_SLICE, generation=2, node_uid="n").to_dict())
+    existing["spec"]["pool"]["name"] = "old-pool"
+    server = Server(
+        {
+            ("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT,
+            ("GET", SLICE): existing,
+            ("DELETE", SLICE): {},
+            ("PATCH", SLICE): existing,
+        }
+    )
+    kube = kube_api(server)
+    await kube.publish_slice(NODE_SLICE)
+    await kube.close()
+    assert server.calls() == [f"GET {SLICE}", f"DELETE {SLICE}", f"GET /api/v1/nodes/{NODE}", f"PATCH {SLICE}"]
+    assert json.loads(server.requests[-1].content)["spec"]["pool"] == {
+        "name": NODE,
+        "generation": 3,
+        "resourceSliceCount": 1,
+    }
+
+
+@pytest.mark.anyio
+async def test_a_missing_node_fails_the_publish_with_its_status() -> None:
+    kube = kube_api(Server({("GET", f"/api/v1/nodes/{NODE}"): status(404, 'nodes "node-1" not found')}))
+    with pytest.raises(KubeApiError) as caught:
+        await kube.publish_slice(NODE_SLICE)
+    await kube.close()
+    assert str(caught.value) == 'publishing ResourceSlice node-1-mps-mpsagent-io: nodes "node-1" not found (HTTP 404)'
+
+
+@pytest.mark.anyio
+async def test_removing_slices_selects_them_by_driver_and_node_and_counts_the_deleted() -> None:
+    listing = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSliceList",
+        "metadata": {"resourceVersion": "9"},
+        "items": [
+            {
+                "metadata": {"name": "a"},
+                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}},
+            },
+            {
+                "metadata": {"name": "gone"},
+                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}},
+            },
+        ],
+    }
+    server = Server({("GET", SLICE_PATH): listing, ("DELETE", f"{SLICE_PATH}/a"): {}})
+    kube = kube_api(server)
+    assert await kube.remove_slices(driver=DRA_DRIVER, node=NODE) == 1
+    await kube.close()
+    assert server.requests[0].url.params["fieldSelector"] == f"spec.driver={DRA_DRIVER},spec.nodeName={NODE}"
+    assert server.calls()[1:] == [f"DELETE {SLICE_PATH}/a", f"DELETE {SLICE_PATH}/gone"]
+
+
+# --- credentials --------------------------------------------------------------------------------------------
+
+HINT = "give --kubeconfig a kubeconfig file, or leave it out and run the agent in a pod with a service account"
+KUBECONFIG = {
+    "apiVersion": "v1",
+    "kind": "Config",
+    "current-context": "agent",
+    "clusters": [{"name": "local", "cluster": {"server": "https://127.0.0.1:6443", "insecure-skip-tls-verify": True}}],
+    "users": [{"name": "agent", "user": {"token": "t0ken"}}],
+    "contexts": [{"name": "agent", "context": {"cluster": "local", "user": "agent"}}],
+}
+
+
+@pytest.mark.anyio
+async def test_a_kubeconfig_file_connects_without_sending_anything(tmp_path: Path) -> None:
+    path = tmp_path / "agent.kubeconfig"
+    path.write_text(json.dumps(KUBECONFIG))
+    kube = await connect(path)
+    await kube.close()
+
+
+@pytest.mark.anyio
+async def test_a_missing_kubeconfig_is_a_usage_error_that_says_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "missing.kubeconfig"
+    with pytest.raises(UsageError) as caught:
+        await connect(path)
+    assert str(caught.value) == f"--kubeconfig {path}: no such file; {HINT}"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("[unclosed", "--kubeconfig {path}: "),
+        ("[]", "--kubeconfig {path}: is not a usable kubeconfig (not a mapping)"),
+        (
+            json.dumps({**KUBECONFIG, "current-context": "elsewhere"}),
+            "is not a usable kubeconfig (Context 'elsewhere' not found)",
+        ),
+        (
+            json.dumps({k: v for k, v in KUBECONFIG.items() if k != "clusters"}),
+            "is not a usable kubeconfig (no entry `clusters`)",
+        ),
+        (
+            json.dumps({**KUBECONFIG, "contexts": [{"name": "agent", "context": {"cluster": "local"}}]}),
+            "its current context names no user",
+        ),
+    ],
+)
+@pytest.mark.anyio
+async def test_a_kubeconfig_that_is_not_usable_is_a_usage_error_naming_it(
+    tmp_path: Path, content: str, problem: str
+) -> None:
+    path = tmp_path / "agent.kubeconfig"
+    path.write_text(content)
+    with pytest.raises(UsageError) as caught:
+        await connect(path)
+    assert problem.format(path=path) in str(caught.value)
+    assert str(caught.value).startswith(f"--kubeconfig {path}: ")
+
+
+@pytest.mark.anyio
+async def test_a_kubeconfig_whose_certificate_is_missing_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "agent.kubeconfig"
+    cluster = {"server": "https://127.0.0.1:6443", "certificate-authority": str(tmp_path / "ca.crt")}
+    path.write_text(json.dumps({**KUBECONFIG, "clusters": [{"name": "local", "cluster": cluster}]}))
+    with pytest.raises(UsageError) as caught:
+        await connect(path)
+    assert (
+        str(caught.value) == f"--kubeconfig {path}: its certificate-authority {tmp_path}/ca.crt is not a file; {HINT}"
+    )
+    cluster["certificate-authority"] = "ca.crt"  # relative: to the kubeconfig's directory
+    (tmp_path / "ca.crt").write_text("not a certificate")
+    path.write_text(json.dumps({**KUBECONFIG, "clusters": [{"name": "local", "cluster": cluster}]}))
+    with pytest.raises(UsageError, match=rf"--kubeconfig {path}: its credentials cannot be used \(.*\); {HINT}"):
+        await connect(path)
+
+
+@pytest.mark.anyio
+async def test_no_in_cluster_credentials_is_a_usage_error_that_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    with pytest.raises(UsageError) as caught:
+        await connect(None, service_account=tmp_path)
+    assert str(caught.value) == (
+        "no --kubeconfig given, and no in-cluster credentials: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT "
+        f"not set; {HINT}"
+    )
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(UsageError, match=f"no service account token and namespace in {tmp_path} "):
+        await connect(None, service_account=tmp_path)
+
+
+SYSTEM_CAS = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+@pytest.mark.anyio
+async def test_in_cluster_credentials_connect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    (tmp_path / "token").write_text("t0ken")
+    (tmp_path / "namespace").write_text("mpsagent")
+    (tmp_path / "ca.crt").write_text("")
+    with pytest.raises(UsageError, match=f"the service account {tmp_path}: its credentials cannot be used"):
+        await connect(None, service_account=tmp_path)  # an empty CA file holds no certificate
+    if not SYSTEM_CAS.is_file():
+        pytest.skip(f"no CA bundle at {SYSTEM_CAS} to stand for the cluster's")
+    (tmp_path / "ca.crt").write_bytes(SYSTEM_CAS.read_bytes())
+    kube = await connect(None, service_account=tmp_path)
+    await kube.close()

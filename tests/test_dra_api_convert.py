@@ -1,0 +1,359 @@
+"""The API server adapter's conversions, without a server: a ResourceClaim as the API server returns it into what
+it was allocated of this driver on this node (within bounds, refused when it is not the claim the kubelet named),
+and the node's slice into the ResourceSlice the server is given, with its pool generation."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+
+from mpsagent.base.errors import ClaimRefusedError, KubeApiError
+from mpsagent.domain.claims import (
+    DRA_DRIVER,
+    CapacityPolicy,
+    ClaimDevice,
+    ClaimRef,
+    NodeSlice,
+    OpaqueConfig,
+    SliceDevice,
+)
+from mpsagent.dra.api import (
+    CONTENT_ANNOTATION,
+    MAX_CONFIGS,
+    MAX_RESULTS,
+    claim_allocation,
+    next_generation,
+    resource_slice,
+    slice_digest,
+    slice_name,
+)
+
+UID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+NODE = "node-1"
+REF = ClaimRef(namespace="team-a", name="trainer-gpu", uid=UID)
+CLASS_PARAMETERS = {"apiVersion": "mps.mpsagent.io/v1alpha1", "kind": "ShareParameters", "threadPercentage": 50}
+CLAIM_PARAMETERS = {"apiVersion": "mps.mpsagent.io/v1alpha1", "kind": "ShareParameters", "memory": "8Gi"}
+
+CLAIM: dict[str, Any] = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaim",
+    "metadata": {
+        "name": "trainer-gpu",
+        "namespace": "team-a",
+        "uid": UID,
+        "resourceVersion": "48213",
+        "creationTimestamp": "2026-12-01T10:00:00Z",
+        "finalizers": ["resource.kubernetes.io/delete-protection"],
+    },
+    "spec": {
+        "devices": {
+            "requests": [
+                {
+                    "name": "gpu",
+                    "exactly": {
+                        "deviceClassName": "mps.mpsagent.io",
+                        "allocationMode": "ExactCount",
+                        "count": 1,
+                        "capacity": {"requests": {"memory": "8Gi", "compute": "25"}},
+                    },
+                },
+                {"name": "whole", "exactly": {"deviceClassName": "mps.mpsagent.io", "count": 1}},
+            ],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": DRA_DRIVER, "parameters": CLAIM_PARAMETERS}}],
+        }
+    },
+    "status": {
+        "allocation": {
+            "devices": {
+                "results": [
+                    {
+                        "request": "gpu",
+                        "driver": DRA_DRIVER,
+                        "pool": NODE,
+                        "device": "gpu-0",
+                        "shareID": "2f1b8c5e-93d4-4b7a-a0c1-5e6f7a8b9c0d",
+                        "consumedCapacity": {"memory": "8Gi", "compute": "25"},
+                    },
+                    {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-1"},
+                    {
+                        "request": "gpu",
+                        "driver": DRA_DRIVER,
+                        "pool": "node-2",
+                        "device": "gpu-0",
+                        "shareID": "0c3d2e1f-0000-4000-8000-000000000000",
+                        "consumedCapacity": {"memory": "1Gi", "compute": "10"},
+                    },
+                    {"request": "whole", "driver": DRA_DRIVER, "pool": NODE, "device": "gpu-1"},
+                ],
+                "config": [
+                    {"source": "FromClass", "opaque": {"driver": DRA_DRIVER, "parameters": CLASS_PARAMETERS}},
+                    {"source": "FromClass", "opaque": {"driver": "gpu.nvidia.com", "parameters": {"sharing": "x"}}},
+                    {
+                        "source": "FromClaim",
+                        "requests": ["gpu"],
+                        "opaque": {"driver": DRA_DRIVER, "parameters": CLAIM_PARAMETERS},
+                    },
+                ],
+            },
+            "nodeSelector": {
+                "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]
+            },
+        },
+        "reservedFor": [
+            {"resource": "pods", "name": "trainer-0", "uid": "a1a1a1a1-0000-4000-8000-000000000000"},
+            {"apiGroup": "batch", "resource": "jobs", "name": "trainer", "uid": "b2b2b2b2-0000-4000-8000-000000000000"},
+        ],
+    },
+}
+
+
+def claim(edit: Any = None) -> ResourceClaim:
+    document = copy.deepcopy(CLAIM)
+    if edit is not None:
+        edit(document)
+    return ResourceClaim.from_dict(document)
+
+
+def results(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return document["status"]["allocation"]["devices"]["results"]  # type: ignore[no-any-return]
+
+
+def test_a_claim_becomes_what_it_was_allocated_of_this_driver_on_this_node() -> None:
+    allocation = claim_allocation(claim(), REF, driver=DRA_DRIVER, node=NODE)
+    assert allocation.claim == REF
+    assert allocation.devices == (
+        ClaimDevice(
+            request="gpu",
+            pool=NODE,
+            device="gpu-0",
+            share_id="2f1b8c5e-93d4-4b7a-a0c1-5e6f7a8b9c0d",
+            memory_bytes=8 << 30,
+            compute=25,
+        ),
+        ClaimDevice(request="whole", pool=NODE, device="gpu-1"),
+    )
+    assert [(c.source, c.requests) for c in allocation.configs] == [("class", ()), ("claim", ("gpu",))]
+    assert [json.loads(c.parameters) for c in allocation.configs] == [CLASS_PARAMETERS, CLAIM_PARAMETERS]
+    assert allocation.configs[0] == OpaqueConfig(
+        requests=(),
+        parameters=b'{"apiVersion":"mps.mpsagent.io/v1alpha1","kind":"ShareParameters","threadPercentage":50}',
+        source="class",
+    )
+    assert allocation.pods == ("team-a/trainer-0",)
+
+
+def test_quantities_read_as_the_api_server_writes_them() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        results(document)[0]["consumedCapacity"] = {"memory": "1536Mi", "compute": "100"}
+
+    device = claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE).devices[0]
+    assert (device.memory_bytes, device.compute) == (1536 << 20, 100)
+
+
+def test_a_claim_with_no_device_of_this_node_has_none() -> None:
+    allocation = claim_allocation(claim(), REF, driver=DRA_DRIVER, node="node-3")
+    assert allocation.devices == ()
+    assert len(allocation.configs) == 2  # the configurations are the driver's, wherever its devices are
+
+
+def test_a_re_created_claim_is_refused() -> None:
+    ref = ClaimRef(namespace="team-a", name="trainer-gpu", uid="00000000-1111-4000-8000-000000000000")
+    with pytest.raises(ClaimRefusedError) as caught:
+        claim_allocation(claim(), ref, driver=DRA_DRIVER, node=NODE)
+    assert str(caught.value) == (
+        f"claim team-a/trainer-gpu: has UID {UID}, the kubelet asked for 00000000-1111-4000-8000-000000000000: "
+        "it was deleted and re-created"
+    )
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d["status"].pop("allocation"),
+        lambda d: d.pop("status"),
+    ],
+    ids=["no allocation", "no status"],
+)
+def test_an_unallocated_claim_is_refused(edit: Any) -> None:
+    with pytest.raises(ClaimRefusedError) as caught:
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert str(caught.value) == (
+        "claim team-a/trainer-gpu: is not allocated (it has no status.allocation): "
+        "the scheduler allocates it before the pod"
+    )
+
+
+@pytest.mark.parametrize(
+    ("consumed", "shown"),
+    [({"memory": "lots"}, "memory `lots`"), ({"compute": "-5"}, "compute `-5`"), ({"memory": 8}, "memory `8`")],
+)
+def test_a_consumed_capacity_that_is_not_a_quantity_is_refused(consumed: dict[str, Any], shown: str) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        results(document)[0]["consumedCapacity"] = consumed
+
+    with pytest.raises(ClaimRefusedError) as caught:
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert str(caught.value) == f"claim team-a/trainer-gpu: device gpu-0's consumed {shown} is not a quantity"
+
+
+def test_oversized_parameters_are_refused() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        config = document["status"]["allocation"]["devices"]["config"][2]
+        config["opaque"]["parameters"] = {"kind": "ShareParameters", "padding": "x" * 70_000}
+
+    with pytest.raises(ClaimRefusedError) as caught:
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert str(caught.value) == (
+        "claim team-a/trainer-gpu: the parameters of its claim configuration for mps.mpsagent.io are 70039 bytes "
+        "of JSON, more than the 64 KiB the agent reads"
+    )
+
+
+def test_more_results_of_this_driver_and_node_than_the_agent_reads_are_refused() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["status"]["allocation"]["devices"]["results"] = [
+            {"request": "gpu", "driver": DRA_DRIVER, "pool": NODE, "device": f"gpu-{i}"} for i in range(129)
+        ] + [{"request": "gpu", "driver": "other.example.com", "pool": NODE, "device": "x"}] * 500
+
+    with pytest.raises(ClaimRefusedError, match=rf"has 129 devices of {DRA_DRIVER} on {NODE}, more than the 128"):
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert MAX_RESULTS == 128
+
+
+def test_more_configurations_of_this_driver_than_the_agent_reads_are_refused() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        entry = {"source": "FromClaim", "opaque": {"driver": DRA_DRIVER, "parameters": {}}}
+        document["status"]["allocation"]["devices"]["config"] = [entry] * (MAX_CONFIGS + 1)
+
+    with pytest.raises(ClaimRefusedError, match=rf"has 33 configurations for {DRA_DRIVER}, more than the 32"):
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+
+
+def test_an_unknown_configuration_source_is_trusted_as_the_claims_own() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["status"]["allocation"]["devices"]["config"][0]["source"] = "FromSomewhereNew"
+
+    allocation = claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert [c.source for c in allocation.configs] == ["claim", "claim"]
+
+
+# --- the node's slice --------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+MEMORY = CapacityPolicy(value=141 * GIB, default=GIB, minimum=1 << 20, maximum=141 * GIB, step=1 << 20)
+COMPUTE = CapacityPolicy(value=100, default=100, minimum=1, maximum=100, step=1)
+
+
+def slice_device(index: int, product: str = "NVIDIA H200") -> SliceDevice:
+    return SliceDevice(
+        name=f"gpu-{index}",
+        uuid=f"GPU-5c1f0e7a-0000-4000-8000-00000000000{index}",
+        index=index,
+        product_name=product,
+        compute_capability="9.0.0",
+        driver_version="580.65.6",
+        resource="nvidia.com/gpu",
+        memory=MEMORY,
+        compute=COMPUTE,
+    )
+
+
+NODE_SLICE = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0), slice_device(1)))
+
+
+def test_the_slice_shows_each_gpu_with_its_attributes_and_consumable_capacity() -> None:
+    document = resource_slice(NODE_SLICE, generation=3, node_uid="4f6e3d2c-node").to_dict()
+    assert document["apiVersion"] == "resource.k8s.io/v1"
+    assert document["kind"] == "ResourceSlice"
+    assert document["metadata"] == {
+        "name": "node-1-mps-mpsagent-io",
+        "annotations": {CONTENT_ANNOTATION: slice_digest(NODE_SLICE)},
+        "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "4f6e3d2c-node", "controller": False}
+        ],
+    }
+    spec = document["spec"]
+    assert (spec["driver"], spec["nodeName"]) == (DRA_DRIVER, NODE)
+    assert spec["pool"] == {"name": NODE, "generation": 3, "resourceSliceCount": 1}
+    assert spec["devices"][1] == {
+        "name": "gpu-1",
+        "allowMultipleAllocations": True,
+        "attributes": {
+            "uuid": {"string": "GPU-5c1f0e7a-0000-4000-8000-000000000001"},
+            "productName": {"string": "NVIDIA H200"},
+            "index": {"int": 1},
+            "computeCapability": {"version": "9.0.0"},
+            "driverVersion": {"version": "580.65.6"},
+            "mpsResource": {"string": "nvidia.com/gpu"},
+        },
+        "capacity": {
+            "memory": {
+                "value": str(141 * GIB),
+                "requestPolicy": {
+                    "default": str(GIB),
+                    "validRange": {"min": "1048576", "max": str(141 * GIB), "step": "1048576"},
+                },
+            },
+            "compute": {
+                "value": "100",
+                "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+            },
+        },
+    }
+
+
+def test_the_slice_is_valid_for_the_api_server() -> None:
+    document = resource_slice(NODE_SLICE, generation=1, node_uid="4f6e3d2c-node").to_dict()
+    kubernetes_validate.validate(document, "1.34", strict=True)
+
+
+def test_a_long_product_name_is_cut_to_what_an_attribute_holds() -> None:
+    node_slice = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0, "N" * 100),))
+    device = resource_slice(node_slice, generation=1, node_uid="u").to_dict()["spec"]["devices"][0]
+    assert device["attributes"]["productName"] == {"string": "N" * 64}
+
+
+def test_more_devices_than_a_slice_holds_are_refused() -> None:
+    node_slice = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0),) * 129)
+    with pytest.raises(KubeApiError, match="129 devices, more than the 128 a ResourceSlice holds"):
+        resource_slice(node_slice, generation=1, node_uid="u")
+
+
+def test_the_slice_name_is_the_node_and_the_driver_within_253_characters() -> None:
+    assert slice_name("gpu-node-7.example.com", DRA_DRIVER) == "gpu-node-7.example.com-mps-mpsagent-io"
+    long = slice_name("a" * 250 + ".b", DRA_DRIVER)
+    assert len(long) == 253 and long.endswith("a-mps-mpsagent-io")
+
+
+def published(node_slice: NodeSlice, generation: int) -> ResourceSlice:
+    """The slice as the API server returns it: quantities in canonical form, fields it adds."""
+    document = resource_slice(node_slice, generation=generation, node_uid="u").to_dict()
+    document["metadata"] |= {"uid": "9d8c7b6a", "resourceVersion": "77", "generation": 5}
+    for device in document["spec"]["devices"]:
+        device["capacity"]["memory"]["value"] = "141Gi"
+        device["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] = "1Mi"
+    return ResourceSlice.from_dict(document)
+
+
+def test_the_pool_generation_moves_only_when_the_slice_changes() -> None:
+    assert next_generation(None, NODE_SLICE) == 1
+    assert next_generation(published(NODE_SLICE, 4), NODE_SLICE) == 4
+    fewer = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0),))
+    assert next_generation(published(NODE_SLICE, 4), fewer) == 5
+
+
+def test_a_slice_without_the_digest_or_of_another_pool_gets_a_new_generation() -> None:
+    unmarked = published(NODE_SLICE, 2)
+    assert unmarked.metadata is not None and unmarked.metadata.annotations is not None
+    unmarked.metadata.annotations.clear()
+    assert next_generation(unmarked, NODE_SLICE) == 3
+    moved = NodeSlice(driver=DRA_DRIVER, node=NODE, pool="another-pool", devices=NODE_SLICE.devices)
+    existing = published(NODE_SLICE, 2)
+    assert existing.metadata is not None and existing.metadata.annotations is not None
+    existing.metadata.annotations[CONTENT_ANNOTATION] = slice_digest(moved)
+    assert next_generation(existing, moved) == 3
