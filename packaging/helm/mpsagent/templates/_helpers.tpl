@@ -84,3 +84,17 @@ tolerations:
 hostNetwork: true
 {{- end }}
 {{- end }}
+
+{{/* "true" when dra.enabled, else empty; dra's switches must be true or false. */}}
+{{- define "mpsagent.draEnabled" -}}
+{{- $dra := .Values.dra -}}
+{{- if not (kindIs "map" $dra) -}}
+{{- fail (printf "dra: expected a map (enabled, deviceClasses, extendedResourceClass), got %v" $dra) -}}
+{{- end -}}
+{{- range $name := list "enabled" "deviceClasses" "extendedResourceClass" -}}
+{{- if not (kindIs "bool" (index $dra $name)) -}}
+{{- fail (printf "dra.%s: expected true or false, got %v" $name (index $dra $name)) -}}
+{{- end -}}
+{{- end -}}
+{{- if $dra.enabled }}true{{ end -}}
+{{- end }}
