@@ -554,7 +554,8 @@ def agent_container(objects: list[dict]) -> dict:
 
 
 def environment(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container["env"]}
+    """The container's variables with a value (not those from valueFrom)."""
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
 def kubernetes_versions() -> list[str]:
@@ -704,17 +705,215 @@ def test_configmap_holds_a_config_the_agent_accepts(rendered: list[dict], tmp_pa
     assert done.returncode == 0, done.stderr
 
 
-def test_units_use_only_the_agents_environment_variables(rendered: list[dict]) -> None:
-    """Every variable that the systemd unit or the DaemonSet sets is one of the agent's flags (`--help` names
-    each flag's variable), but for the NVIDIA runtime's and the one-file build's own."""
+def test_units_use_only_the_agents_environment_variables(rendered: list[dict], dra_rendered: list[dict]) -> None:
+    """Every variable that the systemd unit or the DaemonSets (with the DRA component too) set is one of the
+    agent's flags (`--help` names each flag's variable), but for the NVIDIA runtime's and the one-file build's
+    own."""
     done = python_agent("--help")
     assert done.returncode == 0
     known = set(re.findall(r"\[env\s+([A-Z_]+)", done.stdout))
-    assert {"CONFIG_FILE", "MPS_ROOT", "KUBELET_SOCKET"} <= known
+    assert {"CONFIG_FILE", "MPS_ROOT", "KUBELET_SOCKET", "DRA", "NODE_NAME"} <= known
     used = set(unit_environment(unit_settings(UNIT)))
-    for name in (AGENT, MPS_DAEMON):
-        used |= set(environment(only_container(daemonset(rendered, name))))
+    for objects in (rendered, dra_rendered):
+        for name in (AGENT, MPS_DAEMON):
+            used |= {e["name"] for e in only_container(daemonset(objects, name))["env"]}
     assert used - NOT_AGENT_FLAGS - known == set()
+
+
+# --- Kubernetes: the DRA driver (packaging/kubernetes/dra) -----------------------------------------------------
+
+DRA = KUSTOMIZE / "dra"
+DRA_EXTENDED_RESOURCE = DRA / "extended-resource"
+DRA_EXAMPLES = DRA / "examples"
+DRA_DRIVER = "mps.mpsagent.io"
+DRA_SELECTORS = [{"cel": {"expression": f'device.driver == "{DRA_DRIVER}"'}}]
+SHARE_CLASS = "mps-share.mpsagent.io"
+GPU_CLASS = "mps-gpu.mpsagent.io"
+# resource.k8s.io/v1 with consumable capacity (KEP-5075) and DeviceClass.spec.extendedResourceName (KEP-5004),
+# both beta and on by default from 1.36.
+OLDEST_DRA_KUBERNETES = Version("1.36")
+DRA_RULES = [
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceslices"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+]
+# The kubelet's plugin registration and DRA socket directories, and the CDI spec directory: each at the host's path.
+DRA_HOST_PATHS = {
+    "plugins-registry": "/var/lib/kubelet/plugins_registry",
+    "plugins": "/var/lib/kubelet/plugins",
+    "cdi": "/var/run/cdi",
+}
+DRA_OBJECTS = ["ClusterRole/mpsagent-dra", "ClusterRoleBinding/mpsagent-dra", f"DeviceClass/{SHARE_CLASS}",
+               "ServiceAccount/mpsagent"]  # fmt: skip
+
+
+def kustomize_with(directory: Path, components: list[Path], namespace: str | None = None) -> list[dict]:
+    """The base with these components, from a kustomization of an operator's own (in `directory`, outside the
+    base's folder: kustomize refuses an overlay inside its base's folder, and absolute paths)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "scripts/install-system-deps.sh installs kubectl (Debian's kubernetes-client)"
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE, directory)],
+        "components": [os.path.relpath(c, directory) for c in components],
+    }
+    if namespace:
+        kustomization["namespace"] = namespace
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    done = run(kubectl, "kustomize", directory)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def dra_rendered(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return kustomize_with(tmp_path_factory.mktemp("dra"), [DRA])
+
+
+def named(objects: list[dict]) -> dict[str, dict]:
+    found = {f"{o['kind']}/{o['metadata']['name']}": o for o in objects}
+    assert len(found) == len(objects)
+    return found
+
+
+def dra_examples() -> list[dict]:
+    return [doc for path in sorted(DRA_EXAMPLES.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def dra_versions() -> list[str]:
+    return [v for v in kubernetes_versions() if Version(v) >= OLDEST_DRA_KUBERNETES]
+
+
+def test_the_dra_component_adds_the_driver_s_rbac_and_device_class_to_the_base(
+    rendered: list[dict], dra_rendered: list[dict]
+) -> None:
+    base, dra = named(rendered), named(dra_rendered)
+    assert sorted(dra) == sorted([*base, *DRA_OBJECTS])
+    namespace = one(rendered, "Namespace")["metadata"]["name"]
+    assert dra["ServiceAccount/mpsagent"]["metadata"]["namespace"] == namespace
+    assert dra["ClusterRole/mpsagent-dra"]["rules"] == DRA_RULES
+    binding = dra["ClusterRoleBinding/mpsagent-dra"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "mpsagent-dra",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mpsagent", "namespace": namespace}]
+    share = dra[f"DeviceClass/{SHARE_CLASS}"]
+    assert share["spec"] == {"selectors": DRA_SELECTORS}
+    # Cluster-scoped objects: no namespace (kustomize does not know DeviceClass is cluster-scoped).
+    for name in ("ClusterRole/mpsagent-dra", "ClusterRoleBinding/mpsagent-dra", f"DeviceClass/{SHARE_CLASS}"):
+        assert "namespace" not in dra[name]["metadata"], name
+    # Everything else is the base's, but for the agent's DaemonSet (next test).
+    for name, obj in base.items():
+        if name != f"DaemonSet/{AGENT}":
+            assert dra[name] == obj, name
+
+
+def without_dra(daemonset: dict) -> dict:
+    """The agent's DaemonSet with what the DRA component adds taken out again."""
+    copy = json.loads(json.dumps(daemonset))
+    pod = copy["spec"]["template"]["spec"]
+    del pod["serviceAccountName"]
+    pod["automountServiceAccountToken"] = False
+    container = only_container(copy)
+    container["env"] = [e for e in container["env"] if e["name"] not in {"DRA", "NODE_NAME"}]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in DRA_HOST_PATHS]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in DRA_HOST_PATHS]
+    return copy
+
+
+def test_the_dra_component_runs_the_agent_as_the_driver_with_its_node_name_sockets_and_cdi_specs(
+    rendered: list[dict], dra_rendered: list[dict]
+) -> None:
+    agent = daemonset(dra_rendered, AGENT)
+    pod = agent["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mpsagent"
+    assert pod["automountServiceAccountToken"] is True  # the in-cluster config: no KUBECONFIG
+    env = {e["name"]: e for e in only_container(agent)["env"]}
+    assert env["DRA"] == {"name": "DRA", "value": "on"}  # the string, not YAML 1.1's true
+    assert env["NODE_NAME"] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert "KUBECONFIG" not in env
+    mounts = host_mounts(agent)
+    for name, path in DRA_HOST_PATHS.items():
+        assert (mounts[name][0], mounts[name][1]["mountPath"]) == (path, path), name
+        assert not mounts[name][1].get("readOnly"), name  # the agent creates sockets and writes spec files
+    # The agent finds the kubelet's directory above its device-plugin socket (KUBELET_SOCKET).
+    kubelet_dir = Path(env["KUBELET_SOCKET"]["value"]).parent.parent
+    assert {kubelet_dir / "plugins_registry", kubelet_dir / "plugins"} == {
+        Path(DRA_HOST_PATHS["plugins-registry"]),
+        Path(DRA_HOST_PATHS["plugins"]),
+    }
+    # The mps-daemon pods get no token; nothing else changes in the agent's DaemonSet.
+    assert "serviceAccountName" not in daemonset(dra_rendered, MPS_DAEMON)["spec"]["template"]["spec"]
+    assert without_dra(agent) == daemonset(rendered, AGENT)
+
+
+def test_an_operator_s_namespace_moves_the_service_account_and_its_binding(tmp_path: Path) -> None:
+    objects = named(kustomize_with(tmp_path, [DRA], namespace="gpu-sharing"))
+    assert objects["ServiceAccount/mpsagent"]["metadata"]["namespace"] == "gpu-sharing"
+    assert objects["ClusterRoleBinding/mpsagent-dra"]["subjects"][0]["namespace"] == "gpu-sharing"
+    assert objects[f"DaemonSet/{AGENT}"]["metadata"]["namespace"] == "gpu-sharing"
+
+
+def test_the_extended_resource_component_adds_a_class_for_nvidia_gpu_requests(
+    dra_rendered: list[dict], tmp_path: Path
+) -> None:
+    objects = named(kustomize_with(tmp_path, [DRA, DRA_EXTENDED_RESOURCE]))
+    assert sorted(objects) == sorted([*named(dra_rendered), f"DeviceClass/{GPU_CLASS}"])
+    gpu = objects[f"DeviceClass/{GPU_CLASS}"]
+    assert gpu["spec"] == {"selectors": DRA_SELECTORS, "extendedResourceName": "nvidia.com/gpu"}
+    assert "namespace" not in gpu["metadata"]
+    # `kubectl apply -f` of the one file does the same.
+    (alone,) = yaml.safe_load_all((DRA_EXTENDED_RESOURCE / "deviceclass.yaml").read_text())
+    assert alone == gpu
+
+
+def test_the_dra_objects_and_examples_match_the_kubernetes_schemas(tmp_path: Path) -> None:
+    versions = dra_versions()
+    assert versions, "kubernetes-validate has no schemas of Kubernetes 1.36 or newer"
+    objects = kustomize_with(tmp_path, [DRA, DRA_EXTENDED_RESOURCE]) + dra_examples()
+    for version in versions:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_schema_validation_catches_a_misspelt_field_of_a_claim() -> None:
+    broken = json.loads(json.dumps(dra_examples()[0]))
+    request = broken["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    request["capacty"] = request.pop("capacity")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, dra_versions()[-1], strict=True)
+
+
+def test_the_examples_claim_shares_of_the_driver_s_class_and_are_not_applied_by_the_component() -> None:
+    examples = named(dra_examples())
+    templates = {name.split("/", 1)[1]: o for name, o in examples.items() if name.startswith("ResourceClaimTemplate/")}
+    requests = {name: t["spec"]["spec"]["devices"]["requests"] for name, t in templates.items()}
+    exactly = {name: r["exactly"] for name, (r,) in requests.items()}
+    assert {name: e["deviceClassName"] for name, e in exactly.items()} == dict.fromkeys(
+        ["mps-share-8gi", "mps-share-8gi-25pct", "mps-whole-gpu"], SHARE_CLASS
+    )
+    capacities = {name: e.get("capacity", {}).get("requests") for name, e in exactly.items()}
+    assert capacities == {
+        "mps-share-8gi": {"memory": "8Gi"},
+        "mps-share-8gi-25pct": {"memory": "8Gi", "compute": "25"},
+        "mps-whole-gpu": None,  # no capacity: the whole GPU, uncapped
+    }
+    assert all("namespace" not in t["metadata"] for t in templates.values())  # the operator's namespace
+    (pod,) = [o for o in examples.values() if o["kind"] == "Pod"]
+    (claim,) = pod["spec"]["resourceClaims"]
+    assert claim["resourceClaimTemplateName"] in templates
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["claims"] == [{"name": claim["name"]}]
+    component = yaml.safe_load((DRA / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    assert not [r for r in component["resources"] if "examples" in r]
 
 
 # --- the two distributions ------------------------------------------------------------------------------------
