@@ -1,7 +1,7 @@
-"""The Helm chart (packaging/helm/mpsagent) renders the kustomize base's objects (packaging/kubernetes, and its
-monitoring overlay with `monitoring.enabled`): the same kinds, names and specs once Helm's standard labels are
-removed, and every other difference listed below with its reason. Each value shows up where it should and nowhere
-else; bad values fail `helm template` with a message that names them.
+"""The Helm chart (packaging/helm/mpsagent) renders the kustomize base's objects (packaging/kubernetes, its
+monitoring overlay with `monitoring.enabled`, and its DRA component with `dra.enabled`): the same kinds, names and
+specs once Helm's standard labels are removed, and every other difference listed below with its reason. Each value
+shows up where it should and nowhere else; bad values fail `helm template` with a message that names them.
 
 helm comes from `HELM`, or from the e2e cluster's cache where `scripts/e2e-cluster build` puts it."""
 
@@ -28,6 +28,8 @@ from mpsagent_testing.repo import ROOT
 CHART = ROOT / "packaging" / "helm" / "mpsagent"
 KUSTOMIZE = ROOT / "packaging" / "kubernetes"
 MONITORING = KUSTOMIZE / "monitoring"
+DRA = KUSTOMIZE / "dra"
+DRA_EXTENDED_RESOURCE = DRA / "extended-resource"
 NAMESPACE = "mpsagent"
 COMMAND_TIMEOUT_S = 60
 
@@ -119,6 +121,19 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     done = run(kubectl(), "kustomize", directory)
     assert done.returncode == 0, done.stderr
     return documents(done.stdout)
+
+
+def kustomize_with(directory: Path, components: list[Path]) -> list[dict[str, Any]]:
+    """The base with these components, from a kustomization of an operator's own in `directory` (outside the base's
+    folder: kustomize refuses an overlay inside its base's folder, and absolute paths)."""
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(KUSTOMIZE, directory)],
+        "components": [os.path.relpath(c, directory) for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return kustomize(directory)
 
 
 def key(obj: dict[str, Any]) -> str:
@@ -213,9 +228,11 @@ def with_monitoring() -> list[dict[str, Any]]:
 # --- the chart as a whole -----------------------------------------------------------------------------------------
 
 
-def test_helm_lint_strict_finds_nothing() -> None:
+@pytest.mark.parametrize("values", [[], ["--set", "dra.enabled=true", "--set", "dra.extendedResourceClass=true"]],
+                         ids=["defaults", "dra"])  # fmt: skip
+def test_helm_lint_strict_finds_nothing(values: list[str]) -> None:
     assert HELM is not None
-    done = run(HELM, "lint", "--strict", CHART)
+    done = run(HELM, "lint", "--strict", CHART, *values)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not re.search(r"\[(WARNING|ERROR)\]", done.stdout), done.stdout
 
@@ -489,6 +506,16 @@ BAD_VALUES: dict[str, tuple[list[str], str]] = {
         ["--set", "monitoring.enabled=true", "--set", "monitoring.prometheusNamespace="],
         "monitoring.prometheusNamespace: the namespace Prometheus runs in is required",
     ),
+    "dra not a map": (["--set", "dra=7"], "dra: expected a map (enabled, deviceClasses, extendedResourceClass), got 7"),
+    "dra.enabled not a boolean": (["--set-string", "dra.enabled=yes"], "dra.enabled: expected true or false, got yes"),
+    "dra.deviceClasses not a boolean": (
+        ["--set-string", "dra.deviceClasses=on"],
+        "dra.deviceClasses: expected true or false, got on",
+    ),
+    "dra.extendedResourceClass not a boolean": (
+        ["--set-string", "dra.extendedResourceClass=false"],
+        "dra.extendedResourceClass: expected true or false, got false",
+    ),
 }
 
 
@@ -498,3 +525,133 @@ def test_bad_values_fail_with_a_message_naming_them(case: str) -> None:
     done = helm_template(*args)
     assert done.returncode != 0, done.stdout
     assert message in done.stderr
+
+
+# --- the DRA driver (dra.*) ----------------------------------------------------------------------------------------
+
+DRA_ON = ["--set", "dra.enabled=true"]
+EXTENDED_RESOURCE_CLASS = ["--set", "dra.extendedResourceClass=true"]
+SHARE_CLASS = "DeviceClass/mps-share.mpsagent.io"
+GPU_CLASS = "DeviceClass/mps-gpu.mpsagent.io"
+DRA_SELECTORS = [{"cel": {"expression": 'device.driver == "mps.mpsagent.io"'}}]
+DRA_RBAC = ["ServiceAccount/mpsagent", "ClusterRole/mpsagent-dra", "ClusterRoleBinding/mpsagent-dra"]
+DRA_RULES = [
+    {
+        "apiGroups": ["resource.k8s.io"],
+        "resources": ["resourceslices"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+]
+DRA_HOST_PATHS = {
+    "plugins-registry": "/var/lib/kubelet/plugins_registry",
+    "plugins": "/var/lib/kubelet/plugins",
+    "cdi": "/var/run/cdi",
+}
+DRA_ENV = {
+    "DRA": {"name": "DRA", "value": "on"},
+    "NODE_NAME": {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+}
+# resource.k8s.io/v1 with consumable capacity and DeviceClass.spec.extendedResourceName: 1.36 and newer.
+DRA_KUBERNETES = [
+    v for v in sorted({str(Version(v)) for v in all_versions()}, key=Version) if Version(v) >= Version("1.36")
+]
+
+
+@pytest.fixture(scope="module")
+def with_dra() -> list[dict[str, Any]]:
+    return render(*DRA_ON, *EXTENDED_RESOURCE_CLASS)
+
+
+def agent_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = only(objects, AGENT)["spec"]["template"]["spec"]
+    return pod
+
+
+def dra_parts(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """What dra.enabled adds, as found in a render: objects by key, the agent's pod's service account fields,
+    DRA env entries, and the mounts and volumes of the driver's host paths."""
+    pod = agent_pod(objects)
+    (container,) = pod["containers"]
+    return {
+        "objects": {k: o for k, o in by_key(objects).items() if k in {*DRA_RBAC, SHARE_CLASS, GPU_CLASS}},
+        "account": {k: pod.get(k) for k in ("serviceAccountName", "automountServiceAccountToken")},
+        "env": {e["name"]: e for e in container["env"] if e["name"] in {*DRA_ENV, "KUBECONFIG"}},
+        "mounts": {m["name"]: m["mountPath"] for m in container["volumeMounts"] if m["name"] in DRA_HOST_PATHS},
+        "volumes": {v["name"]: v["hostPath"] for v in pod["volumes"] if v["name"] in DRA_HOST_PATHS},
+    }
+
+
+@pytest.mark.parametrize("extended", [False, True], ids=["dra", "dra-extended-resource"])
+def test_dra_renders_the_kustomize_component_s_objects_differing_only_where_listed(
+    extended: bool, with_dra: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    components = [DRA, DRA_EXTENDED_RESOURCE] if extended else [DRA]
+    expected = kustomize_with(tmp_path, components)
+    rendered = with_dra if extended else render(*DRA_ON)
+    assert sorted(by_key(rendered)) == sorted(by_key(expected))
+    helm = [without_standard_labels(o) for o in without_hash(rendered)]
+    found = differences(without_hash(expected), helm)
+    assert sorted(found) == sorted(INTENDED_DIFFERENCES), {
+        k: v for k, v in found.items() if k not in INTENDED_DIFFERENCES
+    }
+
+
+def test_dra_renders_the_driver_s_rbac_classes_env_and_mounts(with_dra: list[dict[str, Any]]) -> None:
+    parts = dra_parts(with_dra)
+    objects = parts["objects"]
+    assert sorted(objects) == sorted([*DRA_RBAC, SHARE_CLASS, GPU_CLASS])
+    assert objects["ClusterRole/mpsagent-dra"]["rules"] == DRA_RULES
+    assert objects["ClusterRoleBinding/mpsagent-dra"]["roleRef"]["name"] == "mpsagent-dra"
+    assert objects["ClusterRoleBinding/mpsagent-dra"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "mpsagent", "namespace": NAMESPACE}
+    ]
+    assert objects[SHARE_CLASS]["spec"] == {"selectors": DRA_SELECTORS}
+    assert objects[GPU_CLASS]["spec"] == {"selectors": DRA_SELECTORS, "extendedResourceName": "nvidia.com/gpu"}
+    assert parts["account"] == {"serviceAccountName": "mpsagent", "automountServiceAccountToken": True}
+    assert parts["env"] == DRA_ENV  # DRA the string "on"; no KUBECONFIG: the service account's in-cluster config
+    assert parts["mounts"] == DRA_HOST_PATHS
+    assert {name: volume["path"] for name, volume in parts["volumes"].items()} == DRA_HOST_PATHS
+    # The rest of the agent's variables, mounts and volumes follow, as without DRA.
+    (container,) = agent_pod(with_dra)["containers"]
+    assert [e["name"] for e in container["env"][:2]] == list(DRA_ENV)
+    assert [m["name"] for m in container["volumeMounts"][:3]] == list(DRA_HOST_PATHS)
+    # The mps-daemon pods get no token.
+    host = only(with_dra, HOST)["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in host and host["automountServiceAccountToken"] is False
+    for obj in with_dra:
+        assert obj["metadata"]["labels"].keys() >= STANDARD_LABELS, key(obj)
+        if obj["kind"] not in CUSTOM_RESOURCES:
+            for version in DRA_KUBERNETES:
+                kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_dra_is_off_by_default(defaults: list[dict[str, Any]]) -> None:
+    assert dra_parts(defaults) == {
+        "objects": {},
+        "account": {"serviceAccountName": None, "automountServiceAccountToken": False},
+        "env": {},
+        "mounts": {},
+        "volumes": {},
+    }
+    # The classes' switches do nothing without dra.enabled.
+    assert render(*EXTENDED_RESOURCE_CLASS) == defaults
+
+
+def test_dra_s_device_classes_are_switched_on_their_own() -> None:
+    assert DRA_KUBERNETES, "kubernetes-validate has no schemas of Kubernetes 1.36 or newer"
+    keys = set(by_key(render(*DRA_ON)))
+    assert {*DRA_RBAC, SHARE_CLASS} <= keys and GPU_CLASS not in keys
+    keys = set(by_key(render(*DRA_ON, "--set", "dra.deviceClasses=false")))
+    assert set(DRA_RBAC) <= keys and not {SHARE_CLASS, GPU_CLASS} & keys
+    keys = set(by_key(render(*DRA_ON, *EXTENDED_RESOURCE_CLASS, "--set", "dra.deviceClasses=false")))
+    assert GPU_CLASS in keys and SHARE_CLASS not in keys
+
+
+def test_dra_s_namespaced_objects_are_in_the_release_s_namespace_and_the_classes_in_none() -> None:
+    objects = by_key(render(*DRA_ON, *EXTENDED_RESOURCE_CLASS, "--namespace", "gpu-sharing"))
+    assert objects["ServiceAccount/mpsagent"]["metadata"]["namespace"] == "gpu-sharing"
+    assert objects["ClusterRoleBinding/mpsagent-dra"]["subjects"][0]["namespace"] == "gpu-sharing"
+    for name in ("ClusterRole/mpsagent-dra", "ClusterRoleBinding/mpsagent-dra", SHARE_CLASS, GPU_CLASS):
+        assert "namespace" not in objects[name]["metadata"], name
