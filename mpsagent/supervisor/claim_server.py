@@ -237,10 +237,10 @@ class ClaimServer:
                 cdi.write_claim_spec(self._cdi_dir, ref.uid, devices)
                 self._held[ref.uid] = held
                 self._save()
-            except OSError as exc:
+            except MpsAgentError:
                 self._held.pop(ref.uid, None)
                 cdi.remove_claim_spec(self._cdi_dir, ref.uid)
-                raise HostError(f"claim {ref}: cannot write {self._cdi_dir} or {self._checkpoint} ({exc})") from exc
+                raise
         except BaseException:
             for server, grant in grants:
                 server.allocator.ledger.release([grant.grant_id])
@@ -252,7 +252,10 @@ class ClaimServer:
         answers = {}
         for ref in claims:
             async with self._lock:
-                answers[ref.uid] = await self._unprepare_one(ref)
+                try:
+                    answers[ref.uid] = await self._unprepare_one(ref)
+                except MpsAgentError as exc:  # a claim UID no file can be named by, a spec that cannot go
+                    answers[ref.uid] = str(exc)
         return answers
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
@@ -265,9 +268,9 @@ class ClaimServer:
         try:
             self._save()
             cdi.remove_claim_spec(self._cdi_dir, ref.uid)
-        except OSError as exc:
+        except HostError as exc:
             self._held[ref.uid] = held  # the kubelet retries; the shares are released all the same
-            return f"claim {ref}: cannot update {self._checkpoint} or {self._cdi_dir} ({exc})"
+            return str(exc)
         await self._hold_ceilings({server for server, _ in held.grants}, raise_errors=False)
         self.unprepared_total += 1
         log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(held.prepared.devices))
