@@ -49,8 +49,10 @@ def configure_logging(log_format: LogFormat = LogFormat.AUTO, level: str = "info
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level_number)
-    # grpclib logs every cancelled stream at INFO; the agent reports what matters itself.
-    logging.getLogger("grpclib").setLevel(max(logging.WARNING, level_number))
+    # grpclib logs every cancelled stream at INFO, httpx2 (the API server client's) every request; the agent reports
+    # what matters itself.
+    for chatty in ("grpclib", "httpx2", "httpcore2"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, level_number))
     structlog.configure(
         processors=[*shared, renderer],
         logger_factory=functools.partial(ModuleLogger, sys.stderr),
