@@ -9,6 +9,7 @@ import errno
 import fcntl
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpsagent.base.errors import FileReadError, FileRefusedError, FileTooLargeError
@@ -119,6 +120,26 @@ def os_reason(exc: OSError) -> str:
 
 PID_MAX_LIMIT = 4_194_304
 """The largest PID a 64-bit Linux kernel gives (the ceiling of /proc/sys/kernel/pid_max)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileIdentity:
+    """A file's identity, to tell a socket re-created at the same path from the one seen before. The inode number
+    alone is not one: ext4 hands a freed number out again at once, so a new socket often has its old socket's
+    number; the change time is set when a file is created."""
+
+    device: int
+    inode: int
+    changed_ns: int
+
+
+def file_identity(path: Path, *, follow_symlinks: bool = True) -> FileIdentity | None:
+    """The identity of what is at `path` now; None when nothing is (or it cannot be looked at)."""
+    try:
+        status = path.stat(follow_symlinks=follow_symlinks)
+    except OSError:
+        return None
+    return FileIdentity(status.st_dev, status.st_ino, status.st_ctime_ns)
 
 
 def node_name(configured: str | None) -> str:

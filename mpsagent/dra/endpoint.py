@@ -18,6 +18,7 @@ from grpclib.server import Server
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
+from mpsagent.base.host import FileIdentity, file_identity
 from mpsagent.base.logs import get_logger
 from mpsagent.dra.node_service import ClaimHandler, DraNodeService, NodeServiceStatistics
 from mpsagent.dra.registration import RegistrationService, RegistrationStatistics
@@ -35,24 +36,6 @@ CLOSE_GRACE_S = 1.0
 _DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
-@dataclass(frozen=True, slots=True)
-class _FileIdentity:
-    """A socket file's identity: the inode number alone is not one (ext4 hands a freed number out again at once);
-    the change time is set when a file is created."""
-
-    device: int
-    inode: int
-    changed_ns: int
-
-
-def _identity(path: Path) -> _FileIdentity | None:
-    try:
-        st = path.lstat()
-    except OSError:
-        return None
-    return _FileIdentity(st.st_dev, st.st_ino, st.st_ctime_ns)
-
-
 class _ServedSocket:
     """One grpclib server on one unix socket file, which it owns: it removes the file when it closes, unless the
     file is no longer the one it created."""
@@ -62,12 +45,12 @@ class _ServedSocket:
         self.what = what
         self._servable = servable
         self._server: Server | None = None
-        self._identity: _FileIdentity | None = None
+        self._identity: FileIdentity | None = None
 
     @property
     def gone(self) -> bool:
         """Not served: the file is not the socket this serves (removed, or replaced), or serving it again failed."""
-        return self._server is None or _identity(self.path) != self._identity
+        return self._server is None or file_identity(self.path, follow_symlinks=False) != self._identity
 
     async def serve(self) -> None:
         """Serve on the socket file (removing a stale socket there first). Serving again closes the server it
@@ -100,7 +83,7 @@ class _ServedSocket:
                 f"cannot serve the {self.what} socket {self.path} ({exc.strerror or exc}); the agent must be able to "
                 "write the kubelet's directory (the DRA endpoint's kubelet directory names it)"
             ) from exc
-        self._server, self._identity = server, _identity(self.path)
+        self._server, self._identity = server, file_identity(self.path, follow_symlinks=False)
         log.info("serving", socket=str(self.path), service=self.what)
 
     async def close(self) -> None:
@@ -111,7 +94,7 @@ class _ServedSocket:
             return
         with anyio.CancelScope(shield=True):
             await _close(server)
-        if _identity(self.path) == self._identity:
+        if file_identity(self.path, follow_symlinks=False) == self._identity:
             try:
                 self.path.unlink()
             except OSError as exc:

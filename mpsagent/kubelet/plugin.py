@@ -18,7 +18,7 @@ from grpclib.server import Server
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
-from mpsagent.base.host import pid_alive
+from mpsagent.base.host import FileIdentity, file_identity, pid_alive
 from mpsagent.base.logs import get_logger
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
@@ -59,24 +59,6 @@ def _remove_stale_sockets(directory: Path, resource_name: str) -> None:
                 log.info("stale plugin socket removed", resource=resource_name, socket=str(path))
         except OSError as exc:
             log.warning("stale plugin socket not removed", resource=resource_name, socket=str(path), reason=str(exc))
-
-
-@dataclass(frozen=True, slots=True)
-class _FileIdentity:
-    """A socket file's identity. The inode number alone is not one: ext4 hands a freed number out again at once, so
-    a kubelet's new socket often has its old socket's number. The change time is set when a file is created."""
-
-    device: int
-    inode: int
-    changed_ns: int
-
-
-def _identity(path: Path) -> _FileIdentity | None:
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return _FileIdentity(stat.st_dev, stat.st_ino, stat.st_ctime_ns)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -169,23 +151,23 @@ class PluginEndpoint:
 
     async def _wait_for_kubelet_socket(self) -> None:
         while True:
-            if _identity(self._kubelet_socket) is not None:
+            if file_identity(self._kubelet_socket) is not None:
                 return
             await anyio.sleep(WATCH_INTERVAL_S)
 
-    async def _backoff(self, delay: float, kubelet: _FileIdentity | None) -> None:
+    async def _backoff(self, delay: float, kubelet: FileIdentity | None) -> None:
         """Sleep `delay`, but no longer than it takes a (new) kubelet socket to appear: a kubelet that is back
         must not wait for the end of a long backoff."""
         with anyio.move_on_after(delay):
             while True:
                 await anyio.sleep(WATCH_INTERVAL_S)
-                if _identity(self._kubelet_socket) not in (None, kubelet):
+                if file_identity(self._kubelet_socket) not in (None, kubelet):
                     return
 
-    async def _register_with_backoff(self) -> _FileIdentity | None:
+    async def _register_with_backoff(self) -> FileIdentity | None:
         """Register, retrying with backoff; the kubelet socket's identity when registered, None when our own socket
         was deleted meanwhile (the kubelet restarted while we retried: serve again first)."""
-        own = _identity(self.socket_path)
+        own = file_identity(self.socket_path)
         retry = Backoff(REGISTER_BACKOFF_INITIAL_S, REGISTER_BACKOFF_MAX_S)
         # The first failure is news; the retries that follow are not.
         failing = FailureEpisodes(
@@ -196,10 +178,10 @@ class PluginEndpoint:
             again=None,
         )
         while True:
-            if _identity(self.socket_path) != own:
+            if file_identity(self.socket_path) != own:
                 self._log.warning("plugin socket removed while registering; serving again")
                 return None
-            kubelet = _identity(self._kubelet_socket)
+            kubelet = file_identity(self._kubelet_socket)
             try:
                 await register(
                     self._kubelet_socket,
@@ -222,14 +204,14 @@ class PluginEndpoint:
             self._log.info("registered with kubelet", endpoint=self.socket_path.name)
             return kubelet
 
-    async def _wait_for_kubelet_restart(self, kubelet: _FileIdentity | None) -> None:
+    async def _wait_for_kubelet_restart(self, kubelet: FileIdentity | None) -> None:
         """Return when our socket is gone or the kubelet's socket was re-created: the kubelet restarted."""
-        own = _identity(self.socket_path)
+        own = file_identity(self.socket_path)
         while True:
             await anyio.sleep(WATCH_INTERVAL_S)
-            if _identity(self.socket_path) != own or own is None:
+            if file_identity(self.socket_path) != own or own is None:
                 self._log.warning("plugin socket removed; kubelet restarted, registering again")
                 return
-            if _identity(self._kubelet_socket) != kubelet:
+            if file_identity(self._kubelet_socket) != kubelet:
                 self._log.warning("kubelet socket re-created; registering again")
                 return
