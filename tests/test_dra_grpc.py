@@ -210,16 +210,16 @@ def test_the_kubelets_registration_status_is_kept(running: Running) -> None:
 
 
 def test_prepare_answers_each_claims_devices_or_its_error(running: Running) -> None:
-    cdi_a = "mpsagent.io/mps-share=uid-a-gpu-0"
+    cdi_a = "mpsagent.io/mps-share=0aa0-0001-gpu-0"
     running.handler.outcomes = {
-        "uid-a": PrepareOutcome(
+        "0aa0-0001": PrepareOutcome(
             devices=(prepared("gpu", "gpu-0", "share-1", cdi_a), prepared("gpu/sub", "gpu-1", None, "x=1", "x=2"))
         ),
-        "uid-b": PrepareOutcome(error="no GPU has 40 GiB free"),
+        "0bb0-0002": PrepareOutcome(error="no GPU has 40 GiB free"),
     }
-    response = prepare(running, claim("uid-a"), claim("uid-b", namespace="team-b", name="big"))
-    assert sorted(response.claims) == ["uid-a", "uid-b"]
-    a, b = response.claims["uid-a"], response.claims["uid-b"]
+    response = prepare(running, claim("0aa0-0001"), claim("0bb0-0002", namespace="team-b", name="big"))
+    assert sorted(response.claims) == ["0aa0-0001", "0bb0-0002"]
+    a, b = response.claims["0aa0-0001"], response.claims["0bb0-0002"]
     assert a.error == ""
     first, second = a.devices
     assert (list(first.request_names), first.pool_name, first.device_name) == (["gpu"], "node-a", "gpu-0")
@@ -231,32 +231,34 @@ def test_prepare_answers_each_claims_devices_or_its_error(running: Running) -> N
     )
     assert not second.HasField("share_id")
     assert (b.error, list(b.devices)) == ("no GPU has 40 GiB free", [])
-    assert running.handler.prepare_calls == [[ref("uid-a"), ClaimRef(namespace="team-b", name="big", uid="uid-b")]]
+    assert running.handler.prepare_calls == [
+        [ref("0aa0-0001"), ClaimRef(namespace="team-b", name="big", uid="0bb0-0002")]
+    ]
     stats = running.endpoint.statistics().service
     assert (stats.prepare_calls, stats.claims_prepared, stats.claim_errors) == (1, 1, 1)
 
 
 def test_a_claim_given_twice_is_prepared_once(running: Running) -> None:
-    response = prepare(running, claim("uid-a"), claim("uid-b"), claim("uid-a"))
-    assert sorted(response.claims) == ["uid-a", "uid-b"]
-    assert running.handler.prepare_calls == [[ref("uid-a"), ref("uid-b")]]
+    response = prepare(running, claim("0aa0-0001"), claim("0bb0-0002"), claim("0aa0-0001"))
+    assert sorted(response.claims) == ["0aa0-0001", "0bb0-0002"]
+    assert running.handler.prepare_calls == [[ref("0aa0-0001"), ref("0bb0-0002")]]
 
 
 def test_a_claim_the_handler_leaves_out_is_answered_as_failed(running: Running) -> None:
-    running.handler.leave_out = {"uid-b"}
-    response = prepare(running, claim("uid-a"), claim("uid-b"))
-    assert (response.claims["uid-a"].error, response.claims["uid-b"].error) == ("", NO_OUTCOME)
-    response = unprepare(running, claim("uid-a"), claim("uid-b"))
-    assert (response.claims["uid-a"].error, response.claims["uid-b"].error) == ("", NO_OUTCOME)
+    running.handler.leave_out = {"0bb0-0002"}
+    response = prepare(running, claim("0aa0-0001"), claim("0bb0-0002"))
+    assert (response.claims["0aa0-0001"].error, response.claims["0bb0-0002"].error) == ("", NO_OUTCOME)
+    response = unprepare(running, claim("0aa0-0001"), claim("0bb0-0002"))
+    assert (response.claims["0aa0-0001"].error, response.claims["0bb0-0002"].error) == ("", NO_OUTCOME)
 
 
 def test_unprepare_answers_every_claim(running: Running) -> None:
-    running.handler.unprepare_errors = {"uid-b": "the MPS daemon did not answer"}
-    response = unprepare(running, claim("uid-a"), claim("uid-b"), claim("uid-a"))
-    assert sorted(response.claims) == ["uid-a", "uid-b"]
-    assert response.claims["uid-a"].error == ""
-    assert response.claims["uid-b"].error == "the MPS daemon did not answer"
-    assert running.handler.unprepare_calls == [[ref("uid-a"), ref("uid-b")]]
+    running.handler.unprepare_errors = {"0bb0-0002": "the MPS daemon did not answer"}
+    response = unprepare(running, claim("0aa0-0001"), claim("0bb0-0002"), claim("0aa0-0001"))
+    assert sorted(response.claims) == ["0aa0-0001", "0bb0-0002"]
+    assert response.claims["0aa0-0001"].error == ""
+    assert response.claims["0bb0-0002"].error == "the MPS daemon did not answer"
+    assert running.handler.unprepare_calls == [[ref("0aa0-0001"), ref("0bb0-0002")]]
 
 
 def test_an_empty_request_is_answered_without_the_handler(running: Running) -> None:
@@ -271,14 +273,14 @@ def test_an_empty_request_is_answered_without_the_handler(running: Running) -> N
 @pytest.mark.parametrize(
     ("claims", "named"),
     [
-        ([claim(f"uid-{i}") for i in range(MAX_CLAIMS + 1)], f"{MAX_CLAIMS + 1} claims in one request"),
-        ([claim("uid-a"), claim("uid-b", namespace="n" * 300)], "claims[1].namespace is 300 characters long"),
-        ([claim("uid-a", name="c" * 254)], "claims[0].name is 254 characters long"),
-        ([claim("u" * 129)], "claims[0].uid is 129 characters long"),
+        ([claim(f"0000-{i:04x}") for i in range(MAX_CLAIMS + 1)], f"{MAX_CLAIMS + 1} claims in one request"),
+        ([claim("0aa0-0001"), claim("0bb0-0002", namespace="n" * 300)], "claims[1].namespace is 300 characters long"),
+        ([claim("0aa0-0001", name="c" * 254)], "claims[0].name is 254 characters long"),
+        ([claim("a" * 65)], "claims[0].uid is 65 characters long"),
         ([claim("", name="c")], "claims[0].uid is empty"),
         ([claim("../etc", name="c")], "claims[0].uid '../etc' is not"),
-        ([claim("uid-a", namespace="Not_A_Name")], "claims[0].namespace 'Not_A_Name' is not a DNS name"),
-        ([claim("uid-a"), claim("uid-a", name="other")], "claims[1]: UID uid-a names both"),
+        ([claim("0aa0-0001", namespace="Not_A_Name")], "claims[0].namespace 'Not_A_Name' is not a DNS name"),
+        ([claim("0aa0-0001"), claim("0aa0-0001", name="other")], "claims[1]: UID 0aa0-0001 names both"),
     ],
 )
 def test_a_request_outside_the_bounds_is_refused_by_name_and_reaches_no_handler(
@@ -297,7 +299,7 @@ def test_a_request_outside_the_bounds_is_refused_by_name_and_reaches_no_handler(
 
 
 def test_the_largest_request_within_the_bounds_is_answered(running: Running) -> None:
-    claims = [claim(f"{i:03d}" + "u" * 125, namespace="n" * 253, name="c" * 253) for i in range(MAX_CLAIMS)]
+    claims = [claim(f"{i:03d}" + "a" * 61, namespace="n" * 253, name="c" * 253) for i in range(MAX_CLAIMS)]
     assert len(prepare(running, *claims).claims) == MAX_CLAIMS
 
 
@@ -306,7 +308,7 @@ def test_the_largest_request_within_the_bounds_is_answered(running: Running) -> 
 
 def test_an_unexpected_handler_failure_is_internal_with_a_short_message(running: Running) -> None:
     running.handler.failing = RuntimeError("a bug with a very long story " * 100)
-    error = refused_prepare(running, claim("uid-a"))
+    error = refused_prepare(running, claim("0aa0-0001"))
     assert error.code() == grpc.StatusCode.INTERNAL
     assert error.details() == "internal error in NodePrepareResources; the mpsagent log has the details"
     assert running.endpoint.statistics().service.failed == 1
@@ -315,7 +317,7 @@ def test_an_unexpected_handler_failure_is_internal_with_a_short_message(running:
 def test_an_agent_error_of_the_handler_is_unavailable_with_its_message(running: Running) -> None:
     running.handler.failing = HostError("the claim checkpoint cannot be written")
     with pytest.raises(grpc.RpcError) as error:
-        unprepare(running, claim("uid-a"))
+        unprepare(running, claim("0aa0-0001"))
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert error.value.details() == "NodeUnprepareResources: the claim checkpoint cannot be written"
 
@@ -349,7 +351,7 @@ def test_a_removed_registration_socket_is_served_again(running: Running) -> None
 def test_a_removed_dra_socket_is_served_again(running: Running) -> None:
     running.endpoint.dra_socket.unlink()
     wait_for(lambda: is_socket(running.endpoint.dra_socket), what="the DRA socket again")
-    assert sorted(prepare(running, claim("uid-a")).claims) == ["uid-a"]
+    assert sorted(prepare(running, claim("0aa0-0001")).claims) == ["0aa0-0001"]
 
 
 def test_stale_socket_files_are_replaced(kubelet_dir: Path) -> None:
@@ -365,7 +367,7 @@ def test_stale_socket_files_are_replaced(kubelet_dir: Path) -> None:
         served = start(kubelet_dir, portal)
         try:
             assert get_info(served).name == DRA_DRIVER
-            assert sorted(prepare(served, claim("uid-a")).claims) == ["uid-a"]
+            assert sorted(prepare(served, claim("0aa0-0001")).claims) == ["0aa0-0001"]
         finally:
             served.stop()
 

@@ -9,6 +9,8 @@ same ledger, so that both routes share one daemon, its ceilings and its client l
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 DRA_DRIVER = "mps.mpsagent.io"
@@ -21,6 +23,11 @@ COMPUTE = "compute"
 MEMORY_STEP_BYTES = 1 << 20
 """A claim's memory is counted in MiB (MPS's pinned-memory limits are MiB): the request policy's step and least."""
 FULL_COMPUTE = 100
+MAX_CLAIM_UID_CHARS = 64
+CLAIM_UID_FORM = "0-9, a-f and '-', from a digit or letter"
+CLAIM_UID = re.compile(r"[0-9a-f][0-9a-f-]*")
+"""A claim's UID as the API server makes them (a UUID): it names the claim's CDI spec file and devices, so never a
+`/`, `.` or `..` (the kubelet's request and the checkpoint are both checked against it)."""
 
 
 class ClaimRef(msgspec.Struct, frozen=True, kw_only=True):

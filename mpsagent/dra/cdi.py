@@ -19,17 +19,15 @@ import msgspec
 
 from mpsagent.base.errors import FileRefusedError, HostError, RequestError, shown
 from mpsagent.base.host import os_reason, write_atomically
-from mpsagent.domain.claims import CDI_VENDOR_CLASS
+from mpsagent.domain.claims import CDI_VENDOR_CLASS, CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS
 from mpsagent.domain.container import Mount
 
 CDI_VERSION = "0.6.0"
 SPEC_MODE = 0o644
 """The container runtime reads the specs, possibly as another user."""
 DIRECTORY_MODE = 0o755
-MAX_UID_CHARS = 64
 _FILE_PREFIX = CDI_VENDOR_CLASS.replace("/", "-") + "_"
 """`mpsagent.io-mps-share_`: CDI's convention for spec file names, `<vendor>-<class>_<suffix>.json`."""
-_UID = re.compile(r"[0-9a-f][0-9a-f-]*")
 _SPEC_FILE = re.compile(re.escape(_FILE_PREFIX) + r"(?P<uid>[0-9a-f][0-9a-f-]*)\.json")
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
 """A CDI device name: letters, digits, `_`, `.`, `:` and `-`, from and to a letter or digit."""
@@ -74,10 +72,10 @@ def cdi_device_id(name: str) -> str:
 
 
 def _checked_uid(claim_uid: str) -> str:
-    if len(claim_uid) > MAX_UID_CHARS or _UID.fullmatch(claim_uid) is None:
+    if len(claim_uid) > MAX_CLAIM_UID_CHARS or CLAIM_UID.fullmatch(claim_uid) is None:
         raise RequestError(
-            f"claim UID `{shown(claim_uid)}` is not a Kubernetes UID (at most {MAX_UID_CHARS} characters of "
-            "0-9, a-f and '-'): the agent names no file after it"
+            f"claim UID `{shown(claim_uid)}` is not a Kubernetes UID (at most {MAX_CLAIM_UID_CHARS} characters of "
+            f"{CLAIM_UID_FORM}): the agent names no file after it"
         )
     return claim_uid
 
@@ -89,7 +87,7 @@ def spec_path(directory: Path, claim_uid: str) -> Path:
 
 
 def _spec_device(device: CdiDevice) -> _SpecDevice:
-    if len(device.name) > 2 * MAX_UID_CHARS or _DEVICE_NAME.fullmatch(device.name) is None:
+    if len(device.name) > 2 * MAX_CLAIM_UID_CHARS or _DEVICE_NAME.fullmatch(device.name) is None:
         raise RequestError(
             f"CDI device name `{shown(device.name)}` is not valid: letters, digits, '_', '.', ':' and '-', "
             "from and to a letter or digit"
@@ -163,5 +161,5 @@ def claim_spec_uids(directory: Path) -> set[str]:
     return {
         found["uid"]
         for name in names
-        if (found := _SPEC_FILE.fullmatch(name)) is not None and len(found["uid"]) <= MAX_UID_CHARS
+        if (found := _SPEC_FILE.fullmatch(name)) is not None and len(found["uid"]) <= MAX_CLAIM_UID_CHARS
     }

@@ -22,7 +22,7 @@ from grpclib import GRPCError, Status
 from mpsagent._proto.k8s.io.kubelet.pkg.apis.dra import v1 as pb
 from mpsagent.base.errors import MpsAgentError, RequestError, shown
 from mpsagent.base.logs import get_logger
-from mpsagent.domain.claims import ClaimRef, PreparedDevice
+from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, ClaimRef, PreparedDevice
 
 log = get_logger(__name__)
 
@@ -32,15 +32,13 @@ MAX_CLAIMS = 128
 """Claims in one request: a pod's claims (the API server allows 32 per pod), with room to spare."""
 MAX_NAMESPACE_CHARS = 253
 MAX_NAME_CHARS = 253
-MAX_UID_CHARS = 128
 # A namespace and a claim's name are DNS names (a label, a subdomain); a UID is a UUID. The UID ends up in file
 # names and CDI device names: never a `/`, never `.` or `..`.
 _DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _FIELDS = (
     ("namespace", MAX_NAMESPACE_CHARS, _DNS_NAME, "a DNS name"),
     ("name", MAX_NAME_CHARS, _DNS_NAME, "a DNS name"),
-    ("uid", MAX_UID_CHARS, _UID, "letters, digits, '.', '_' and '-', from a letter or digit"),
+    ("uid", MAX_CLAIM_UID_CHARS, CLAIM_UID, CLAIM_UID_FORM),
 )
 NO_OUTCOME = "the agent gave no outcome for this claim (a bug: its log may tell more); the kubelet will ask again"
 
