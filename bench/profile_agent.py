@@ -61,6 +61,8 @@ def summarize(collapsed: Path, top: int) -> str:
     total = 0
     for line in collapsed.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
+        if not count_text.isdigit():
+            continue  # a frame py-spy read torn (its name broken across lines)
         count = int(count_text)
         frames = stack.split(";")
         total += count
