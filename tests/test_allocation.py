@@ -101,6 +101,22 @@ def test_an_allocate_records_every_container_or_none(allocator: ResourceAllocato
     assert live(allocator) == granted
 
 
+def test_a_grant_of_the_same_ids_again_gets_the_same_setup_of_its_own(allocator: ResourceAllocator) -> None:
+    """The kubelet granting the same IDs again (any order): the same share, environment, mounts; an environment of
+    its own (the servicer may change it)."""
+    (first,) = allocator.allocate([ALL])
+    (second,) = allocator.allocate([list(reversed(ALL))])
+    assert second.record.ended == (first.record.grant,)
+    assert second.setup.replica_ids == tuple(reversed(ALL))
+    assert (second.setup.share, second.setup.envs, second.setup.mounts) == (
+        first.setup.share,
+        first.setup.envs,
+        first.setup.mounts,
+    )
+    assert second.setup.envs is not first.setup.envs
+    assert live(allocator) == [tuple(reversed(ALL))]
+
+
 def test_a_withdrawn_allocate_leaves_the_ledger_and_the_ceilings_as_they_were(allocator: ResourceAllocator) -> None:
     allocator.allocate([ids(GPU0, 0)])
     before = (live(allocator), allocator.ceilings(), allocator.ledger.statistics())

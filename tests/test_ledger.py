@@ -60,6 +60,38 @@ def test_a_replica_granted_again_ends_the_whole_earlier_grant() -> None:
     assert stats.grants == {GrantKind.CAPPED: 2, GrantKind.FULL: 0}
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)], ids=["same order", "another order"])
+def test_the_ids_of_one_grant_granted_again_end_it_as_any_regrant(order: tuple[int, ...]) -> None:
+    """The kubelet granting a container's IDs again (any order): the earlier grant ends and the new one holds them,
+    as when a grant takes some of another's IDs, and a withdrawal gives them back."""
+    ledger = Ledger()
+    first = record(ledger, A[0], A[1], A[2]).grant
+    record(ledger, A[3])
+    before = (holders(ledger), ledger.statistics(), set(ledger.live_grants()), ledger.tally.clients(0))
+    again = record(ledger, *(A[i] for i in order))
+    assert (again.ended, again.grant.superseded_ids) == ((first,), tuple(A[i] for i in order))
+    assert holders(ledger) == {A[0]: 3, A[1]: 3, A[2]: 3, A[3]: 2}
+    assert [g.grant_id for g in ledger.holders(A[:3])] == [3]
+    assert ledger.tally.clients(0) == 2
+    stats = ledger.statistics()
+    assert (stats.superseded_grants, stats.regranted_replicas) == (1, 3)
+    ledger.withdraw(again)
+    assert (holders(ledger), ledger.statistics(), set(ledger.live_grants()), ledger.tally.clients(0)) == before
+    assert ledger.holder(A[0]) is first
+    ledger.release([first.grant_id])  # its IDs are free again, each of them
+    assert holders(ledger) == {A[3]: 2}
+
+
+def test_a_grant_of_fewer_or_more_ids_than_the_one_it_ends_frees_the_rest() -> None:
+    ledger = Ledger()
+    record(ledger, A[0], A[1], A[2])
+    fewer = record(ledger, A[1], A[0])
+    assert (len(fewer.ended), holders(ledger)) == (1, {A[0]: 2, A[1]: 2})
+    more = record(ledger, A[0], A[1], A[3])
+    assert (more.ended, more.grant.superseded_ids) == ((fewer.grant,), (A[0], A[1]))
+    assert holders(ledger) == {A[0]: 3, A[1]: 3, A[3]: 3}
+
+
 def test_a_withdrawn_grant_gives_the_ended_grants_back() -> None:
     ledger = Ledger()
     first = record(ledger, A[0]).grant

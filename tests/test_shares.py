@@ -219,6 +219,14 @@ def test_ids_the_resource_does_not_advertise_count_as_the_smallest_share(
     assert all(plan.shares.advertises(r) for r in plan.device_ids)
 
 
+def test_ids_known_distinct_get_the_share_of_any_listing_of_them() -> None:
+    """An Allocate's checked request is counted as given (`distinct`); a listing with repeats is deduplicated."""
+    plan = resource("{name: gpu, replicas: 4}", gpus=2, memory_bytes=16 * GIB)
+    held = ids(3, 1)
+    assert plan.shares.share_of(held, distinct=True) == plan.shares.share_of(held + held[:2])
+    assert plan.shares.share_of(held, distinct=True) is plan.shares.share_of(tuple(reversed(held)), distinct=True)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     data=st.data(),

@@ -13,14 +13,15 @@ from typing import cast
 
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError, shown
-from mpsagent.domain.container import ContainerSetup, container_setup
+from mpsagent.domain.container import ContainerEdits, ContainerSetup, setup_of, share_edits
 from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
-from mpsagent.domain.shares import Ceilings, ClientLimit
+from mpsagent.domain.shares import Ceilings, ClientLimit, Share
 
 MAX_NAMED_IDS = 3
+MAX_KNOWN_EDITS = 4096
 
 
 def describe_ids(ids: Sequence[str]) -> str:
@@ -64,7 +65,10 @@ class ResourceAllocator:
         self.resource = resource
         self.ledger = ledger or Ledger()
         self._shm = shm_directory
-        self._known = frozenset(resource.device_ids)
+        # Each advertised ID to itself: a request's IDs (new strings on every call) are checked and swapped for these in
+        # one pass, so that the ledger's and the shares' lookups of them after that compare by identity.
+        self._known: dict[str, ReplicaId] = {replica: replica for replica in resource.device_ids}
+        self._edits: dict[int, tuple[Share, ContainerEdits]] = {}
         replicas: dict[GpuUuid, list[ReplicaId]] = {gpu.uuid: [] for gpu in resource.gpus}  # host-index order
         for replica in resource.device_ids:  # one pass: set-up grows with the node's replicas, not their square
             replicas[gpu_of(replica)].append(replica)
@@ -73,14 +77,17 @@ class ResourceAllocator:
         self._one_at_most = resource.fail_requests_greater_than_one and not resource.memory_units
 
     def _known_ids(self, ids: Sequence[str], what: str) -> tuple[ReplicaId, ...]:
-        unique = tuple(dict.fromkeys(ids))
-        if not self._known.issuperset(unique):
+        """The IDs deduplicated in their order, each the resource's own string; raises RequestError naming unknown
+        ones."""
+        unique = dict.fromkeys(ids)
+        known = tuple(map(self._known.get, unique))
+        if None in known:
             unknown = [i for i in unique if i not in self._known]
             raise RequestError(
                 f"{self.resource.name}: unknown device ID{'s' if len(unknown) > 1 else ''} {describe_ids(unknown)}"
                 f" in {what}; this resource advertises IDs of the form <GPU UUID>::<replica>"
             )
-        return cast(tuple[ReplicaId, ...], unique)  # checked: each is one the resource advertises
+        return cast(tuple[ReplicaId, ...], known)  # checked: no None
 
     def check_request(self, ids: Sequence[str]) -> tuple[ReplicaId, ...]:
         """Deduplicate and check one container's IDs; raises RequestError naming what is wrong."""
@@ -93,7 +100,21 @@ class ResourceAllocator:
 
     def grant_for(self, ids: Sequence[str]) -> ContainerSetup:
         """What a container asking for these IDs would get; records nothing (the dry run calls this too)."""
-        return container_setup(self.resource, self.check_request(ids), self._shm)
+        replica_ids = self.check_request(ids)
+        share = self.resource.shares.share_of(replica_ids, distinct=True)
+        return setup_of(replica_ids, share, self._edits_of(share))
+
+    def _edits_of(self, share: Share) -> ContainerEdits:
+        """`share_edits` of a share, worked out once per share (the shares' model gives the same object for the same
+        share, so they are kept by identity)."""
+        known = self._edits.get(id(share))
+        if known is not None and known[0] is share:
+            return known[1]
+        if len(self._edits) >= MAX_KNOWN_EDITS:
+            self._edits.clear()
+        edits = share_edits(self.resource, share, self._shm)
+        self._edits[id(share)] = (share, edits)
+        return edits
 
     def allocate(self, requests: Sequence[Sequence[str]]) -> list[ContainerAllocation]:
         """Check every container request, then record them all; a refusal records nothing."""

@@ -1,6 +1,6 @@
 """What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
-devices. `Allocate` (through `allocation`) and `--once`'s examples both call `container_setup`; a DRA claim's CDI
-spec takes the same edits for its share (`share_edits`).
+devices. `--once`'s examples call `container_setup`; `Allocate` (through `allocation`, which works a share's edits out
+once) builds the same with `setup_of`; a DRA claim's CDI spec takes the same edits for its share (`share_edits`).
 """
 
 from __future__ import annotations
@@ -90,8 +90,13 @@ def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> Co
 
 def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
     """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
-    share = resource.shares.share_of(replica_ids)
-    edits = share_edits(resource, share, shm_directory)
+    share = resource.shares.share_of(replica_ids, distinct=True)
+    return setup_of(replica_ids, share, share_edits(resource, share, shm_directory))
+
+
+def setup_of(replica_ids: tuple[ReplicaId, ...], share: Share, edits: ContainerEdits) -> ContainerSetup:
+    """A container's set-up from its replicas' share and that share's edits: the edits depend on the share alone, so
+    an allocator works them out once per share (`share_edits`) and gives each container a copy of the environment."""
     return ContainerSetup(
-        replica_ids=replica_ids, share=share, envs=edits.envs, mounts=edits.mounts, cdi_devices=edits.cdi_devices
+        replica_ids=replica_ids, share=share, envs=dict(edits.envs), mounts=edits.mounts, cdi_devices=edits.cdi_devices
     )

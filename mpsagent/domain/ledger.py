@@ -31,6 +31,17 @@ class _Listing:
     missing_since: float | None = None
 
 
+class _Hold:
+    """What `Ledger._holder` maps each of a live grant's IDs to: one object per grant, naming it. A grant of exactly
+    the IDs of one live grant (the kubelet granting a container's IDs again) takes that grant's hold over, one write
+    for all its IDs; a full grant names hundreds."""
+
+    __slots__ = ("grant_id",)
+
+    def __init__(self, grant_id: int) -> None:
+        self.grant_id = grant_id
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Grant:
     """One grant of the ledger, read-only to everyone but the ledger."""
@@ -94,7 +105,8 @@ class Ledger:
         self._monotonic = monotonic
         self._ids = itertools.count(1)
         self._live: dict[int, Grant] = {}
-        self._holder: dict[ReplicaId, int] = {}
+        self._holder: dict[ReplicaId, _Hold] = {}
+        """Every ID a live grant holds, to that grant's hold: all of a live grant's IDs, and only those, name it."""
         self._stats = LedgerStatistics()
         self._version = 0
         self._tally = ShareTally()
@@ -123,17 +135,32 @@ class Ledger:
         return result
 
     def _add(self, replica_ids: tuple[ReplicaId, ...], share: Share, owner: ContainerRef | None) -> Recorded:
-        # Every Allocate runs these over its IDs (a node's full grant names hundreds): map and filter, not loops.
-        ended_ids: set[int | None] = set(map(self._holder.get, replica_ids))
-        ended_ids.discard(None)
-        # The new grant takes its IDs over below: ending the old ones need not let go of those first.
-        taken_over = frozenset(replica_ids)
-        ended = tuple(self._end(i, taken_over) for i in sorted(i for i in ended_ids if i is not None))
+        """Record a grant of these (distinct) IDs, ending every live grant that holds any of them."""
+        # Every Allocate runs this over its IDs (a node's full grant names hundreds): map and filter, not loops.
+        grant_id = next(self._ids)
+        same = self._same_ids(replica_ids)
+        if same is not None:
+            # The IDs of one live grant, granted again: it ends, and the new grant takes its hold over.
+            earlier = self._live.pop(same.grant_id)
+            self._version += 1
+            if earlier.share != share:
+                self._tally.remove(earlier.share)
+                self._tally.add(share)
+            same.grant_id = grant_id
+            ended: tuple[Grant, ...] = (earlier,)
+            regranted = replica_ids
+        else:
+            # The new grant takes its IDs over below: ending the old ones need not let go of those first.
+            taken_over = frozenset(replica_ids)
+            held = {hold.grant_id for hold in map(self._holder.get, replica_ids) if hold is not None}
+            ended = tuple(self._end(i, taken_over) for i in sorted(held))
+            ended_replicas = set().union(*(g.replica_ids for g in ended))
+            regranted = tuple(filter(ended_replicas.__contains__, replica_ids))
+            self._tally.add(share)
+            self._holder.update(dict.fromkeys(replica_ids, _Hold(grant_id)))
         self._stats.superseded_grants += len(ended)
-        ended_replicas = set().union(*(g.replica_ids for g in ended))
-        regranted = tuple(filter(ended_replicas.__contains__, replica_ids))
         grant = Grant(
-            grant_id=next(self._ids),
+            grant_id=grant_id,
             replica_ids=replica_ids,
             share=share,
             granted_at=self._wall(),
@@ -142,11 +169,22 @@ class Ledger:
             adopted=owner is not None,
             _listing=_Listing(owner=owner),
         )
-        self._live[grant.grant_id] = grant
-        self._tally.add(share)
-        self._holder.update(dict.fromkeys(replica_ids, grant.grant_id))
+        self._live[grant_id] = grant
         self._version += 1
         return Recorded(grant=grant, ended=ended)
+
+    def _same_ids(self, replica_ids: tuple[ReplicaId, ...]) -> _Hold | None:
+        """The hold of the live grant whose IDs are exactly these (in any order), if one is."""
+        first = self._holder.get(replica_ids[0]) if replica_ids else None
+        if first is None:
+            return None
+        earlier = self._live[first.grant_id].replica_ids
+        if earlier == replica_ids:  # the same IDs in the same order: one comparison, by identity when they are its own
+            return first
+        count = len(earlier)
+        if count != len(replica_ids) or set(map(self._holder.get, replica_ids)) != {first}:
+            return None
+        return first if count == len(set(replica_ids)) else None  # each of its IDs, none twice
 
     def hold_claim(self, claim: ClaimRef, device: str, share: Share) -> Grant:
         """Hold a prepared DRA claim's share of one GPU, until `release` (its unprepare)."""
@@ -179,8 +217,7 @@ class Ledger:
         for earlier in restored:
             self._live[earlier.grant_id] = earlier
             self._tally.add(earlier.share)
-            for replica in earlier.replica_ids:
-                self._holder[replica] = earlier.grant_id
+            self._holder.update(dict.fromkeys(earlier.replica_ids, _Hold(earlier.grant_id)))
         self._stats.grants[grant.kind] -= 1
         self._stats.regranted_replicas -= len(grant.superseded_ids)
         self._stats.superseded_grants -= len(restored)
@@ -226,7 +263,8 @@ class Ledger:
         self._tally.remove(grant.share)
         holder = self._holder
         for replica in set(grant.replica_ids).difference(taken_over):
-            if holder.get(replica) == grant_id:
+            hold = holder.get(replica)
+            if hold is not None and hold.grant_id == grant_id:
                 del holder[replica]
         return grant
 
@@ -235,12 +273,14 @@ class Ledger:
 
     def holders(self, replica_ids: Iterable[ReplicaId]) -> list[Grant]:
         """The live grants that hold any of these IDs, each once."""
-        grant_ids = dict.fromkeys(map(self._holder.get, replica_ids))
-        return [self._live[grant_id] for grant_id in grant_ids if grant_id is not None]
+        if isinstance(replica_ids, tuple) and (same := self._same_ids(replica_ids)) is not None:
+            return [self._live[same.grant_id]]
+        holds = dict.fromkeys(map(self._holder.get, replica_ids))
+        return [self._live[hold.grant_id] for hold in holds if hold is not None]
 
     def holder(self, replica_id: ReplicaId) -> Grant | None:
-        grant_id = self._holder.get(replica_id)
-        return self._live[grant_id] if grant_id is not None else None
+        hold = self._holder.get(replica_id)
+        return self._live[hold.grant_id] if hold is not None else None
 
     def listed_route(self) -> tuple[Grant, ...]:
         """The live device-plugin grants: those the kubelet's pod-resources listing speaks for (no claim's)."""

@@ -254,12 +254,15 @@ class ShareModel:
     def advertises(self, replica: ReplicaId) -> bool:
         return self._place(replica)[1]
 
-    def share_of(self, replica_ids: Iterable[ReplicaId]) -> Share:
+    def share_of(self, replica_ids: Iterable[ReplicaId], *, distinct: bool = False) -> Share:
         """The share of a grant of these IDs. A grant naming any ID the resource does not advertise (of a GPU outside
         it, or an index beyond its GPU's IDs: a grant of an older configuration, adopted from the kubelet) cannot be
         placed: it counts as the smallest share of the resource's GPUs it names (one ID of each; every GPU's smallest
-        caps when it names none), so that it never lifts the ceilings nor counts for more than a GPU."""
-        unique = dict.fromkeys(replica_ids)
+        caps when it names none), so that it never lifts the ceilings nor counts for more than a GPU.
+
+        `distinct`: a tuple of IDs the caller has deduplicated (an Allocate's checked request) is counted as given,
+        without a pass of its own to deduplicate it."""
+        unique = replica_ids if distinct and isinstance(replica_ids, tuple) else dict.fromkeys(replica_ids)
         # IDs the resource advertises: one lookup each (None for any other).
         counts: Counter[int | None] = Counter(map(self._ordinal_of.get, unique))
         if None in counts:
