@@ -46,7 +46,7 @@ def test_saved_claims_load_back_the_same(tmp_path: Path) -> None:
     checkpoint.save(path, CLAIMS)
     assert checkpoint.load(path) == CLAIMS
     assert json.loads(path.read_bytes())["version"] == 1
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it names pods
     checkpoint.save(path, ())
     assert checkpoint.load(path) == ()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]

@@ -62,3 +62,10 @@ def test_a_bad_choice_in_the_file_names_the_flag_the_variable_and_the_key(tmp_pa
         str(info.value)
         == f"{entry.flag} (env {entry.env}, config flags.{entry.key}) must be one of {choices}; not `nope`"
     )
+
+
+@pytest.mark.parametrize(("written", "read"), [("on", "on"), ("off", "off"), ("'on'", "on"), ("true", "on")])
+def test_a_switch_in_the_file_reads_as_yaml_writes_it(tmp_path: Path, written: str, read: str) -> None:
+    """A bare `on` is YAML's boolean true: `flags.dra: on` must turn DRA on, not be refused as not text."""
+    config = _config(tmp_path, f"flags:\n  dra: {written}\n")
+    assert resolve_settings({"config_file": config}, environ={}).dra == read

@@ -84,9 +84,16 @@ class Setting(Generic[T]):
         return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", self.key).lower() if self.key else None
 
     @property
-    def file_type(self) -> type:
-        """What the file's key holds: a number for the seconds, text for everything else."""
-        return float if isinstance(self.default, float) else str
+    def on_off(self) -> bool:
+        """A switch (`on`/`off`): the file may write it as YAML's boolean too (a bare `on` is YAML's true)."""
+        return set(self.choices) == {"on", "off"}
+
+    @property
+    def file_type(self) -> Any:
+        """What the file's key holds: a number for the seconds, a switch as text or boolean, text otherwise."""
+        if isinstance(self.default, float):
+            return float
+        return str | bool if self.on_off else str
 
     @property
     def dest(self) -> str:
@@ -117,6 +124,8 @@ class Setting(Generic[T]):
         from_file = getattr(flags, attribute) if flags is not None and attribute else None
         env = environ.get(self.env)
         for chosen in (cli.get(self.dest), env if env or self.empty_turns_off else None, from_file):
+            if isinstance(chosen, bool):
+                return "on" if chosen else "off"
             if chosen is not None:
                 return str(chosen)
         return None

@@ -236,7 +236,7 @@ class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     registered: bool = False
     slice_published: bool = False
     prepared: Count = 0
-    """Prepares answered with devices, all time (a retried prepare of a prepared claim counts again)."""
+    """Claims prepared, all time (a retried prepare of a claim already prepared is answered, not counted)."""
     refused: Count = 0
     unprepared: Count = 0
     claims: tuple[ClaimStatus, ...] = ()

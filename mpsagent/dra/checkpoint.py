@@ -21,7 +21,7 @@ from mpsagent.domain.claims import PreparedClaim
 VERSION = 1
 MAX_BYTES = 4 * MIB
 """Hundreds of claims take tens of KiB."""
-MODE = 0o644
+MODE = 0o600  # it names pods, as status.json does
 _WHAT = "the DRA checkpoint"
 _WAY_OUT = "delete it, and the kubelet's next prepare of each claim starts again"
 

@@ -218,8 +218,8 @@ class ClaimServer:
                 first = over[0]
                 raise RequestError(
                     f"claim {ref}: GPU {first.uuid} would hold {first.grants} MPS clients (device-plugin grants and "
-                    f"claims), but MPS serves at most {first.limit}; nothing was prepared: the scheduler may place "
-                    "the pod again, or wait for a container on the GPU to end"
+                    f"claims), but MPS serves at most {first.limit}; nothing was prepared: the kubelet retries, and "
+                    "the claim is prepared once a container on the GPU ends (the scheduler does not count MPS clients)"
                 )
         grants = [
             (server, server.allocator.ledger.hold_claim(ref, share.device.device, share.share))
@@ -259,21 +259,22 @@ class ClaimServer:
         return answers
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
+        """The checkpoint first: a claim it cannot drop stays prepared, whole, for the kubelet's retry."""
         held = self._held.pop(ref.uid, None)
         if held is None:
             cdi.remove_claim_spec(self._cdi_dir, ref.uid)
             return ""
-        for server, grant in held.grants:
-            server.allocator.ledger.release([grant.grant_id])
         try:
             self._save()
-            cdi.remove_claim_spec(self._cdi_dir, ref.uid)
         except HostError as exc:
-            self._held[ref.uid] = held  # the kubelet retries; the shares are released all the same
+            self._held[ref.uid] = held
             return str(exc)
+        for server, grant in held.grants:
+            server.allocator.ledger.release([grant.grant_id])
         await self._hold_ceilings({server for server, _ in held.grants}, raise_errors=False)
         self.unprepared_total += 1
         log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(held.prepared.devices))
+        cdi.remove_claim_spec(self._cdi_dir, ref.uid)  # a failure is the kubelet's retry's: the claim is unknown
         return ""
 
     async def _hold_ceilings(self, servers: set[ResourceServer], *, raise_errors: bool) -> None:
