@@ -8,6 +8,7 @@ API is absent or refuses, the first failure is logged, retries back off, and eve
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class PodResourcesReconciler:
         self._period_s = min(PERIOD_MAX_S, max(MIN_SPACING_S, grace_s / 2))
         self._clock = clock
         self._wanted = anyio.Event()
+        self._waiting_until = math.inf
+        """The clock time of the lookup `run` waits for; infinity while it does not wait."""
         self._follow_ups: list[float] = []
         """Clock times of the lookups due after Allocates, sorted; none closer together than MIN_SPACING_S."""
         self._unavailable = FailureEpisodes(
@@ -118,7 +121,10 @@ class PodResourcesReconciler:
             near = bisect.bisect_left(self._follow_ups, due - MIN_SPACING_S)
             if near == len(self._follow_ups) or self._follow_ups[near] > due + MIN_SPACING_S:
                 bisect.insort(self._follow_ups, due)
-        self._wanted.set()
+        # Waking `run` costs more than the rest of this: only when its next lookup comes sooner now (a burst of
+        # Allocates keeps the first one's first follow-up).
+        if self._follow_ups[0] < self._waiting_until:
+            self._wanted.set()
 
     def _next_lookup(self, rested: float, retry: Backoff) -> float:
         """The clock time of the next lookup, for a loop that rests since `rested`."""
@@ -159,9 +165,11 @@ class PodResourcesReconciler:
         retry = Backoff(BACKOFF_INITIAL_S, BACKOFF_MAX_S)
         while True:
             rested = self._clock()
-            while (wait := self._next_lookup(rested, retry) - self._clock()) > 0:
+            while (wait := (due := self._next_lookup(rested, retry)) - self._clock()) > 0:
+                self._waiting_until = due
                 with anyio.move_on_after(wait):
-                    await self._wanted.wait()  # an Allocate: its first follow-up may come sooner
+                    await self._wanted.wait()  # an Allocate whose first follow-up comes sooner
+                self._waiting_until = math.inf
                 self._wanted = anyio.Event()
             if await self.reconcile_once():
                 retry.reset()
