@@ -187,8 +187,8 @@ class Node:
             kubelet_dir=self.directory / "kubelet",
             cdi_dir=self.cdi_dir,
             kubeconfig=None,
+            api=self.api,  # type: ignore[arg-type]  # the test double has the methods ClaimServer calls
         )
-        claims._api = self.api  # what run() gets from connect(); ClaimServer has no other seam
         return Agent(claims=claims, resource=resource, pids=self.pids)
 
     def run(self, main: Callable[[], Awaitable[None]]) -> None:

@@ -11,6 +11,7 @@ unprepared at once. DRA says when a claim ends, so unprepare releases at once, w
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,8 +67,10 @@ class ClaimServer:
         cdi_dir: Path,
         kubeconfig: Path | None,
         prepare_timer: Callable[[float, str], None] | None = None,
+        api: KubeApi | None = None,
     ) -> None:
-        """`prepare_timer`: called with each claim's prepare time in seconds and its outcome (ok, refused)."""
+        """`prepare_timer`: called with each claim's prepare time in seconds and its outcome (ok, refused); `api`:
+        the API server's client (None: `run` connects with `kubeconfig`, or the pod's service account)."""
         self._plan = plan
         self._resources = {server.plan.name: server for server in resources}
         self._node = node
@@ -76,7 +79,7 @@ class ClaimServer:
         self._checkpoint = plan.mps_root / CHECKPOINT_FILE
         self._held: dict[str, _Held] = {}
         self._lock = anyio.Lock()
-        self._api: KubeApi | None = None
+        self._api = api
         self.slice: NodeSlice = node_slice(plan, node)
         self.slice_published = False
         self.publishing = FailureEpisodes(
@@ -137,7 +140,8 @@ class ClaimServer:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect to the API server, serve the kubelet's DRA calls, keep the node's slice published; on the way
         out, remove the slice (no one prepares claims for it any more) within a bounded time."""
-        self._api = await connect(self._kubeconfig)
+        if self._api is None:
+            self._api = await connect(self._kubeconfig)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.endpoint.run)
@@ -239,7 +243,8 @@ class ClaimServer:
                 self._save()
             except MpsAgentError:
                 self._held.pop(ref.uid, None)
-                cdi.remove_claim_spec(self._cdi_dir, ref.uid)
+                with contextlib.suppress(MpsAgentError):  # the failure to report is the one above
+                    cdi.remove_claim_spec(self._cdi_dir, ref.uid)
                 raise
         except BaseException:
             for server, grant in grants:
@@ -297,7 +302,9 @@ def _ordinal(server: ResourceServer, uuid: str) -> int | None:
 
 
 def _cdi_name(ref: ClaimRef, share: ClaimShare) -> str:
-    return f"{ref.uid}-{share.device.device}"
+    """Unique within the claim's spec: two requests of one claim can share a device (each its own share ID)."""
+    share_id = share.device.share_id
+    return f"{ref.uid}-{share.device.device}" + (f"-{share_id}" if share_id else "")
 
 
 def _prepared(ref: ClaimRef, shares: tuple[ClaimShare, ...], pods: tuple[str, ...]) -> PreparedClaim:
