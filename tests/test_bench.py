@@ -11,10 +11,22 @@ import shutil
 import signal
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from bench.dra_prepare import (
+    GRPC_SECONDS,
+    PREPARE,
+    Histogram,
+    daemon_sessions,
+    histogram,
+    log_breakdown,
+    paired_median,
+    parse_metrics,
+    prepare_split,
+)
 from bench.plot import plot
 from mpsagent_testing.node import small_node
 from mpsagent_testing.nvml.build import fake_nvml_env
@@ -225,3 +237,95 @@ def test_gpu_share_refuses_without_torch_and_bad_sizes(short_dir: Path) -> None:
     bad = run_gpu_share("--sizes", "1024,x", env=env)
     assert bad.returncode == 2 and "--sizes: not a comma-separated list of integers: '1024,x'" in bad.stderr
     assert "Traceback" not in missing.stderr + bad.stderr
+
+
+# --- bench/dra_prepare.py: its pure parts, without the node ----------------------------------------------------
+
+
+def _series(driver: str, code: str, *, total: float, count: int, buckets: dict[str, int]) -> list[str]:
+    labels = f'driver_name="{driver}",grpc_status_code="{code}",method_name="{PREPARE}"'
+    name = "dra_grpc_operations_duration_seconds"
+    return [
+        *(f'{name}_bucket{{{labels},le="{le}"}} {n}' for le, n in buckets.items()),
+        f"{name}_sum{{{labels}}} {total}",
+        f"{name}_count{{{labels}}} {count}",
+    ]
+
+
+KUBELET_METRICS_TEXT = "\n".join(
+    [
+        "# HELP dra_grpc_operations_duration_seconds [ALPHA] Duration in seconds of the DRA gRPC operations",
+        "# TYPE dra_grpc_operations_duration_seconds histogram",
+        *_series("mps.mpsagent.io", "OK", total=0.4, count=4, buckets={"0.1": 3, "0.5": 4, "+Inf": 4}),
+        *_series("mps.mpsagent.io", "Unavailable", total=0.01, count=1, buckets={"0.1": 1, "0.5": 1, "+Inf": 1}),
+        *_series("noop.example.com", "OK", total=0.003, count=2, buckets={}),
+        'label_with_escapes{text="a \\"quoted\\" word, and a } brace"} 7',
+    ]
+)
+
+
+def test_dra_prepare_reads_the_kubelets_histograms_and_their_deltas() -> None:
+    samples = parse_metrics(KUBELET_METRICS_TEXT)
+    assert samples[("label_with_escapes", frozenset({("text", 'a "quoted" word, and a } brace')}))] == 7
+    agent = histogram(samples, GRPC_SECONDS, driver_name="mps.mpsagent.io", method_name=PREPARE)
+    assert (agent.sum, agent.count) == (pytest.approx(0.41), 5), "the series of every status code, added up"
+    assert dict(agent.buckets) == {0.1: 4, 0.5: 5, math.inf: 5}
+    noop = histogram(samples, GRPC_SECONDS, driver_name="noop.example.com", method_name=PREPARE)
+    assert noop.mean == pytest.approx(0.0015) and not noop.buckets
+
+    before = Histogram(0.11, 2, {0.1: 2, 0.5: 2, math.inf: 2})
+    delta = agent - before
+    assert (delta.sum, delta.count, delta.mean) == (pytest.approx(0.3), 3, pytest.approx(0.1))
+    assert dict(delta.buckets) == {0.1: 2, 0.5: 3, math.inf: 3}
+    assert delta.quantile_bucket(0.5) == (0.0, 0.1), "the median lies in the first bucket"
+    assert delta.quantile(0.5) == pytest.approx(0.075), "linear inside it: 1.5 of its 2 observations"
+    assert delta.quantile_bucket(0.9) == (0.1, 0.5)
+    assert Histogram().mean is None and Histogram().quantile(0.5) is None
+    assert Histogram(1.0, 1, {0.1: 0, math.inf: 1}).quantile(0.5) == 0.1, "in +Inf: its lower bound"
+
+
+def test_dra_prepare_splits_the_agents_prepare_by_its_log_and_the_daemons() -> None:
+    t0 = datetime(2026, 12, 2, 0, 25, 40, 600000, tzinfo=UTC)
+
+    def agent_line(event: str, at: datetime, **extra: str) -> str:
+        stamp = at.isoformat().replace("+00:00", "Z")
+        return json.dumps({"event": event, "level": "info", "timestamp": stamp, **extra})
+
+    def control_line(at: datetime, text: str) -> str:
+        return f"[{at.astimezone().strftime('%Y-%m-%d %H:%M:%S.%f')[:-3]} Control 11739] {text}"
+
+    ms = timedelta(milliseconds=1)
+    agent_log = [
+        "not json",
+        agent_line("mps daemon caps set", t0 + 20 * ms),
+        agent_line("claim prepared", t0 + 23 * ms, claim_uid="u1"),
+        agent_line("mps daemon caps set", t0 + 500 * ms),
+        agent_line("claim unprepared", t0 + 502 * ms),
+        agent_line("claim prepared", t0 + 900 * ms, claim_uid="u2"),  # the ceilings did not move: no caps line
+    ]
+    control_log = [
+        control_line(t0 - 50 * ms, "Accepting connection..."),
+        control_line(t0 - 50 * ms, "Cmd:get_default_active_thread_percentage"),
+        control_line(t0 + 8 * ms, "Accepting connection..."),
+        control_line(t0 + 8 * ms, "NEW UI"),
+        control_line(t0 + 8 * ms, "Cmd:set_default_active_thread_percentage 10"),
+        control_line(t0 + 14 * ms, "Accepting connection..."),
+        control_line(t0 + 14 * ms, "Cmd:get_server_list"),
+    ]
+    breakdown = log_breakdown(agent_log)
+    assert [(b["claim_uid"], b["after_caps_s"]) for b in breakdown] == [("u1", pytest.approx(0.003)), ("u2", None)]
+    sessions = daemon_sessions(control_log)
+    assert [sent for _, sent in sessions] == [
+        ["get_default_active_thread_percentage"],
+        ["set_default_active_thread_percentage 10"],
+        ["get_server_list"],
+    ]
+    # The agent's metric says the first prepare took 23 ms: it began at t0.
+    (split,) = prepare_split(breakdown, [0.023, 0.004], sessions)
+    assert split == {
+        "before_daemon_s": pytest.approx(0.008),
+        "daemon_s": pytest.approx(0.012),
+        "after_caps_s": pytest.approx(0.003),
+    }
+    assert paired_median([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
+    assert paired_median([1.0], []) is None
