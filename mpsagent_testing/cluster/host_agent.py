@@ -4,7 +4,9 @@ GPUs from the fake NVML library (driven from outside through `FakeNvmlDriver`) a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +65,13 @@ class HostAgents:
         return agent
 
     def close(self) -> None:
-        """Kill every agent still running and end the MPS daemons they left (`--mps-on-exit keep`)."""
+        """Stop every agent still running (SIGTERM, so that it removes its sockets and its ResourceSlice: the
+        kubelet keeps calling a registered socket left behind; SIGKILL after 10 s) and end the MPS daemons they
+        left (`--mps-on-exit keep`)."""
         for agent in self.started:
             if agent.process.poll() is None:
-                agent.process.kill()
-                agent.process.wait(10)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # killed then: the others still stop
+                    agent.stop(timeout=10)
         kill_processes_using(MPS_ROOT)
 
 
