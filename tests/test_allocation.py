@@ -105,7 +105,9 @@ def test_a_grant_of_the_same_ids_again_gets_the_same_setup_of_its_own(allocator:
     """The kubelet granting the same IDs again (any order): the same share, environment, mounts; an environment of
     its own (the servicer may change it)."""
     (first,) = allocator.allocate([ALL])
+    ceilings = allocator.ceilings()
     (second,) = allocator.allocate([list(reversed(ALL))])
+    assert allocator.ceilings() is ceilings  # the live shares are the same: not worked out again
     assert second.record.ended == (first.record.grant,)
     assert second.setup.replica_ids == tuple(reversed(ALL))
     assert (second.setup.share, second.setup.envs, second.setup.mounts) == (

@@ -18,7 +18,7 @@ from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
-from mpsagent.domain.shares import Ceilings, ClientLimit, Share
+from mpsagent.domain.shares import Ceilings, ClientLimit, Share, ShareTally
 
 MAX_NAMED_IDS = 3
 MAX_KNOWN_EDITS = 4096
@@ -69,6 +69,8 @@ class ResourceAllocator:
         # one pass, so that the ledger's and the shares' lookups of them after that compare by identity.
         self._known: dict[str, ReplicaId] = {replica: replica for replica in resource.device_ids}
         self._edits: dict[int, tuple[Share, ContainerEdits]] = {}
+        self._ceilings: tuple[ShareTally, int, Ceilings] | None = None
+        """The ceilings of a tally, as of its `changes`."""
         replicas: dict[GpuUuid, list[ReplicaId]] = {gpu.uuid: [] for gpu in resource.gpus}  # host-index order
         for replica in resource.device_ids:  # one pass: set-up grows with the node's replicas, not their square
             replicas[gpu_of(replica)].append(replica)
@@ -155,8 +157,13 @@ class ResourceAllocator:
         )
 
     def ceilings(self) -> Ceilings:
-        """The ceilings the resource's daemon must hold for the grants the ledger believes live."""
-        return self.resource.shares.ceilings(self.ledger.tally)
+        """The ceilings the resource's daemon must hold for the grants the ledger believes live (every Allocate asks:
+        worked out again only when the live shares changed)."""
+        tally = self.ledger.tally
+        known = self._ceilings
+        if known is None or known[0] is not tally or known[1] != tally.changes:
+            known = self._ceilings = (tally, tally.changes, self.resource.shares.ceilings(tally))
+        return known[2]
 
     def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
         """Bring the ledger to the kubelet's listing of this resource (see mpsagent.domain.reconcile)."""

@@ -149,10 +149,13 @@ class ShareTally:
         self._memory: dict[int, Counter[int]] = {}
         self._threads: Counter[int] = Counter()
         self._clients: Counter[int] = Counter()
+        self.changes = 0
+        """Moves whenever a share is added or removed: what is worked out from the tally holds until it moves."""
         for share in shares:
             self.add(share)
 
     def add(self, share: Share) -> None:
+        self.changes += 1
         for ordinal, mib in share.bounds:
             self._memory.setdefault(ordinal, Counter())[mib] += 1
         self._threads[share.thread_percentage] += 1
@@ -160,6 +163,7 @@ class ShareTally:
             self._clients[held.ordinal] += 1
 
     def remove(self, share: Share) -> None:
+        self.changes += 1
         for ordinal, mib in share.bounds:
             _take(self._memory[ordinal], mib)
         _take(self._threads, share.thread_percentage)
