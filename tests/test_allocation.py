@@ -119,6 +119,16 @@ def test_a_grant_of_the_same_ids_again_gets_the_same_setup_of_its_own(allocator:
     assert live(allocator) == [tuple(reversed(ALL))]
 
 
+def test_the_same_ids_as_an_adopted_grant_get_their_own_share(allocator: ResourceAllocator) -> None:
+    """An adopted grant's share may be a pod's joined one: a grant of its IDs again works its own share out."""
+    whole_gpu0 = allocator.grant_for(ids(GPU0, 0, 1, 2, 3)).share
+    quarter = allocator.grant_for(ids(GPU0, 0)).share
+    allocator.ledger.adopt(tuple(ids(GPU0, 0)), whole_gpu0, ContainerRef(namespace="ml", pod="p", container="c"))
+    (again,) = allocator.allocate([ids(GPU0, 0)])
+    assert again.record.ended[0].share == whole_gpu0
+    assert again.setup.share == quarter
+
+
 def test_a_withdrawn_allocate_leaves_the_ledger_and_the_ceilings_as_they_were(allocator: ResourceAllocator) -> None:
     allocator.allocate([ids(GPU0, 0)])
     before = (live(allocator), allocator.ceilings(), allocator.ledger.statistics())

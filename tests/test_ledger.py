@@ -82,6 +82,15 @@ def test_the_ids_of_one_grant_granted_again_end_it_as_any_regrant(order: tuple[i
     assert holders(ledger) == {A[3]: 2}
 
 
+def test_the_grant_holding_exactly_some_ids_is_found_in_any_order() -> None:
+    ledger = Ledger()
+    grant = record(ledger, A[0], A[1], A[2]).grant
+    assert ledger.holding((A[0], A[1], A[2])) is ledger.holding((A[2], A[0], A[1])) is grant
+    assert ledger.holding((A[0], A[1])) is ledger.holding((*A,)) is ledger.holding((A[0], A[1], A[1])) is None
+    ledger.release([grant.grant_id])
+    assert ledger.holding((A[0], A[1], A[2])) is None
+
+
 def test_a_grant_of_fewer_or_more_ids_than_the_one_it_ends_frees_the_rest() -> None:
     ledger = Ledger()
     record(ledger, A[0], A[1], A[2])

@@ -103,8 +103,16 @@ class ResourceAllocator:
     def grant_for(self, ids: Sequence[str]) -> ContainerSetup:
         """What a container asking for these IDs would get; records nothing (the dry run calls this too)."""
         replica_ids = self.check_request(ids)
-        share = self.resource.shares.share_of(replica_ids, distinct=True)
-        return setup_of(replica_ids, share, self._edits_of(share))
+        return setup_of(replica_ids, (share := self._share_of(replica_ids)), self._edits_of(share))
+
+    def _share_of(self, replica_ids: tuple[ReplicaId, ...]) -> Share:
+        """The share of these checked IDs. The kubelet granting a container's IDs again: the live grant of exactly
+        these IDs that an Allocate recorded has their share (not one adopted, whose share may be a pod's joined one),
+        without counting them again."""
+        earlier = self.ledger.holding(replica_ids)
+        if earlier is not None and not earlier.adopted and earlier.claim is None:
+            return earlier.share
+        return self.resource.shares.share_of(replica_ids, distinct=True)
 
     def _edits_of(self, share: Share) -> ContainerEdits:
         """`share_edits` of a share, worked out once per share (the shares' model gives the same object for the same

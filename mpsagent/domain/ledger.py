@@ -110,6 +110,8 @@ class Ledger:
         self._stats = LedgerStatistics()
         self._version = 0
         self._tally = ShareTally()
+        self._same: tuple[tuple[ReplicaId, ...], int, _Hold | None] | None = None
+        """The last `_same_ids` answer: for these IDs (that very tuple), at this version."""
 
     @property
     def version(self) -> int:
@@ -122,7 +124,8 @@ class Ledger:
         return self._tally
 
     def record(self, replica_ids: tuple[ReplicaId, ...], share: Share) -> Recorded:
-        """Record an Allocate's grant."""
+        """Record an Allocate's grant: its distinct IDs, and the shares model's share of them (which the allocator
+        reads back for a grant of the same IDs again, `holding`)."""
         result = self._add(replica_ids, share, owner=None)
         self._stats.grants[share.kind] += 1
         self._stats.regranted_replicas += len(result.grant.superseded_ids)
@@ -173,8 +176,23 @@ class Ledger:
         self._version += 1
         return Recorded(grant=grant, ended=ended)
 
+    def holding(self, replica_ids: tuple[ReplicaId, ...]) -> Grant | None:
+        """The live grant whose IDs are exactly these (in any order), if one is."""
+        same = self._same_ids(replica_ids)
+        return self._live[same.grant_id] if same is not None else None
+
     def _same_ids(self, replica_ids: tuple[ReplicaId, ...]) -> _Hold | None:
-        """The hold of the live grant whose IDs are exactly these (in any order), if one is."""
+        """The hold of the live grant whose IDs are exactly these (in any order), if one is. An Allocate asks this
+        three times of one tuple (its share, the client limit, the record): asked again before the ledger changed,
+        the answer is the one before."""
+        known = self._same
+        if known is not None and known[0] is replica_ids and known[1] == self._version:
+            return known[2]
+        same = self._find_same(replica_ids)
+        self._same = (replica_ids, self._version, same)
+        return same
+
+    def _find_same(self, replica_ids: tuple[ReplicaId, ...]) -> _Hold | None:
         first = self._holder.get(replica_ids[0]) if replica_ids else None
         if first is None:
             return None

@@ -433,13 +433,16 @@ class ShareModel:
     ) -> tuple[ClientLimit, ...]:
         """The GPUs that `added` grants would push past MPS's client limit, with the `live` ones but those `ending`
         (the grants whose replicas they take)."""
-        change: Counter[int] = Counter()
+        # Every Allocate asks (a full grant's shares hold every GPU): plain loops over a dict.
+        change: dict[int, int] = {}
         for share in ending:
-            change.subtract(held.ordinal for held in share.gpus)
+            for held in share.gpus:
+                change[held.ordinal] = change.get(held.ordinal, 0) - 1
         touched: set[int] = set()
         for share in added:
-            change.update(held.ordinal for held in share.gpus)
-            touched.update(held.ordinal for held in share.gpus)
+            for held in share.gpus:
+                change[held.ordinal] = change.get(held.ordinal, 0) + 1
+                touched.add(held.ordinal)
         over = []
         for ordinal in sorted(touched):
             gpu = self.gpus[ordinal]
