@@ -200,6 +200,18 @@ def test_more_than_one_replica_is_refused_when_fail_requests_greater_than_one(
     assert served.live() == []
 
 
+def test_containers_of_one_share_get_the_same_answer_each_time(served: Served) -> None:
+    """A share's part of an answer is built once: every container of the share, in one Allocate or the next, gets
+    all of it."""
+    first = allocate(served, ids(GPU0, 0), ids(GPU0, 1))
+    second = allocate(served, ids(GPU0, 2))
+    parts = [*first.container_responses, *second.container_responses]
+    assert [dict(part.envs) for part in parts] == [dict(parts[0].envs)] * 3
+    assert dict(parts[0].envs)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert [list(part.mounts) for part in parts] == [list(parts[0].mounts)] * 3
+    assert len(parts[0].mounts) == 2
+
+
 def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Served) -> None:
     allocate(served, ids(GPU0, 0))
     served.daemon.failing = "set_default_active_thread_percentage 25 did not hold"

@@ -33,7 +33,10 @@ class Mount:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContainerSetup:
     """What one container is given (the content of its Allocate answer): its replicas, its share of each GPU, its
-    environment, mounts and CDI devices. The ledger's record of who holds those replicas is `ledger.Grant`."""
+    environment, mounts and CDI devices. The ledger's record of who holds those replicas is `ledger.Grant`.
+
+    The environment, mounts and devices are the resource's edits for the share (`share_edits`): the same for every
+    setup of one share, which the servicer relies on to build each share's answer once."""
 
     replica_ids: tuple[ReplicaId, ...]
     share: Share

@@ -24,7 +24,9 @@ from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.errors import MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
+from mpsagent.domain.container import ContainerSetup
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
+from mpsagent.domain.shares import Share
 
 log = get_logger(__name__)
 
@@ -44,6 +46,7 @@ was wrong) or `failed` (the node, or a bug)."""
 OnGranted = Callable[[Sequence[ContainerAllocation]], None]
 """Told of the grants of an Allocate that is answered OK."""
 RESTORE_TIMEOUT_S = 30.0
+MAX_KNOWN_PARTS = 4096
 
 
 async def _no_daemon(*, verify: bool = False) -> None:
@@ -52,6 +55,18 @@ async def _no_daemon(*, verify: bool = False) -> None:
 
 def _nothing_on_granted(allocations: Sequence[ContainerAllocation]) -> None:
     return None
+
+
+def container_response(setup: ContainerSetup) -> pb.ContainerAllocateResponse:
+    """One container's part of an Allocate answer."""
+    return pb.ContainerAllocateResponse(
+        envs=setup.envs,
+        mounts=[
+            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+            for m in setup.mounts
+        ],
+        cdi_devices=[pb.CDIDevice(name=name) for name in setup.cdi_devices],
+    )
 
 
 def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchResponse:
@@ -114,6 +129,8 @@ class DevicePluginServicer:
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
         self.receive_limit = receive_limit(allocator.resource.device_ids)
+        self._parts: dict[int, tuple[Share, pb.ContainerAllocateResponse]] = {}
+        """Each share's part of an answer (as messages), by the share's identity."""
 
     def close(self) -> None:
         """End every open ListAndWatch stream."""
@@ -189,19 +206,19 @@ class DevicePluginServicer:
                 await self._withdraw(allocations)
                 raise
             self._on_granted(allocations)
-        return pb.AllocateResponse(
-            container_responses=[
-                pb.ContainerAllocateResponse(
-                    envs=dict(a.setup.envs),
-                    mounts=[
-                        pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
-                        for m in a.setup.mounts
-                    ],
-                    cdi_devices=[pb.CDIDevice(name=name) for name in a.setup.cdi_devices],
-                )
-                for a in allocations
-            ]
-        )
+        return pb.AllocateResponse(container_responses=[self._part(a.setup) for a in allocations])
+
+    def _part(self, setup: ContainerSetup) -> pb.ContainerAllocateResponse:
+        """A container's part of the answer: what its setup names apart from its replicas, which follows from its
+        share alone (ContainerSetup), so each share's part is built once."""
+        known = self._parts.get(id(setup.share))
+        if known is not None and known[0] is setup.share:
+            return known[1]
+        if len(self._parts) >= MAX_KNOWN_PARTS:
+            self._parts.clear()
+        part = container_response(setup)
+        self._parts[id(setup.share)] = (setup.share, part)
+        return part
 
     async def _withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
         """An Allocate answered with an error starts no container: its grants go, and the daemon is brought back to
