@@ -129,8 +129,8 @@ class DevicePluginServicer:
         self._closing = anyio.Event()
         self._log = log.bind(resource=allocator.resource.name)
         self.receive_limit = receive_limit(allocator.resource.device_ids)
-        self._parts: dict[int, tuple[Share, pb.ContainerAllocateResponse]] = {}
-        """Each share's part of an answer (as messages), by the share's identity."""
+        self._parts: dict[int, tuple[Share, pb.ContainerAllocateResponse, pb.AllocateResponse]] = {}
+        """Each share's part of an answer, and the answer to one container of it, by the share's identity."""
 
     def close(self) -> None:
         """End every open ListAndWatch stream."""
@@ -206,19 +206,22 @@ class DevicePluginServicer:
                 await self._withdraw(allocations)
                 raise
             self._on_granted(allocations)
-        return pb.AllocateResponse(container_responses=[self._part(a.setup) for a in allocations])
+        if len(allocations) == 1:  # the kubelet asks for one container at a time
+            return self._parts_of(allocations[0].setup)[2]
+        return pb.AllocateResponse(container_responses=[self._parts_of(a.setup)[1] for a in allocations])
 
-    def _part(self, setup: ContainerSetup) -> pb.ContainerAllocateResponse:
-        """A container's part of the answer: what its setup names apart from its replicas, which follows from its
-        share alone (ContainerSetup), so each share's part is built once."""
+    def _parts_of(self, setup: ContainerSetup) -> tuple[Share, pb.ContainerAllocateResponse, pb.AllocateResponse]:
+        """A container's part of the answer, and the answer to it alone: what its setup names apart from its
+        replicas, which follows from its share alone (ContainerSetup), so each share's are built once (and shared:
+        nothing changes an answer once built; grpclib serializes it)."""
         known = self._parts.get(id(setup.share))
         if known is not None and known[0] is setup.share:
-            return known[1]
+            return known
         if len(self._parts) >= MAX_KNOWN_PARTS:
             self._parts.clear()
         part = container_response(setup)
-        self._parts[id(setup.share)] = (setup.share, part)
-        return part
+        known = self._parts[id(setup.share)] = (setup.share, part, pb.AllocateResponse(container_responses=[part]))
+        return known
 
     async def _withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
         """An Allocate answered with an error starts no container: its grants go, and the daemon is brought back to
