@@ -146,7 +146,7 @@ class Ledger:
             # The IDs of one live grant, granted again: it ends, and the new grant takes its hold over.
             earlier = self._live.pop(same.grant_id)
             self._version += 1
-            if earlier.share != share:
+            if earlier.share is not share and earlier.share != share:
                 self._tally.remove(earlier.share)
                 self._tally.add(share)
             same.grant_id = grant_id
