@@ -24,7 +24,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mpsagent.base.errors import HostError
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, PreparedDevice
 from mpsagent.dra.endpoint import DraEndpoint
-from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, PrepareOutcome
+from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, RECEIVE_LIMIT, SERVICE, PrepareOutcome
 from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, reg_grpc, reg_pb2
 from mpsagent_testing.waiting import wait_for
 
@@ -304,6 +304,36 @@ def test_the_largest_request_within_the_bounds_is_answered(running: Running) -> 
 
 
 # --- failures of the handler -----------------------------------------------------------------------------------
+
+
+def _raw_prepare(served: Running, body: bytes) -> grpc.RpcError:
+    """NodePrepareResources with `body` as the message, whatever it is."""
+    call = _channel(served.endpoint.dra_socket).unary_unary(f"/{SERVICE}/NodePrepareResources")
+    with pytest.raises(grpc.RpcError) as info:
+        call(body, timeout=10)
+    return info.value
+
+
+def test_a_request_larger_than_any_within_the_bounds_is_refused_unread(running: Running) -> None:
+    """grpclib reads any message whole: the service refuses one longer than RECEIVE_LIMIT from its length prefix."""
+    error = _raw_prepare(running, b"\n" * (RECEIVE_LIMIT + 1))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"larger than the {RECEIVE_LIMIT} bytes" in (error.details() or "")
+    assert running.handler.prepare_calls == []
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"\x0a\x03\x0a\x01\xff", "not a valid protobuf message"),  # a namespace that is not UTF-8
+        (b"\x0b", "claims[0] is not a claim"),  # a claim's tag with nothing after it
+    ],
+)
+def test_a_request_that_is_not_a_kubelets_is_refused(running: Running, body: bytes, said: str) -> None:
+    error = _raw_prepare(running, body)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert said in (error.details() or "")
+    assert running.handler.prepare_calls == []
 
 
 def test_an_unexpected_handler_failure_is_internal_with_a_short_message(running: Running) -> None:

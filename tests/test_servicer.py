@@ -29,7 +29,8 @@ from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer, EndedInsideMessage, RequestWire
+from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer
+from mpsagent.kubelet.wire import EndedInsideMessage, RequestWire
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 CALL_TIMEOUT_S = 5

@@ -11,20 +11,25 @@ the kubelet tries again.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+import betterproto2
 import msgspec
 from grpclib import GRPCError, Status
+from grpclib.const import Cardinality, Handler
+from grpclib.server import Stream
 
 from mpsagent._proto.k8s.io.kubelet.pkg.apis.dra import v1 as pb
 from mpsagent.base.errors import MpsAgentError, RequestError, shown
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, ClaimRef, PreparedDevice
+from mpsagent.kubelet.wire import WireRefusal, receive_request
 
 log = get_logger(__name__)
+_Request = TypeVar("_Request", bound=betterproto2.Message)
 
 SERVICE = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
 """The gRPC service, as the registration's supported versions name it (`v1.DRAPlugin`)."""
@@ -40,6 +45,11 @@ _FIELDS = (
     ("name", MAX_NAME_CHARS, _DNS_NAME, "a DNS name"),
     ("uid", MAX_CLAIM_UID_CHARS, CLAIM_UID, CLAIM_UID_FORM),
 )
+CLAIM_WIRE_BYTES = 16
+"""A claim's message beyond its three strings: tags and lengths."""
+RECEIVE_LIMIT = 2 * MAX_CLAIMS * (MAX_NAMESPACE_CHARS + MAX_NAME_CHARS + MAX_CLAIM_UID_CHARS + CLAIM_WIRE_BYTES)
+"""The largest request accepted: twice the largest within the bounds (about 150 KiB), refused before it is read
+beyond its length prefix (grpclib would read any length whole)."""
 NO_OUTCOME = "the agent gave no outcome for this claim (a bug: its log may tell more); the kubelet will ask again"
 
 
@@ -79,13 +89,15 @@ class NodeServiceStatistics:
     """Calls answered UNAVAILABLE or INTERNAL: the handler failed as a whole."""
 
 
-def claim_refs(claims: Sequence[pb.Claim]) -> list[ClaimRef]:
+def claim_refs(claims: Sequence[pb.Claim | None]) -> list[ClaimRef]:
     """The request's claims, checked against the bounds, each UID once (in the order first given); raises
     RequestError naming what is wrong."""
     if len(claims) > MAX_CLAIMS:
         raise RequestError(f"{len(claims)} claims in one request; at most {MAX_CLAIMS} are accepted")
     refs: dict[str, ClaimRef] = {}
     for index, claim in enumerate(claims):
+        if claim is None:  # betterproto2 reads a claim's tag with no content as None
+            raise RequestError(f"claims[{index}] is not a claim")
         for field, limit, pattern, form in _FIELDS:
             value: str = getattr(claim, field)
             where = f"claims[{index}].{field}"
@@ -160,6 +172,51 @@ class DraNodeService(pb.DraPluginBase):
                 self._stats.claim_errors += 1
             replies[claim.uid] = pb.NodeUnprepareResourceResponse(error=error)
         return pb.NodeUnprepareResourcesResponse(claims=replies)
+
+    # --- the handler table (grpclib's IServable): the generated one, with requests received within RECEIVE_LIMIT --
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            f"/{SERVICE}/NodePrepareResources": self._unary(
+                "NodePrepareResources",
+                pb.NodePrepareResourcesRequest,
+                pb.NodePrepareResourcesResponse,
+                self.node_prepare_resources,
+            ),
+            f"/{SERVICE}/NodeUnprepareResources": self._unary(
+                "NodeUnprepareResources",
+                pb.NodeUnprepareResourcesRequest,
+                pb.NodeUnprepareResourcesResponse,
+                self.node_unprepare_resources,
+            ),
+        }
+
+    def _unary(
+        self,
+        rpc: str,
+        request_type: type[_Request],
+        reply_type: type[betterproto2.Message],
+        method: Callable[[_Request], Awaitable[betterproto2.Message]],
+    ) -> Handler:
+        async def handle(stream: Stream[Any, Any]) -> None:
+            try:
+                body = await receive_request(stream, rpc, RECEIVE_LIMIT)
+            except WireRefusal as refused:
+                self._stats.refused += 1
+                log.warning("request refused", rpc=rpc, reason=refused.reason)
+                raise GRPCError(refused.status, f"{rpc}: {refused.reason}") from None
+            if body is None:
+                return  # the kubelet went away before asking
+            try:
+                request = request_type.parse(body)
+            except Exception:  # betterproto2 raises what the bytes make it raise
+                self._stats.refused += 1
+                raise GRPCError(
+                    Status.INVALID_ARGUMENT, f"{rpc}: the request is not a valid protobuf message"
+                ) from None
+            await stream.send_message(await method(request))
+
+        return Handler(handle, Cardinality.UNARY_UNARY, request_type, reply_type)
 
     @contextmanager
     def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:

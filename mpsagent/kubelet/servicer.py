@@ -8,7 +8,6 @@ admission, and at node scale (768 IDs) betterproto2 alone spends 5 ms parsing a 
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.container import ContainerSetup
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
+from mpsagent.kubelet.wire import WireRefusal, receive_request
 
 log = get_logger(__name__)
 
@@ -85,8 +85,6 @@ def list_and_watch_response(snapshot: InventorySnapshot) -> pb.ListAndWatchRespo
 
 
 SERVICE = "/v1beta1.DevicePlugin/"
-# gRPC's length prefix: a compressed flag and the message length (big-endian).
-_MESSAGE_PREFIX = struct.Struct(">?I")
 MIN_RECEIVE_LIMIT = 64 * 1024
 RECEIVE_LIMIT_MARGIN = 2
 
@@ -282,28 +280,15 @@ class DevicePluginServicer:
 
         grpclib has no receive limit: it reads a message whole, whatever length its prefix declares, and keeps what
         it read until the connection's handler is collected (an aborted 4 GiB message grew the agent by the 200 MiB
-        sent, every time). So the prefix is read here (through `RequestWire`, the one adapter below grpclib's public
-        surface), and a longer message than a kubelet ever sends is refused before its body is read; the endpoint's
-        flow-control windows bound what a client can push beyond that."""
-        wire = RequestWire(stream)
+        sent, every time). So the prefix is read first (`wire.receive_request`, the one adapter below grpclib's
+        public surface), and a longer message than a kubelet ever sends is refused before its body is read; the
+        endpoint's flow-control windows bound what a client can push beyond that."""
         try:
-            prefix = await wire.read(_MESSAGE_PREFIX.size)
-            if not prefix:
-                return None
-            compressed, length = _MESSAGE_PREFIX.unpack(prefix)
-            if compressed:
-                raise self._refusal(
-                    Status.INVALID_ARGUMENT, rpc, f"the {rpc} request is compressed; no kubelet does that"
-                )
-            if length > self.receive_limit:
-                raise self._refusal(
-                    Status.RESOURCE_EXHAUSTED,
-                    rpc,
-                    f"{rpc} request of {length} bytes is larger than the {self.receive_limit} bytes a kubelet sends",
-                )
-            body = await wire.read_exactly(length)
-        except EndedInsideMessage:
-            raise self._refusal(Status.INVALID_ARGUMENT, rpc, f"the {rpc} request ended inside its message") from None
+            body = await receive_request(stream, rpc, self.receive_limit)
+        except WireRefusal as refused:
+            raise self._refusal(refused.status, rpc, refused.reason) from None
+        if body is None:
+            return None
         try:
             message: _Request = message_type.FromString(body)
         except DecodeError:
@@ -360,44 +345,3 @@ class DevicePluginServicer:
             return  # the kubelet went away before asking
         async for response in self.list_and_watch(request):
             await stream.send_message(response)
-
-
-# --- the one adapter below grpclib's public surface ----------------------------------------------------------------
-
-
-class EndedInsideMessage(Exception):
-    """The request's stream ended before the bytes its message prefix declared."""
-
-
-class _Http2Stream(Protocol):
-    async def recv_data(self, size: int) -> bytes: ...
-
-
-class RequestWire:
-    """The request bytes of a server stream as they arrive, read a few at a time.
-
-    grpclib 0.4's public `Stream.recv_message` reads a message whole and offers no size limit (its `Server` and
-    `Configuration` have none, and its events come before the body is read or after it is decoded), so this reads
-    below it, in exactly two places: the HTTP/2 stream a server `Stream` keeps as `_stream`, and that stream's
-    `recv_data(size)`, which returns `b""` when the stream ended before any byte and raises `AssertionError` when it
-    ended inside `size` bytes. The version pin (`grpclib>=0.4.9,<0.5`) and tests/test_servicer.py's guard test
-    (`test_grpclib_still_has_what_the_request_wire_reads`) hold both; nothing else in the agent reaches below
-    grpclib's public surface."""
-
-    def __init__(self, stream: Stream[Any, Any]) -> None:
-        self._stream: _Http2Stream = stream._stream
-
-    async def read(self, size: int) -> bytes:
-        """`size` bytes of the request; `b""` when it ended before any (the client went away, or sent nothing);
-        raises `EndedInsideMessage` when it ended inside them."""
-        try:
-            return await self._stream.recv_data(size)
-        except AssertionError:  # grpclib's Buffer.read: "Received less data than expected"
-            raise EndedInsideMessage(f"the stream ended inside {size} bytes") from None
-
-    async def read_exactly(self, size: int) -> bytes:
-        """`size` bytes of the request; raises `EndedInsideMessage` when it ended before them."""
-        data = await self.read(size)
-        if len(data) != size:  # ended where they should begin
-            raise EndedInsideMessage(f"the stream ended before {size} bytes")
-        return data
