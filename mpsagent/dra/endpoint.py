@@ -5,7 +5,6 @@ directory: the kubelet would not find the plugin again), and removes both files 
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
 from mpsagent.base.host import FileIdentity, file_identity
 from mpsagent.base.logs import get_logger
-from mpsagent.dra.node_service import ClaimHandler, DraNodeService, NodeServiceStatistics
+from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService, NodeServiceStatistics
 from mpsagent.dra.registration import RegistrationService, RegistrationStatistics
+from mpsagent.kubelet.wire import bounded_server, start_owner_only
 
 log = get_logger(__name__)
 
@@ -59,7 +59,7 @@ class _ServedSocket:
         old, self._server = self._server, None
         if old is not None:
             await _close(old)
-        server = Server([self._servable])
+        server = bounded_server([self._servable], RECEIVE_LIMIT)
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
             try:
@@ -72,12 +72,7 @@ class _ServedSocket:
                 log.info("stale socket removed", socket=str(self.path))
             except FileNotFoundError:
                 pass
-            # Owner-only from the first moment: the kubelet runs as root, nobody else may prepare claims.
-            old_umask = os.umask(0o177)
-            try:
-                await server.start(path=str(self.path))
-            finally:
-                os.umask(old_umask)
+            await start_owner_only(server, self.path)
         except OSError as exc:
             raise HostError(
                 f"cannot serve the {self.what} socket {self.path} ({exc.strerror or exc}); the agent must be able to "

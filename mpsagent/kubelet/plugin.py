@@ -11,7 +11,6 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
-from grpclib.config import Configuration
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server
 
@@ -22,6 +21,7 @@ from mpsagent.base.host import FileIdentity, file_identity, pid_alive
 from mpsagent.base.logs import get_logger
 from mpsagent.kubelet.registration import register
 from mpsagent.kubelet.servicer import DevicePluginServicer
+from mpsagent.kubelet.wire import bounded_server, start_owner_only
 
 log = get_logger(__name__)
 
@@ -118,21 +118,10 @@ class PluginEndpoint:
                 await self._close(server)
 
     async def _serve(self) -> Server:
-        # What a client may send before the servicer reads it (grpclib's default is 4 MiB per stream and per
-        # connection): no more than the largest request, which the servicer reads before it lets more through.
-        window = self._servicer.receive_limit
-        server = Server(
-            [self._servicer],
-            config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window),
-        )
+        server = bounded_server([self._servicer], self._servicer.receive_limit)
         try:
             self.socket_path.unlink(missing_ok=True)
-            # Owner-only from the first moment: the kubelet runs as root, nobody else may allocate devices.
-            old_umask = os.umask(0o177)
-            try:
-                await server.start(path=str(self.socket_path))
-            finally:
-                os.umask(old_umask)
+            await start_owner_only(server, self.socket_path)
         except OSError as exc:
             raise HostError(
                 f"cannot serve the device plugin socket {self.socket_path} ({exc.strerror}); the agent must be able "

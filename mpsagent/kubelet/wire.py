@@ -1,18 +1,52 @@
-"""Receiving a request with a size limit, for the kubelet-facing gRPC services (the device plugin's and the DRA
-driver's): grpclib 0.4 has none of its own. `receive_request` reads the message's length prefix first and refuses
-a message longer than the service's limit before its body is read; `RequestWire` is the one adapter below grpclib's
+"""The wire of the kubelet-facing gRPC services (the device plugin's and the DRA driver's): their sockets, served
+owner-only with bounded flow-control windows (`bounded_server`, `start_owner_only`), and requests received with a
+size limit, which grpclib 0.4 has none of: `receive_request` reads the message's length prefix first and refuses a
+message longer than the service's limit before its body is read; `RequestWire` is the one adapter below grpclib's
 public surface that this needs."""
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from grpclib import Status
-from grpclib.server import Stream
+from grpclib.config import Configuration
+from grpclib.const import Handler
+from grpclib.server import Server, Stream
 
 MESSAGE_PREFIX = struct.Struct(">?I")
 """gRPC's length prefix: a compressed flag and the message length (big-endian)."""
+
+
+OWNER_ONLY_UMASK = 0o177
+
+
+class Servable(Protocol):
+    """A gRPC service as grpclib serves it: its handler table (grpclib's own protocol is private)."""
+
+    def __mapping__(self) -> Mapping[str, Handler]: ...
+
+
+def bounded_server(servables: Sequence[Servable], window: int) -> Server:
+    """A server whose clients may send at most `window` bytes (per stream and per connection) ahead of what it has
+    read (grpclib's default is 4 MiB): no more than the largest request, which the services read before they let
+    more through."""
+    return Server(
+        list(servables), config=Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
+    )
+
+
+async def start_owner_only(server: Server, path: Path) -> None:
+    """Serve on the socket file `path`, which only its owner may connect to from its first moment: the kubelet runs
+    as root, and nobody else may allocate devices or prepare claims. Raises OSError."""
+    old_umask = os.umask(OWNER_ONLY_UMASK)
+    try:
+        await server.start(path=str(path))
+    finally:
+        os.umask(old_umask)
 
 
 class WireRefusal(Exception):
