@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsagent_testing import waiting
-from mpsagent_testing.cluster import build, claims, kubectl, node, noop_dra, pods
+from mpsagent_testing.cluster import claims, kubectl, node, noop_dra, pods
 from mpsagent_testing.cluster.host_agent import GIB, MPS_ROOT, HostAgents, fake_gpu, status
 from mpsagent_testing.cluster.layout import KUBECONFIG
 from mpsagent_testing.repo import ROOT
@@ -616,14 +616,8 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=20, help="pods of each kind counted (default 20)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "dra-prepare.json")
     args = parser.parse_args()
-    build.ensure_binaries()
-    was_up = bool(node.recorded()) and node.node_ready()
-    node.up()
-    try:
+    with node.up_meanwhile():
         result = measure(args.pods)
-    finally:
-        if not was_up:
-            node.down()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     report(result)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpsagent_testing.cluster import build, kubectl, node, pods
+from mpsagent_testing.cluster import kubectl, node, pods
 from mpsagent_testing.cluster.host_agent import HostAgents, fake_gpu
 from mpsagent_testing.repo import ROOT
 
@@ -132,14 +132,8 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=40, help="pods of each kind counted (default 40)")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "pod-startup.json")
     args = parser.parse_args()
-    build.ensure_binaries()
-    was_up = bool(node.recorded()) and node.node_ready()
-    node.up()
-    try:
+    with node.up_meanwhile():
         result = measure(args.pods)
-    finally:
-        if not was_up:
-            node.down()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(f"{'pod created -> Running':<28} {'median':>8} {'p90':>8} {'mean':>8}")

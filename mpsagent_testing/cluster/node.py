@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpsagent_testing.cluster import images
-from mpsagent_testing.cluster.build import binary
+from mpsagent_testing.cluster.build import binary, ensure_binaries
 from mpsagent_testing.cluster.layout import (
     API_PORT,
     BIN,
@@ -515,6 +516,20 @@ def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -
           "the default service account", recorded()["kube-controller-manager"])  # fmt: skip
     step("controllers")
     return took
+
+
+@contextmanager
+def up_meanwhile() -> Iterator[None]:
+    """The node up (built first if the cache lacks a part) for what runs inside; taken down after it unless it was
+    up before: the benches' way to use the node without disturbing one an operator keeps up."""
+    ensure_binaries()
+    was_up = bool(recorded()) and node_ready()
+    up()
+    try:
+        yield
+    finally:
+        if not was_up:
+            down()
 
 
 def restart_kubelet(stopped_s: float = 0.0) -> None:
