@@ -30,6 +30,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import Holding
+from mpsagent.kubelet.plugin import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
     CeilingsStatus,
@@ -115,9 +116,7 @@ def serving_views() -> list[ResourceView]:
             ),
             busy_episodes=2,
         ),
-        registered=True,
-        registrations=2,
-        registration_failures=1,
+        registration=Registration(registered=True, registrations=2, registration_failures=1),
     )
     down = ResourceView(
         allocator=ResourceAllocator(units, plan.shm_directory),
@@ -132,8 +131,7 @@ def serving_views() -> list[ResourceView]:
                 problem="does not decode: Input data was truncated",
             ),
         ),
-        registered=False,
-        registrations=0,
+        registration=Registration(registered=False, registrations=0),
     )
     return [serving, down]
 
@@ -246,8 +244,7 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
             cap_mode=ceiling_mode(allocator.ceilings(), gpus.shares.full_hardware()),
             ceilings=CeilingsStatus.of(allocator.ceilings()),
         ),
-        registered=True,
-        registrations=1,
+        registration=Registration(registered=True, registrations=1),
     )
     pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
     write_status(

@@ -32,6 +32,7 @@ from mpsagent.documents.status_document import (
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
+from mpsagent.kubelet.plugin import Registration
 from mpsagent.mps.daemon_status import DaemonStatus, utc
 
 STATUS_FILE = "status.json"
@@ -51,9 +52,7 @@ class ResourceView:
     allocator: ResourceAllocator
     inventory: Inventory
     daemon: DaemonStatus
-    registered: bool
-    registrations: int
-    registration_failures: int = 0
+    registration: Registration
 
 
 def _parse_utc(when: str | None) -> float | None:
@@ -134,9 +133,9 @@ def _resource_status(view: ResourceView) -> ResourceStatus:
     stats = view.allocator.ledger.statistics()
     return ResourceStatus(
         name=view.allocator.resource.name,
-        registered=view.registered,
-        registrations=view.registrations,
-        registration_failures=view.registration_failures,
+        registered=view.registration.registered,
+        registrations=view.registration.registrations,
+        registration_failures=view.registration.registration_failures,
         replicas=len(devices),
         healthy=sum(d.health is Health.HEALTHY for d in devices),
         gpus=_gpu_entries(view, grants),

@@ -61,8 +61,12 @@ def _remove_stale_sockets(directory: Path, resource_name: str) -> None:
             log.warning("stale plugin socket not removed", resource=resource_name, socket=str(path), reason=str(exc))
 
 
-@dataclass(kw_only=True, slots=True)
-class PluginStatistics:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Registration:
+    """The plugin's registration with the kubelet, as the status document shows it: whether it is registered now,
+    and how often registering worked and failed."""
+
+    registered: bool = False
     registrations: int = 0
     registration_failures: int = 0
 
@@ -83,17 +87,16 @@ class PluginEndpoint:
         self._kubelet_socket = kubelet_socket
         self._pre_start_required = pre_start_required
         self.socket_path = kubelet_socket.parent / socket_name(resource_name, os.getpid())
-        self._stats = PluginStatistics()
         self._registered = False
+        self._registrations = 0
+        self._registration_failures = 0
         self._log = log.bind(resource=resource_name)
 
-    @property
-    def registered(self) -> bool:
-        return self._registered
-
-    def statistics(self) -> PluginStatistics:
-        return PluginStatistics(
-            registrations=self._stats.registrations, registration_failures=self._stats.registration_failures
+    def registration(self) -> Registration:
+        return Registration(
+            registered=self._registered,
+            registrations=self._registrations,
+            registration_failures=self._registration_failures,
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -179,7 +182,7 @@ class PluginEndpoint:
                     pre_start_required=self._pre_start_required,
                 )
             except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
-                self._stats.registration_failures += 1
+                self._registration_failures += 1
                 failing.failed(
                     str(exc) or type(exc).__name__,
                     kubelet_socket=str(self._kubelet_socket),
@@ -189,7 +192,7 @@ class PluginEndpoint:
                 retry.grow()
                 continue
             self._registered = True
-            self._stats.registrations += 1
+            self._registrations += 1
             self._log.info("registered with kubelet", endpoint=self.socket_path.name)
             return kubelet
 

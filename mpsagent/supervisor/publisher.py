@@ -99,10 +99,7 @@ class StatePublisher:
             self._reconciler.successes,
             self._reconciler.failures,
             tuple(sorted(unhealthy_gpus.items())),
-            tuple(
-                (v.inventory.generation, v.allocator.ledger.version, v.daemon, v.registered, v.registrations)
-                for v in views
-            ),
+            tuple((v.inventory.generation, v.allocator.ledger.version, v.daemon, v.registration) for v in views),
         )
 
     def _write_status(self, document: StatusDocument) -> bool:

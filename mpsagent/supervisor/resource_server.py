@@ -103,14 +103,11 @@ class ResourceServer:
             self._log.error("mps daemon caps not changed", reason=str(exc))
 
     def view(self) -> ResourceView:
-        statistics = self.endpoint.statistics()
         return ResourceView(
             allocator=self.allocator,
             inventory=self.inventory,
             daemon=self.daemon.status(),
-            registered=self.endpoint.registered,
-            registrations=statistics.registrations,
-            registration_failures=statistics.registration_failures,
+            registration=self.endpoint.registration(),
         )
 
     def _on_granted(self, allocations: Sequence[ContainerAllocation]) -> None:
