@@ -63,7 +63,6 @@ OPERATION_SECONDS = "dra_operations_duration_seconds"
 API_SECONDS = "apiserver_request_duration_seconds"
 AGENT_SECONDS = "mpsagent_claim_prepare_duration_seconds"
 KUBELET_METRICS = "https://127.0.0.1:10250/metrics"
-RUNNING_TIMEOUT_S = 60
 UNPREPARE_TIMEOUT_S = 30.0
 METRICS_TIMEOUT_S = 10
 START_TIMEOUT_S = 30.0
@@ -339,27 +338,6 @@ def template(kind: str) -> dict[str, Any]:
     return made
 
 
-def time_to_running(manifest: dict[str, Any]) -> float:
-    """Seconds from the create request to the watch event that shows the pod Running."""
-    name = manifest["metadata"]["name"]
-    collection = f"/api/v1/namespaces/{pods.NAMESPACE}/pods"
-    query = f"?watch=1&resourceVersion=0&fieldSelector=metadata.name%3D{name}&timeoutSeconds={RUNNING_TIMEOUT_S}"
-    with node.api_request("GET", collection + query, timeout=RUNNING_TIMEOUT_S) as watch:
-        started = time.perf_counter()
-        with node.api_request("POST", collection, manifest):
-            pass
-        for line in watch:
-            event = json.loads(line)
-            if event["type"] == "ERROR":
-                raise RuntimeError(f"watching pod {name}: {event['object'].get('message')}")
-            phase = event["object"]["status"].get("phase")
-            if phase == "Running":
-                return time.perf_counter() - started
-            if phase == "Failed":
-                raise RuntimeError(f"pod {name} failed: {json.dumps(event['object']['status'])[:1000]}")
-    raise TimeoutError(f"pod {name} was not Running within {RUNNING_TIMEOUT_S} s")
-
-
 def agent_claims() -> list[Any]:
     found: list[Any] = (status().get("dra") or {}).get("claims", [])
     return found
@@ -457,7 +435,7 @@ def _one_pod(name: str, kind: str, *, counted: bool, kubelet: KubeletMetrics, po
     driver = DRIVERS[kind]
     before = kubelet.read()
     before_agent = agent_metrics(port) if kind == AGENT else {}
-    took = time_to_running(claim_pod(name, kind))
+    took = pods.time_to_running(claim_pod(name, kind))
     after = kubelet.read()
     grpc = histogram(after, GRPC_SECONDS, driver_name=driver, method_name=PREPARE) - histogram(
         before, GRPC_SECONDS, driver_name=driver, method_name=PREPARE

@@ -31,29 +31,7 @@ GPU = "nvidia.com/gpu"
 NOOP = "example.com/noop"
 TARGET_RATIO = 1.10
 CONFIG = f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: {GPU}\n      replicas: 4\n"
-RUNNING_TIMEOUT_S = 60
 SETTLE_S = 1.5
-
-
-def time_to_running(name: str, resource: str) -> float:
-    """Seconds from the create request to the watch event that shows the pod Running."""
-    collection = f"/api/v1/namespaces/{pods.NAMESPACE}/pods"
-    # resourceVersion=0: from what the API server's watch cache holds (a node just up may not hold the newest yet).
-    query = f"?watch=1&resourceVersion=0&fieldSelector=metadata.name%3D{name}&timeoutSeconds={RUNNING_TIMEOUT_S}"
-    with node.api_request("GET", collection + query, timeout=RUNNING_TIMEOUT_S) as watch:
-        started = time.perf_counter()
-        with node.api_request("POST", collection, quiet_pod(name, resource)):
-            pass
-        for line in watch:
-            event = json.loads(line)
-            if event["type"] == "ERROR":
-                raise RuntimeError(f"watching pod {name}: {event['object'].get('message')}")
-            phase = event["object"]["status"].get("phase")
-            if phase == "Running":
-                return time.perf_counter() - started
-            if phase == "Failed":
-                raise RuntimeError(f"pod {name} failed: {json.dumps(event['object']['status'])[:1000]}")
-    raise TimeoutError(f"pod {name} was not Running within {RUNNING_TIMEOUT_S} s")
 
 
 def quiet_pod(name: str, resource: str) -> dict[str, Any]:
@@ -89,7 +67,7 @@ def measure(count: int) -> dict[str, Any]:
         for i in range(count + 2):  # the first two of each warm up the node's caches and are not counted
             for resource in (GPU, NOOP) if i % 2 == 0 else (NOOP, GPU):
                 pod = f"bench-{resource.split('/')[1]}-{i}"
-                took = time_to_running(pod, resource)
+                took = pods.time_to_running(quiet_pod(pod, resource))
                 pods.delete(pod)
                 # The kubelet tears the sandbox down after the API object is gone: let that end before the next pod.
                 time.sleep(SETTLE_S)

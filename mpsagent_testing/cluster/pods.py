@@ -4,10 +4,11 @@ environment, its mounts and the MPS pipe directory), and the waits and reads the
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from mpsagent_testing.cluster import kubectl
+from mpsagent_testing.cluster import kubectl, node
 from mpsagent_testing.cluster.layout import BUSYBOX_IMAGE
 
 NAMESPACE = "default"
@@ -116,3 +117,29 @@ def delete_all() -> None:
 def allocatable(node: str, resource: str) -> int:
     found = kubectl.get("node", node)["status"].get("allocatable", {}).get(resource, "0")
     return int(found)
+
+
+RUNNING_TIMEOUT_S = 60
+
+
+def time_to_running(manifest: dict[str, Any], timeout: float = RUNNING_TIMEOUT_S) -> float:
+    """Create the pod and return the seconds from the create request to the watch event that shows it Running (the
+    benches' measure: no kubectl process in between)."""
+    name = manifest["metadata"]["name"]
+    collection = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    # resourceVersion=0: from what the API server's watch cache holds (a node just up may not hold the newest yet).
+    query = f"?watch=1&resourceVersion=0&fieldSelector=metadata.name%3D{name}&timeoutSeconds={int(timeout)}"
+    with node.api_request("GET", collection + query, timeout=timeout) as watch:
+        started = time.perf_counter()
+        with node.api_request("POST", collection, manifest):
+            pass
+        for line in watch:
+            event = json.loads(line)
+            if event["type"] == "ERROR":
+                raise RuntimeError(f"watching pod {name}: {event['object'].get('message')}")
+            phase = event["object"]["status"].get("phase")
+            if phase == "Running":
+                return time.perf_counter() - started
+            if phase == "Failed":
+                raise RuntimeError(f"pod {name} failed: {json.dumps(event['object']['status'])[:1000]}")
+    raise TimeoutError(f"pod {name} was not Running within {timeout:g} s")
