@@ -176,7 +176,8 @@ def claim_shares(plan: NodePlan, allocation: ClaimAllocation, node: str) -> tupl
         resource, gpu = placed
         memory_mib = _memory_mib(device, gpu, claim)
         threads = _thread_percentage(device, gpu, memory_mib, claim)
-        ordinal = next(o for o, g in enumerate(resource.gpus) if g.uuid == gpu.uuid)
+        ordinal = resource.shares.ordinal_of(gpu.uuid)
+        assert ordinal is not None  # `by_name` holds the resource's own GPUs
         share = resource.shares.capacity_share(ordinal, memory_mib, threads)
         parameters = share_parameters(allocation.configs, device.request, claim)
         edits = share_edits(resource, share, plan.shm_directory)

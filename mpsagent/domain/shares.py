@@ -255,6 +255,11 @@ class ShareModel:
         named = {gpu.ordinal for gpu, _ in map(self._place, replica_ids) if gpu is not None}
         return tuple((ordinal, 1) for ordinal in sorted(named))
 
+    def ordinal_of(self, uuid: str) -> int | None:
+        """The daemon ordinal of the resource's GPU with this UUID; None when the resource has no such GPU."""
+        gpu = self._by_uuid.get(GpuUuid(uuid))
+        return None if gpu is None else gpu.ordinal
+
     def advertises(self, replica: ReplicaId) -> bool:
         return self._place(replica)[1]
 

@@ -103,7 +103,7 @@ class ClaimServer:
             grants = []
             for device in prepared.devices:
                 server = self._resources.get(ResourceName(device.resource))
-                ordinal = _ordinal(server, device.gpu) if server is not None else None
+                ordinal = server.plan.shares.ordinal_of(device.gpu) if server is not None else None
                 if server is None or ordinal is None:
                     log.warning(
                         "prepared claim's GPU no longer shared",
@@ -295,10 +295,6 @@ class ClaimServer:
 
     def _save(self) -> None:
         checkpoint.save(self._checkpoint, [held.prepared for held in self._held.values()])
-
-
-def _ordinal(server: ResourceServer, uuid: str) -> int | None:
-    return next((o for o, gpu in enumerate(server.plan.gpus) if gpu.uuid == uuid), None)
 
 
 def _cdi_name(ref: ClaimRef, share: ClaimShare) -> str:
