@@ -424,14 +424,6 @@ def memory_read_back(mib: int) -> str:
     return rule(mib)
 
 
-def readable_mib(mib: int) -> int:
-    """A capped share's memory as the agent sets it: rounded down to a limit whose every raise the daemon's
-    read-back shows (the agent's own rule, from mpsagent.domain.shares)."""
-    from mpsagent.domain.shares import readable_mib as rule  # noqa: PLC0415 - the CUDA client needs no mpsagent
-
-    return rule(mib)
-
-
 def wait_until(condition: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -521,7 +513,7 @@ class HardwareCheck:
     def main_run(self, gpu: dict[str, Any]) -> None:
         """`grants: equal` (the default): one replica is capped at 1/4, all four are the whole GPU."""
         full_mib = gpu["memoryBytes"] // MIB
-        capped_mib = readable_mib(gpu["memoryBytes"] // REPLICAS // MIB)
+        capped_mib = gpu["memoryBytes"] // REPLICAS // MIB  # the NVIDIA plugin's figure
         ids = self.start_run(MAIN, REPLICAS)
         self.compute_mode("compute-mode-serving", "compute mode while the agent serves", "Exclusive_Process")
         self.daemon_reads("start", "no grant yet", "100.0", memory_read_back(full_mib))
@@ -571,7 +563,7 @@ class HardwareCheck:
     def proportional_run(self, gpu: dict[str, Any]) -> None:
         """`grants: proportional`: 2 of 4 replicas are half the GPU, and the daemon's ceiling holds half."""
         ids = self.start_run(PROPORTIONAL, REPLICAS)
-        half_mib = readable_mib(gpu["memoryBytes"] * 2 // REPLICAS // MIB)
+        half_mib = gpu["memoryBytes"] * 2 // REPLICAS // MIB
         envs = self.allocate(ids[:2], "proportional", "main")
         expected = {
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
@@ -606,7 +598,7 @@ class HardwareCheck:
             self.report.skip("units-envs", "memory units: Allocate 2 units", "", f"skipped (GPU has {units} units)")
             return
         ids = self.start_run(UNITS, units)
-        granted_mib = readable_mib(UNITS_GRANTED * UNIT_GIB * 1024)
+        granted_mib = UNITS_GRANTED * UNIT_GIB * 1024
         envs = self.allocate(ids[:UNITS_GRANTED], "units", "main")
         expected = {
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 * UNITS_GRANTED // units)),

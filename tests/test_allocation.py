@@ -139,9 +139,9 @@ def test_a_withdrawn_allocate_leaves_the_ledger_and_the_ceilings_as_they_were(al
 def test_the_ceilings_follow_the_live_grants(allocator: ResourceAllocator) -> None:
     assert allocator.ceilings() == WHOLE
     allocator.allocate([ids(GPU0, 0)])  # a quarter of GPU 0
-    assert allocator.ceilings() == Ceilings(thread_percentage=25, memory_mib=(4 * GIB_MIB - 1, 16 * GIB_MIB))
+    assert allocator.ceilings() == Ceilings(thread_percentage=25, memory_mib=(4 * GIB_MIB, 16 * GIB_MIB))
     allocator.allocate([ids(GPU0, 0, 1)])  # ends the first: half of GPU 0
-    assert allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(8 * GIB_MIB - 1, 16 * GIB_MIB))
+    assert allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(8 * GIB_MIB, 16 * GIB_MIB))
     allocator.allocate([ALL])  # every replica: the whole hardware
     assert allocator.ceilings() == WHOLE
 
@@ -185,7 +185,7 @@ def test_reconciling_adopts_a_listed_grant_with_its_share(allocator: ResourceAll
     result = allocator.reconcile(listed, now=100.0, grace_s=10.0)
     (adopted,) = result.adopted
     assert (adopted.owner, adopted.replica_ids, adopted.kind) == (owner, tuple(ids(GPU1, 0, 1)), GrantKind.CAPPED)
-    assert allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(16 * GIB_MIB, 8 * GIB_MIB - 1))
+    assert allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(16 * GIB_MIB, 8 * GIB_MIB))
 
 
 def test_a_preferred_allocation_under_equal_grants_spreads_as_the_nvidia_plugin(node_file: Path) -> None:

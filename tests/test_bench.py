@@ -155,9 +155,9 @@ def test_quick_bench_reports_every_metric_and_leaves_nothing_running(short_dir: 
 GPU_SHARE = ROOT / "bench" / "gpu_share.py"
 FAKE_TORCH = ROOT / "mpsagent_testing" / "cuda_torch"
 GIB = 1024**3
-# Shares on the read-back grid (docs/cap-model.md): a quarter of 140 GiB is 35839 MiB, which reads back `34G`.
-QUARTER = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=35839M"}
-HALF = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=71679M"}
+# Exact shares (docs/cap-model.md): a quarter of 140 GiB is 35840 MiB, which reads back `35G`.
+QUARTER = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=35840M"}
+HALF = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=71680M"}
 
 
 def run_gpu_share(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -189,11 +189,11 @@ def test_gpu_share_dry_run_prints_the_plan_and_the_caps_each_client_gets(short_d
         for line in done.stdout.splitlines()
         if line.startswith(("M1: ", "M4: ", "P2: ", "P3: "))
     }
-    assert caps["M1"] == json.dumps([QUARTER]) + "; daemon threads 25.0, memory 34G"
-    assert caps["M4"] == json.dumps([QUARTER] * 4) + "; daemon threads 25.0, memory 34G"
-    assert caps["P2"] == json.dumps([HALF]) + "; daemon threads 50.0, memory 69G"
+    assert caps["M1"] == json.dumps([QUARTER]) + "; daemon threads 25.0, memory 35G"
+    assert caps["M4"] == json.dumps([QUARTER] * 4) + "; daemon threads 25.0, memory 35G"
+    assert caps["P2"] == json.dumps([HALF]) + "; daemon threads 50.0, memory 70G"
     # Next to two quarter grants the half grant keeps its caps, and the daemon's ceilings are the largest share.
-    assert caps["P3"] == json.dumps([HALF, QUARTER, QUARTER]) + "; daemon threads 50.0, memory 69G"
+    assert caps["P3"] == json.dumps([HALF, QUARTER, QUARTER]) + "; daemon threads 50.0, memory 70G"
     assert processes_using(short_dir) == []
 
 
@@ -223,7 +223,7 @@ def test_gpu_share_runs_every_case_against_fake_nvml_and_a_stand_in_torch(
     table = (out / "gpu-share.md").read_text()
     assert table.startswith("| run | n | clients | grants | aggregate TFLOP/s |") and table in done.stdout
     assert "| P3 | 512 | 3 | 2/4, 1/4, 1/4 |" in table
-    assert "daemon threads 50.0, memory 69G" in done.stderr
+    assert "daemon threads 50.0, memory 70G" in done.stderr
     assert processes_using(short_dir) == []
     assert json.loads((short_dir / "nvml-state.json").read_text())["computeModes"] == {gpu["uuid"]: 0}
 

@@ -73,7 +73,7 @@ def test_an_allocate_whose_cap_switch_fails_leaves_the_ledger_and_the_caps_as_th
     assert not fault.exists()
     # Answered only once the daemon holds the caps of the grants the ledger still has.
     assert control(pipe, "get_default_active_thread_percentage") == "25.0"
-    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "3G"
+    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "4G"
 
     # One more grant, so that the status shows a ledger that has seen everything before it.
     allocate(plugin, ids(GPU1, 1))
@@ -117,7 +117,7 @@ def test_pre_start_checks_its_ids_and_never_lifts_the_caps_of_live_grants(
     # Every ID, all known: a capped grant is live, so the daemon stays capped.
     pre_start(plugin, ALL)
     assert control(pipe, "get_default_active_thread_percentage") == "25.0"
-    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "3G"
+    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
 
     # Once the ledger holds only a full grant, a pre-start of one replica leaves the daemon at full.
     allocate(plugin, ALL)

@@ -585,7 +585,7 @@ def test_the_client_limit_counts_device_plugin_grants_and_claims_alike(node: Nod
 
     async def main() -> None:
         async with agent.running():
-            assert agent.ceilings() == ("2.0", "1023M", "80G")  # 1/48 of GPU 0 each, readable
+            assert agent.ceilings() == ("2.0", "1G", "80G")  # 1/48 of GPU 0 each: 1706M
             node.api.allocate(
                 allocation(CLAIM_A, memory_bytes=10 * GIB),
                 allocation(CLAIM_B, memory_bytes=10 * GIB),

@@ -50,7 +50,7 @@ def test_once_text_prints_the_plan() -> None:
     out = result.stdout
     assert "Resource nvidia.com/gpu: 8 GPUs x 4 replicas = 32 devices" in out
     assert "set_default_active_thread_percentage 100" in out
-    assert "set_default_device_pinned_mem_limit 7 19455M" in out
+    assert "set_default_device_pinned_mem_limit 7 20389M" in out
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in out
     assert "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3-SHARED" in out
 
@@ -67,9 +67,9 @@ def test_once_json_has_the_documented_shape() -> None:
     assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
     one, two, whole, every = resource["examples"]
     assert one["request"] == 1 and one["fullGrant"] is False
-    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=19455M,1=19455M")
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=20389M,1=20389M")
     assert (two["title"], two["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("2 replicas on one GPU", "50")
-    assert two["ceilings"] == "threads 50%, memory 0=39935M," + ",".join(f"{o}=81559M" for o in range(1, 8))
+    assert two["ceilings"] == "threads 50%, memory 0=40779M," + ",".join(f"{o}=81559M" for o in range(1, 8))
     assert whole["request"] == 4 and whole["fullGrant"] is True and whole["share"] == "4/4 of GPU 0 (whole)"
     assert every["request"] == 32 and every["fullGrant"] is True
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in every["envs"]
@@ -246,12 +246,12 @@ def test_once_shows_what_memory_units_get(tmp_path: Path) -> None:
         "7 memory units on one GPU",
         "a whole GPU (9 memory units)",
     ]
-    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8191M"
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
     assert (seven["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], seven["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == (
-        "0=57343M",
+        "0=57344M",
         "77",
     )
-    assert seven["ceilings"] == "threads 77%, memory 0=57343M"
+    assert seven["ceilings"] == "threads 77%, memory 0=57344M"
     assert whole["fullGrant"] is True and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole["envs"]
 
 

@@ -48,7 +48,7 @@ def test_capped_and_full_allocations_switch_the_daemon(
     pipe = pipe_of(short_dir)
     allocate(plugin, ids(GPU0, 0))
     assert control(pipe, "get_default_active_thread_percentage") == "25.0"
-    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "3G"
+    assert control(pipe, "get_default_device_pinned_mem_limit 1") == "4G"
     allocate(plugin, ALL)
     assert control(pipe, "get_default_active_thread_percentage") == "100.0"
     assert control(pipe, "get_default_device_pinned_mem_limit 1") == "16G"

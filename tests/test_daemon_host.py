@@ -107,9 +107,9 @@ def test_agent_container_killed_whole_leaves_the_daemon_and_its_client_running(
     host = node.start_daemon_host()
     host.wait_log("daemon host running")
     # The keeper's first ceilings are the smallest share (1/4 of each 16 GiB GPU), recorded for the agent.
-    assert host.wait_log("mps daemon started")["ceilings"] == "threads 25%, memory 0=4095M,1=4095M"
+    assert host.wait_log("mps daemon started")["ceilings"] == "threads 25%, memory 0=4096M,1=4096M"
     state = json.loads((short_dir / "mps" / "nvidia.com" / "gpu" / "daemon.json").read_text())
-    assert (state["mode"], state["ceilings"]) == ("capped", {"threadPercentage": 25, "memoryMib": [4095, 4095]})
+    assert (state["mode"], state["ceilings"]) == ("capped", {"threadPercentage": 25, "memoryMib": [4096, 4096]})
     agent = node.start_agent("--mps-daemon", "host")
     plugin = kubelet.wait_registered(RESOURCE)
     agent.wait_log("mps daemon healthy")

@@ -211,16 +211,16 @@ def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path)
     status = results(report)
     assert all(status[c] == "pass" for c in DAEMON_CHECKS)
     # equal: 1/4 then all; proportional: 2/4 is half; memory units: 2 of 17 units of 8 GiB are 16 GiB; each capped
-    # limit the last MiB of a whole GiB (it reads back a GiB lower).
+    # limit the exact share (the daemon prints whole GiB, rounded down).
     assert [observed(report, f"daemon-threads-{p}") for p in PHASES] == ["100.0", "25.0", "100.0", "50.0", "11.0"]
-    assert [observed(report, f"daemon-memory-{p}") for p in PHASES] == ["140G", "34G", "140G", "69G", "15G"]
-    assert json.loads(observed(report, "proportional-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=71679M"
-    assert json.loads(observed(report, "units-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16383M"
+    assert [observed(report, f"daemon-memory-{p}") for p in PHASES] == ["140G", "35G", "140G", "70G", "16G"]
+    assert json.loads(observed(report, "proportional-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=71680M"
+    assert json.loads(observed(report, "units-envs"))["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=16384M"
     assert all(status[p] == "skipped (no GPU)" for p in PROBES)
     assert status["other-gpu"] == "skipped (needs 2 GPUs)" and "registered-two-gpus" not in status
     assert report["facts"]["plan"]["ceilings"]["untilGrantsKnown"] == [  # --once's ceilings, read as they are now
         "set_default_active_thread_percentage 25",
-        "set_default_device_pinned_mem_limit 0 35839M",
+        "set_default_device_pinned_mem_limit 0 35840M",
     ]
     for check in ("compute-mode-before", "compute-mode-serving", "compute-mode-restored"):
         assert status[check] == "skipped (no GPU)"
@@ -315,16 +315,16 @@ def test_hardware_path_against_fake_nvml_nvidia_smi_and_libcuda(short_dir: Path,
     assert all(status[p] == "pass" for p in PROBES), done.stdout
     assert status["compute-mode-serving"] == "pass" and status["compute-mode-restored"] == "pass"
     assert observed(report, "compute-mode-serving") == "Exclusive_Process"
-    assert observed(report, "daemon-memory-capped") == "34G"
+    assert observed(report, "daemon-memory-capped") == "35G"  # 35840M
     assert "failed at alloc: CudaCallError: cuMemAlloc_v2 returned CUDA_ERROR_OUT_OF_MEMORY" in observed(
         report, "probe-b"
     )
     assert report["facts"]["probe-d"]["ok"] is True
-    # 2 of 4 under grants: proportional: 45 % fits under the 71679M ceiling, 55 % does not, nor without the variables.
-    assert observed(report, "daemon-memory-proportional") == "69G"
+    # 2 of 4 under grants: proportional: 45 % fits under the 71680M ceiling, 55 % does not, nor without the variables.
+    assert observed(report, "daemon-memory-proportional") == "70G"
     assert [report["facts"][p]["ok"] for p in ("probe-e", "probe-f", "probe-g")] == [True, False, False]
-    # 2 units of 8Gi (16383M): 15 GiB fits, 17 GiB does not.
-    assert observed(report, "daemon-memory-units") == "15G"
+    # 2 units of 8Gi (16384M): 15 GiB fits, 17 GiB does not.
+    assert observed(report, "daemon-memory-units") == "16G"
     assert [report["facts"][p]["ok"] for p in ("probe-h", "probe-i")] == [True, False]
     # Two GPUs: what a client holding GPU 0 sees is recorded (the stand-in hides nothing, as the host does not).
     assert status["other-gpu"] == "info" and status["two-gpus-envs"] == "pass"

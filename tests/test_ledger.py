@@ -185,7 +185,7 @@ def test_reading_the_ledger_changes_nothing() -> None:
 
 CLAIM = ClaimRef(namespace="ml", name="train-gpu", uid="0b5f1c52-8f5e-4a55-9b0e-3f8a1c2d4e6f")
 OTHER_CLAIM = ClaimRef(namespace="ml", name="eval-gpu", uid="7d0c1e9a-2b3c-4d5e-8f90-a1b2c3d4e5f6")
-QUARTER_MIB = 4095  # `A[0]`'s cap (a quarter of 16 GiB, readable); a claim's 10000 MiB and 60 % lie above it
+QUARTER_MIB = 4096  # `A[0]`'s cap (a quarter of 16 GiB); a claim's 10000 MiB and 60 % lie above it
 
 
 def claim_share(memory_mib: int = 10000, threads: int = 60) -> Share:
@@ -210,10 +210,10 @@ def test_a_claims_share_lifts_the_ceilings_while_held_and_they_fall_back_when_re
 
 def test_a_smaller_claim_leaves_the_ceilings_at_the_largest_share() -> None:
     ledger = Ledger()
-    record(ledger, A[0], A[1])  # 8191 MiB, 50 %
+    record(ledger, A[0], A[1])  # 8192 MiB, 50 %
     ledger.hold_claim(CLAIM, "gpu-0", claim_share(2048, 10))
     ceilings = SHARES.ceilings(ledger.tally)
-    assert (ceilings.thread_percentage, ceilings.memory_mib) == (50, (8191,))
+    assert (ceilings.thread_percentage, ceilings.memory_mib) == (50, (8192,))
 
 
 def test_a_claim_of_the_whole_gpu_lifts_the_ceilings_to_the_hardware() -> None:

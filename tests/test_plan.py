@@ -284,7 +284,7 @@ def test_two_resources_split_eight_gpus() -> None:
     assert {g.uuid: g.ordinal for g in high.shares.gpus} == {uuid(4): 0, uuid(5): 1, uuid(6): 2, uuid(7): 3}
     assert len(high.shares.smallest_caps().memory_mib) == 4
     assert daemon_default_commands(high.shares.smallest_caps())[1:] == tuple(
-        f"set_default_device_pinned_mem_limit {o} 39935M" for o in range(4)
+        f"set_default_device_pinned_mem_limit {o} 40779M" for o in range(4)
     )
     assert high.visible_devices == ",".join(uuid(i) for i in (4, 5, 6, 7))
     assert low.visible_devices == ",".join(uuid(i) for i in (0, 1, 2, 3))
@@ -301,7 +301,7 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
     _, high = plan(t4_node(8), *SPLIT, mps=EQUAL).resources
     grant = container_setup(high, ids((6, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
-    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8191M,1=8191M,2=8191M,3=8191M"
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M,1=8192M,2=8192M,3=8192M"
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "50"
 
 
@@ -315,7 +315,7 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
             T4_BYTES,
             4,
             "capped",
-            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4095M"),
+            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M"),
             id="16GiB-4-capped",
         ),
         pytest.param(
@@ -329,7 +329,7 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
             H100_BYTES,
             4,
             "capped",
-            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 19455M"),
+            ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 20389M"),
             id="h100-4-capped",
         ),
         pytest.param(
@@ -343,7 +343,7 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
             T4_BYTES,
             3,
             "capped",
-            ("set_default_active_thread_percentage 33", "set_default_device_pinned_mem_limit 0 5119M"),
+            ("set_default_active_thread_percentage 33", "set_default_device_pinned_mem_limit 0 5461M"),
             id="16GiB-3-capped",
         ),
         pytest.param(
@@ -372,8 +372,8 @@ def test_caps_cover_every_gpu_in_ordinal_order() -> None:
     resource = only_resource(gpus, "{name: gpu, replicas: 4, devices: [2, 1]}")
     assert daemon_default_commands(resource.shares.smallest_caps()) == (
         "set_default_active_thread_percentage 25",
-        "set_default_device_pinned_mem_limit 0 2047M",
-        "set_default_device_pinned_mem_limit 1 4095M",
+        "set_default_device_pinned_mem_limit 0 2048M",
+        "set_default_device_pinned_mem_limit 1 4096M",
     )
     assert resource.shares.full_hardware() == Ceilings(thread_percentage=100, memory_mib=(8192, 16384))
 
@@ -435,7 +435,7 @@ def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
     # Every GPU of the resource, by daemon ordinal, ascending - not only the granted ones.
-    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4095M,1=4095M,2=4095M,3=4095M"
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=4096M,2=4096M,3=4096M"
     assert grant.envs[ENV_VISIBLE_DEVICES] == ",".join(uuid(i) for i in visible)
 
 

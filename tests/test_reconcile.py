@@ -146,7 +146,7 @@ TWO_GPUS = ShareModel(
 A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
 B = [ReplicaId(f"GPU-b::{i}") for i in range(4)]
 WHOLE_MIB = 16384
-QUARTER_MIB, HALF_MIB = 4095, 8191
+QUARTER_MIB, HALF_MIB = 4096, 8192
 
 # (pod, container, its IDs) in the kubelet's order: a pod's (restartable) init containers before its app containers.
 Listing = list[tuple[str, str, list[ReplicaId]]]

@@ -103,7 +103,7 @@ def test_an_init_containers_ids_listed_with_the_app_that_reuses_them_keep_the_ap
     assert events(agent, "grant adopted from the kubelet") == []
     assert events(agent, "grant replaced: the kubelet lists its replicas in other containers") == []
     assert threads(short_dir) == "50.0"
-    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "7G"  # 8191M
+    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "8G"  # 8192M
 
 
 def test_a_pod_holding_ids_of_an_older_configuration_counts_as_the_smallest_share(
@@ -120,7 +120,7 @@ def test_a_pod_holding_ids_of_an_older_configuration_counts_as_the_smallest_shar
     assert (warning["container"], warning["level"]) == ("ml/old/main", "warning")
     assert f"'{GPU0}::4'" in str(warning["ids"])
     assert threads(short_dir) == CAPPED
-    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "3G"  # 4095M, not 16G
+    assert control(pipe_of(short_dir), "get_default_device_pinned_mem_limit 0") == "4G"  # 4096M, not 16G
 
 
 def test_when_the_full_grant_is_gone_and_a_capped_one_appears_the_daemon_is_capped(

@@ -17,8 +17,7 @@ from mpsagent.base.errors import ConfigError, RequestError
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
 from mpsagent.domain.plan import ResourcePlan, build_plan
-from mpsagent.domain.shares import Ceilings, GrantKind, readable_mib
-from mpsagent.mps.commands import memory_read_back
+from mpsagent.domain.shares import Ceilings, GrantKind
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
 
 GIB = 1024**3
@@ -75,7 +74,7 @@ def test_k_of_n_replicas_of_one_gpu(replicas: int) -> None:
     for k in range(1, replicas):
         got = envs(plan, ids(k))
         assert got[ENV_THREAD_PERCENTAGE] == str(max(1, 100 * k // replicas)), k
-        assert got[ENV_PINNED_MEM_LIMIT] == f"0={readable_mib(H200_BYTES * k // replicas // MIB)}M", k
+        assert got[ENV_PINNED_MEM_LIMIT] == f"0={H200_BYTES * k // replicas // MIB}M", k
     whole = envs(plan, ids(replicas))
     assert ENV_THREAD_PERCENTAGE not in whole and ENV_PINNED_MEM_LIMIT not in whole
 
@@ -83,19 +82,19 @@ def test_k_of_n_replicas_of_one_gpu(replicas: int) -> None:
 @pytest.mark.parametrize(
     ("replicas", "counts", "threads", "memory"),
     [
-        pytest.param(4, (1,), "25", "0=35839M", id="1-of-4"),
-        pytest.param(4, (2,), "50", "0=71679M", id="2-of-4"),
-        pytest.param(4, (3,), "75", "0=107519M", id="3-of-4"),
-        pytest.param(10, (1,), "10", "0=14335M", id="1-of-10"),
-        pytest.param(10, (7,), "70", "0=100351M", id="7-of-10"),
-        pytest.param(48, (1,), "2", "0=2047M", id="1-of-48"),
-        pytest.param(48, (47,), "97", "0=140287M", id="47-of-48"),
+        pytest.param(4, (1,), "25", "0=35942M", id="1-of-4"),
+        pytest.param(4, (2,), "50", "0=71885M", id="2-of-4"),
+        pytest.param(4, (3,), "75", "0=107828M", id="3-of-4"),
+        pytest.param(10, (1,), "10", "0=14377M", id="1-of-10"),
+        pytest.param(10, (7,), "70", "0=100639M", id="7-of-10"),
+        pytest.param(48, (1,), "2", "0=2995M", id="1-of-48"),
+        pytest.param(48, (47,), "97", "0=140775M", id="47-of-48"),
         # Mixes: the thread percentage is the smallest share; memory per GPU; GPUs not held get the smallest cap.
-        pytest.param(4, (1, 2), "25", "0=35839M,1=71679M", id="1+2-of-4"),
-        pytest.param(4, (4, 1), "25", "0=143771M,1=35839M", id="whole+1-is-capped"),
-        pytest.param(4, (0, 3), "75", "0=107519M,1=107519M", id="held-gpu1-only"),
-        pytest.param(10, (5, 10, 2), "20", "0=71679M,1=143771M,2=28671M", id="three-gpus"),
-        pytest.param(4, (2, 0, 1), "25", "0=71679M,1=35839M,2=35839M", id="gpu0-and-gpu2"),
+        pytest.param(4, (1, 2), "25", "0=35942M,1=71885M", id="1+2-of-4"),
+        pytest.param(4, (4, 1), "25", "0=143771M,1=35942M", id="whole+1-is-capped"),
+        pytest.param(4, (0, 3), "75", "0=107828M,1=107828M", id="held-gpu1-only"),
+        pytest.param(10, (5, 10, 2), "20", "0=71885M,1=143771M,2=28754M", id="three-gpus"),
+        pytest.param(4, (2, 0, 1), "25", "0=71885M,1=35942M,2=35942M", id="gpu0-and-gpu2"),
     ],
 )
 def test_share_table(replicas: int, counts: tuple[int, ...], threads: str, memory: str) -> None:
@@ -117,65 +116,61 @@ def test_equal_grants_keep_the_nvidia_rule() -> None:
     plan = resource("{name: gpu, replicas: 4}", gpus=2, mps="grants: equal\nfailRequestsGreaterThanOne: false\n")
     for counts in [(1,), (2,), (4,), (4, 3)]:
         got = envs(plan, ids(*counts))
-        assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == ("25", "0=35839M,1=35839M"), counts
+        assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == ("25", "0=35942M,1=35942M"), counts
     assert ENV_THREAD_PERCENTAGE not in envs(plan, ids(4, 4))
 
 
-# --- caps the daemon's read-back tells apart -----------------------------------------------------------------
+# --- exact shares: NVIDIA's arithmetic -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("entry", "memory_bytes", "held", "mib"),
     [
-        # 16 GiB / 3 is 5461 MiB, which reads back `5G` as 6143M does: 5119M reads `4G`, and 5120M `5G`.
-        pytest.param("{name: gpu, replicas: 3}", 16 * GIB, 1, 5119, id="16GiB-of-3"),
-        pytest.param("{name: gpu, replicas: 3}", 16 * GIB, 2, 10239, id="16GiB-2-of-3"),
-        pytest.param("{name: gpu, replicas: 4}", 16 * GIB, 1, 4095, id="16GiB-of-4"),
-        pytest.param("{name: gpu, replicas: 4}", 15360 * MIB, 1, 3071, id="T4-15360MiB-of-4"),
-        pytest.param("{name: gpu, replicas: 4}", H200_BYTES, 1, 35839, id="H200-of-4"),
-        pytest.param("{name: gpu-mem, memoryUnit: 1.5Gi}", 16 * GIB, 1, 1023, id="1.5Gi-once"),
-        pytest.param("{name: gpu-mem, memoryUnit: 1.5Gi}", 16 * GIB, 3, 4095, id="1.5Gi-three-times"),
-        pytest.param("{name: gpu-mem, memoryUnit: 8Gi}", H200_BYTES, 1, 8191, id="8Gi-once"),
-        pytest.param("{name: gpu, replicas: 48}", 16 * GIB, 1, 341, id="below-1GiB-exact"),
+        # The NVIDIA device plugin's figure: the GPU's bytes / replicas / 1024 / 1024, rounded down.
+        pytest.param("{name: gpu, replicas: 4}", 81559 * MIB, 1, 20389, id="80GB-of-4"),
+        pytest.param("{name: gpu, replicas: 4}", 16 * GIB, 1, 4096, id="16GiB-of-4"),
+        pytest.param("{name: gpu, replicas: 3}", 16 * GIB, 1, 5461, id="16GiB-of-3"),
+        pytest.param("{name: gpu, replicas: 3}", 16 * GIB, 2, 10922, id="16GiB-2-of-3"),
+        pytest.param("{name: gpu, replicas: 4}", 15360 * MIB, 1, 3840, id="T4-15360MiB-of-4"),
+        pytest.param("{name: gpu, replicas: 4}", H200_BYTES, 1, 35942, id="H200-of-4"),
+        pytest.param("{name: gpu, replicas: 48}", 16 * GIB, 1, 341, id="16GiB-of-48"),
+        # Memory units: exactly k units.
+        pytest.param("{name: gpu-mem, memoryUnit: 2Gi}", 16 * GIB, 3, 6144, id="2Gi-three-times"),
+        pytest.param("{name: gpu-mem, memoryUnit: 1.5Gi}", 16 * GIB, 1, 1536, id="1.5Gi-once"),
+        pytest.param("{name: gpu-mem, memoryUnit: 1.5Gi}", 16 * GIB, 3, 4608, id="1.5Gi-three-times"),
+        pytest.param("{name: gpu-mem, memoryUnit: 8Gi}", H200_BYTES, 1, 8192, id="8Gi-once"),
     ],
 )
-def test_a_capped_share_is_a_limit_whose_every_raise_reads_back_differently(
-    entry: str, memory_bytes: int, held: int, mib: int
-) -> None:
-    """The daemon prints a limit of 1 GiB or more in whole GiB, rounded down: a share rounds down to the last MiB
-    of a whole GiB, so that a limit raised by even 1 MiB reads back as another value."""
+def test_a_capped_share_is_the_exact_figure_a_user_computes(entry: str, memory_bytes: int, held: int, mib: int) -> None:
+    """No grid: the container's cap and the daemon's ceiling are the exact share, as the NVIDIA plugin gives it."""
     plan = resource(entry, memory_bytes=memory_bytes)
     share = plan.shares.share_of(ids(held))
     assert share.env_memory_mib == (mib,)
     assert plan.shares.ceilings([share]).memory_mib == (mib,)
-    assert memory_read_back(mib) != memory_read_back(mib + 1)
+    assert envs(plan, ids(held))[ENV_PINNED_MEM_LIMIT] == f"0={mib}M"
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
-    data=st.data(),
-    layout=st.tuples(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 10, 48]), st.integers(1, 3)),
-    memory_mib=st.sampled_from([15360, 16384, 23028, 40960, 81559, 143771]),
+    replicas=st.integers(2, 48),
+    held=st.integers(1, 47),
+    memory_bytes=st.integers(1 * GIB, 192 * GIB),
     rule=st.sampled_from(["proportional", "equal"]),
 )
-def test_every_capped_ceiling_reads_back_apart_from_any_raise_and_covers_the_env_caps(
-    data: st.DataObject, layout: tuple[int, int], memory_mib: int, rule: str
-) -> None:
-    replicas, gpus = layout
+def test_a_share_is_nvidias_arithmetic_for_any_gpu(replicas: int, held: int, memory_bytes: int, rule: str) -> None:
+    """One replica is the NVIDIA plugin's figure (floor(bytes / replicas / MiB), 100 // replicas %), under either
+    grant rule; k replicas (proportional) floor(bytes * k / replicas / MiB)."""
+    held = min(held, replicas - 1)
     mps = f"grants: {rule}\nfailRequestsGreaterThanOne: false\n"
-    plan = resource(f"{{name: gpu, replicas: {replicas}}}", gpus=gpus, mps=mps, memory_bytes=memory_mib * MIB)
-    live = [
-        plan.shares.share_of(data.draw(st.lists(st.sampled_from(plan.device_ids), min_size=1, unique=True)))
-        for _ in range(data.draw(st.integers(1, 3)))
-    ]
-    ceilings = plan.shares.ceilings(live)
-    for ordinal, mib in enumerate(ceilings.memory_mib):
-        if mib < memory_mib:  # a capped ceiling: any raise must be seen (the whole GPU cannot be exceeded)
-            assert memory_read_back(mib) != memory_read_back(mib + 1), (ordinal, mib)
-    for share in live:
-        for ordinal, mib in enumerate(share.env_memory_mib):
-            if any(held.ordinal == ordinal for held in share.gpus):
-                assert mib <= ceilings.memory_mib[ordinal]
+    plan = resource(f"{{name: gpu, replicas: {replicas}}}", mps=mps, memory_bytes=memory_bytes)
+    one = plan.shares.share_of(ids(1))
+    assert one.env_memory_mib == (memory_bytes // replicas // 1024 // 1024,)
+    assert one.thread_percentage == 100 // replicas
+    if rule == "proportional":
+        share = plan.shares.share_of(ids(held))
+        assert share.env_memory_mib == (memory_bytes * held // replicas // MIB,)
+        assert share.thread_percentage == max(1, 100 * held // replicas)
+    assert plan.shares.smallest_caps().memory_mib == one.env_memory_mib
 
 
 # --- IDs the resource does not advertise ----------------------------------------------------------------------
@@ -185,7 +180,7 @@ def gpu_ids(gpu: int, *indices: int | str) -> list[ReplicaId]:
     return [ReplicaId(f"{uuid(gpu)}::{i}") for i in indices]
 
 
-QUARTER_OF_16GIB = 4095
+QUARTER_OF_16GIB = 4096
 
 
 @pytest.mark.parametrize(
@@ -264,7 +259,7 @@ def test_ceilings_follow_the_largest_live_share_per_gpu_and_resource() -> None:
     plan = resource("{name: gpu, replicas: 4}", gpus=2)
     shares = plan.shares
     quarter, half, whole1 = (shares.share_of(ids(*c)) for c in [(1,), (2,), (0, 4)])
-    full, q, h = H200_BYTES // MIB, 35839, 71679
+    full, q, h = H200_BYTES // MIB, 35942, 71885
     assert shares.ceilings([]) == Ceilings(thread_percentage=100, memory_mib=(full, full))
     assert shares.ceilings([quarter]) == Ceilings(thread_percentage=25, memory_mib=(q, full))
     assert shares.ceilings([quarter, half]) == Ceilings(thread_percentage=50, memory_mib=(h, full))
@@ -284,10 +279,10 @@ def test_without_enforcement_the_daemon_holds_the_full_hardware() -> None:
 
 def test_until_the_grants_are_known_the_daemon_holds_the_smallest_share() -> None:
     plan = resource("{name: gpu, replicas: 4}", gpus=2)
-    q = 35839
+    q = 35942
     assert plan.shares.unreconciled_ceilings() == Ceilings(thread_percentage=25, memory_mib=(q, q))
     units = resource("{name: gpu-mem, memoryUnit: 8Gi}")
-    assert units.shares.unreconciled_ceilings() == Ceilings(thread_percentage=5, memory_mib=(8191,))
+    assert units.shares.unreconciled_ceilings() == Ceilings(thread_percentage=5, memory_mib=(8192,))
 
 
 # --- memory units -------------------------------------------------------------------------------------------
@@ -299,31 +294,31 @@ def test_a_memory_unit_resource_advertises_what_fits() -> None:
     assert len(plan.device_ids) == 2 * (H200_BYTES // (8 * GIB)) == 34
     assert plan.device_ids[0] == f"{uuid(0)}::0" and plan.device_ids[-1] == f"{uuid(1)}::16"
     got = envs(plan, ids(2))
-    assert got[ENV_PINNED_MEM_LIMIT] == "0=16383M,1=16383M"
+    assert got[ENV_PINNED_MEM_LIMIT] == "0=16384M,1=16384M"
     assert got[ENV_THREAD_PERCENTAGE] == str(100 * 2 // 17)
-    assert envs(plan, ids(7))[ENV_PINNED_MEM_LIMIT] == "0=57343M,1=57343M"
+    assert envs(plan, ids(7))[ENV_PINNED_MEM_LIMIT] == "0=57344M,1=57344M"
     assert ENV_PINNED_MEM_LIMIT not in envs(plan, ids(17))
 
 
 @pytest.mark.parametrize(
     ("unit", "mib"),
     [
-        ("1Gi", 1023),
+        ("1Gi", 1024),
         ("512Mi", 512),
-        ("8G", 7167),
-        ("1.5Gi", 1023),
-        ("2Gi", 2047),
-        (1073741824, 1023),
+        ("8G", 7629),
+        ("1.5Gi", 1536),
+        ("2Gi", 2048),
+        (1073741824, 1024),
         # The exponent form Kubernetes accepts too (1e9 bytes is 953 MiB), and its other number forms.
         ("1e9", 953),
         ("1E9", 953),
-        ("2.5e9", 2047),
-        ("25e+8", 2047),
+        ("2.5e9", 2384),
+        ("25e+8", 2384),
         ("3000e-3M", None),
         (".5Gi", 512),
-        ("+1Gi", 1023),
+        ("+1Gi", 1024),
         ("4294967296e-1", 409),
-        ('"8e9"', 7167),
+        ('"8e9"', 7629),
     ],
 )
 def test_memory_units_are_kubernetes_quantities(unit: str | int, mib: int | None) -> None:
@@ -494,7 +489,7 @@ def test_daemon_state_records_the_ceilings_and_reads_an_older_agents_mode() -> N
     )
     written = msgspec.json.decode(msgspec.json.encode(state))
     assert written["mode"] == "capped"
-    assert written["ceilings"] == {"threadPercentage": 50, "memoryMib": [71679, 143771]}
+    assert written["ceilings"] == {"threadPercentage": 50, "memoryMib": [71885, 143771]}
     assert recorded_ceilings(msgspec.json.decode(msgspec.json.encode(state), type=DaemonState), shares) == half
     older = b'{"pid": 4242, "visibleDevices": "x", "mode": "%s"}'
     assert recorded_ceilings(msgspec.json.decode(older % b"full", type=DaemonState), shares) == shares.full_hardware()

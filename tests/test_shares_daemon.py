@@ -52,21 +52,21 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
     quarter = allocate(plugin, ids(GPU0, 0)).container_responses[0].envs
     assert (quarter["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], quarter["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
         "25",
-        "0=4095M,1=4095M",
+        "0=4096M,1=4096M",
     )
-    assert ceilings(short_dir) == ("25.0", "3G", "16G")
+    assert ceilings(short_dir) == ("25.0", "4G", "16G")
 
     half = allocate(plugin, ids(GPU0, 1, 2)).container_responses[0].envs
     assert (half["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], half["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
         "50",
-        "0=8191M,1=8191M",
+        "0=8192M,1=8192M",
     )
-    assert ceilings(short_dir) == ("50.0", "7G", "16G")
+    assert ceilings(short_dir) == ("50.0", "8G", "16G")
 
     whole = allocate(plugin, ids(GPU1, 0, 1, 2, 3)).container_responses[0].envs
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in whole and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole
     assert whole["NVIDIA_VISIBLE_DEVICES"] == GPU1
-    assert ceilings(short_dir) == ("100.0", "7G", "16G")
+    assert ceilings(short_dir) == ("100.0", "8G", "16G")
 
     res = wait_for(lambda: with_grants(short_dir, 3), 5, "the status with three grants")
     assert [g["share"] for g in res["grants"]] == [
@@ -75,12 +75,12 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
         "4/4 of GPU 1 (whole)",
     ]
     shown = status(short_dir).stdout
-    assert f"GPU 0 ({GPU0}): 2 live grants; ceilings 8191 of 16384 MiB, threads 100%; escape bound: +4096 MiB" in shown
+    assert f"GPU 0 ({GPU0}): 2 live grants; ceilings 8192 of 16384 MiB, threads 100%; escape bound: +4096 MiB" in shown
     assert f"[2/4 of GPU 0, threads 50%]: {GPU0}::1, {GPU0}::2" in shown
     gpu0 = res["gpus"][GPU0]
     assert (gpu0["liveGrants"], gpu0["memoryCeilingMiB"], gpu0["memoryEscapeMiB"], gpu0["threadEscape"]) == (
         2,
-        8191,
+        8192,
         4096,
         75,
     )
@@ -95,7 +95,7 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
     gone_at = time.monotonic()
     agent.wait_log("grant released: its container is gone", timeout=3 * GRACE_S)
     assert time.monotonic() - gone_at >= GRACE_S - 0.1
-    wait_for(lambda: ceilings(short_dir) == ("100.0", "3G", "16G"), 10, "GPU 0's ceiling back at 1/4")
+    wait_for(lambda: ceilings(short_dir) == ("100.0", "4G", "16G"), 10, "GPU 0's ceiling back at 1/4")
 
 
 def test_an_agent_restarted_while_proportional_grants_are_listed_rebuilds_their_ceilings_before_serving(
@@ -104,14 +104,14 @@ def test_an_agent_restarted_while_proportional_grants_are_listed_rebuilds_their_
     first = start(agents, kubelet, short_dir, text=config())
     plugin = kubelet.wait_registered(RESOURCE)
     allocate(plugin, ids(GPU0, 0, 1))
-    assert ceilings(short_dir) == ("50.0", "7G", "16G")
+    assert ceilings(short_dir) == ("50.0", "8G", "16G")
     assert first.stop() == 0
 
     # Meanwhile a container of 1/4 of GPU 1 was admitted (say, by an agent that has since been replaced).
     pod_resources.set_containers(listed("half", ids(GPU0, 0, 1)), listed("quarter", ids(GPU1, 3)))
     start(agents, kubelet, short_dir, text=config())
     kubelet.wait_registered(RESOURCE, count=2)
-    assert ceilings(short_dir) == ("50.0", "7G", "3G")
+    assert ceilings(short_dir) == ("50.0", "8G", "4G")
 
 
 UNITS = (

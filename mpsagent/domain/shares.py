@@ -5,10 +5,10 @@ the ledger, reconciliation, the daemon supervisor and keeper, `--once`, `--statu
 share is decided in one place.
 
 A grant holding `k` of the `N` IDs of GPU `g` (replicas, or memory units) has the share `k/N` of `g`:
-- memory cap on `g`: `floor(memory_g * k / N)` in MiB (memory units: `k * unit`), rounded down to a limit the
-  control daemon's read-back tells apart from every larger one (`readable_mib`: below 1 GiB every MiB, from 1 GiB
-  the last MiB of a whole GiB), so that a limit lifted behind the agent, by even 1 MiB, is seen;
-- thread percentage: one value for all its GPUs (MPS has one per client), `max(1, floor(100 * min_g k/N))`;
+- memory cap on `g`: exactly `floor(bytes_g * k / N / MiB)` MiB (memory units: `floor(k * unit / MiB)`), never
+  more than the GPU has; for `k = 1` the NVIDIA device plugin's own figure (`bytes / replicas / 1024 / 1024`);
+- thread percentage: one value for all its GPUs (MPS has one per client), `max(1, floor(100 * min_g k/N))`
+  (`100 // replicas` for one replica, as the NVIDIA plugin computes it);
 - `k = N` on every GPU it holds: a whole-GPU (full) grant, with no cap variables at all.
 Under `grants: equal` a grant of every ID of the resource is full and any other gets 1/replicas of every GPU.
 
@@ -32,15 +32,6 @@ FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
 MAX_INDEX_DIGITS = 4
 """A GPU has at most 256 IDs (memory units; replicas 48): a longer index is none of the resource's."""
-GIB_MIB = 1024
-
-
-def readable_mib(mib: int) -> int:
-    """The largest pinned-memory limit not above `mib` that the control daemon's read-back tells apart from every
-    larger limit: it prints a limit below 1 GiB in MiB, and one of 1 GiB or more in whole GiB rounded down (1536M
-    and 2047M both read `1G`). So `mib` itself below 1 GiB, else the last MiB of a whole GiB (5461 -> 5119, `4G`):
-    a limit lifted by even 1 MiB then reads back as another value."""
-    return mib if mib < GIB_MIB else (mib + 1) // GIB_MIB * GIB_MIB - 1
 
 
 class GrantKind(enum.StrEnum):
@@ -192,9 +183,8 @@ def _covers(share: Share, other: Share) -> bool:
 
 
 def _capped_mib(gpu: GpuSlots, mib: int) -> int:
-    """A memory cap on `gpu`: a limit the read-back tells apart from any raise, or the whole GPU's memory (which no
-    raise can exceed); never more than the GPU has."""
-    return gpu.memory_mib if mib >= gpu.memory_mib else readable_mib(mib)
+    """A memory cap on `gpu`: the exact figure, never more than the GPU has."""
+    return min(mib, gpu.memory_mib)
 
 
 def _take(counter: Counter[int], key: int) -> None:
@@ -316,8 +306,7 @@ class ShareModel:
 
     def capacity_share(self, ordinal: int, memory_mib: int, thread_percentage: int) -> Share:
         """The share of a DRA claim that consumed `memory_mib` of one GPU and asks `thread_percentage` of its SMs:
-        capped at exactly that memory (a claim's memory is whole MiB: the read-back, in whole GiB from 1 GiB, then
-        tells a lift apart only beyond the GiB it is in; docs/cap-model.md), whole when it is all of both."""
+        capped at exactly that memory, whole when it is all of both."""
         gpu = self.gpus[ordinal]
         memory = max(1, min(memory_mib, gpu.memory_mib))
         threads = max(1, min(thread_percentage, FULL_THREAD_PERCENTAGE))

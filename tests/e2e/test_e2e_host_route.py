@@ -111,7 +111,7 @@ def test_one_replica_gets_a_quarter_with_the_pipe_and_shm_mounted(cluster: str, 
     pods.wait_running("one")
     seen = pods.report("one")
     assert seen.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4095M,1=4095M"
+    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M,1=4096M"
     assert seen.env["CUDA_MPS_PIPE_DIRECTORY"] == f"/mps/{GPU}/pipe"
     assert f"/mps/{GPU}/pipe" in seen.mounts
     assert "/dev/shm" in seen.mounts
@@ -122,7 +122,7 @@ def test_one_replica_gets_a_quarter_with_the_pipe_and_shm_mounted(cluster: str, 
     ordinal = [fake_gpu(i)["uuid"] for i in range(2)].index(held)
     threads, memory = ceilings(GPU, 2)
     assert threads == "25.0"
-    assert memory[ordinal] == "3G" and memory[1 - ordinal] == "16G"  # 4095M: the last MiB below 4 GiB
+    assert memory[ordinal] == "4G" and memory[1 - ordinal] == "16G"  # 4096M
 
 
 def test_a_whole_gpu_request_gets_one_gpu_uncapped(cluster: str, agent: AgentProcess) -> None:
@@ -145,7 +145,7 @@ def test_two_of_four_get_half(cluster: str, agent: AgentProcess) -> None:
     pods.wait_running("half")
     seen = pods.report("half")
     assert seen.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
-    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8191M,1=8191M"
+    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M"
     threads, _ = ceilings(GPU, 2)
     assert threads == "50.0"
 
@@ -155,11 +155,11 @@ def test_memory_units_are_capped_at_their_memory(cluster: str, agent: AgentProce
     pods.create("units", {GPU_MEM: 3})
     pods.wait_running("units")
     seen = pods.report("units")
-    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6143M"  # 6 GiB, less the MiB that makes a raise seen
+    assert seen.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"  # exactly 3 units of 2 GiB
     assert seen.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "37"
     assert seen.env["CUDA_MPS_PIPE_DIRECTORY"] == f"/mps/{GPU_MEM}/pipe"
     threads, memory = ceilings(GPU_MEM, 1)
-    assert (threads, memory) == ("37.0", ["5G"])
+    assert (threads, memory) == ("37.0", ["6G"])
 
 
 def test_a_pod_over_capacity_is_refused_with_the_reason(cluster: str, agent: AgentProcess) -> None:
