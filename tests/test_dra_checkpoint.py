@@ -71,6 +71,7 @@ def test_the_file_is_versioned_json() -> None:
                         "memory_mib": 8192,
                         "thread_percentage": 25,
                         "whole": False,
+                        "rounded_off_bytes": 0,
                     }
                 ],
                 "pods": ["team-a/trainer-0"],
@@ -78,6 +79,15 @@ def test_the_file_is_versioned_json() -> None:
             }
         ],
     }
+
+
+def test_a_checkpoint_written_before_the_rounding_was_recorded_reads_as_none_rounded(tmp_path: Path) -> None:
+    """An older agent's checkpoint has no `rounded_off_bytes`: its claims were whole MiB, or rounded unsaid."""
+    document = json.loads(checkpoint.encode(CLAIMS[:1]))
+    del document["claims"][0]["devices"][0]["rounded_off_bytes"]
+    (tmp_path / "checkpoint.json").write_text(json.dumps(document))
+    (prepared,) = checkpoint.load(tmp_path / "checkpoint.json")
+    assert prepared.devices[0].rounded_off_bytes == 0
 
 
 def test_a_missing_file_holds_no_claims(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def test_probes_follow_registration_and_metrics_follow_the_ledger(
     assert value(base, "mpsagent_daemon_cap_mode", resource=RESOURCE, mode="capped") == 1
     # 1/4 of GPU 0 is the only live grant: its ceilings, and no escape beyond them.
     assert value(base, "mpsagent_daemon_thread_ceiling_percent", resource=RESOURCE) == 25
-    # A quarter of 16 GiB, on the read-back grid (docs/cap-model.md).
+    # Exactly a quarter of 16 GiB (docs/cap-model.md).
     assert value(base, "mpsagent_daemon_memory_ceiling_bytes", resource=RESOURCE, gpu=GPU0) == 4096 * 1024**2
     assert value(base, "mpsagent_daemon_memory_ceiling_bytes", resource=RESOURCE, gpu=GPU1) == 16 * 1024**3
     assert value(base, "mpsagent_gpu_live_grants", resource=RESOURCE, gpu=GPU0) == 1

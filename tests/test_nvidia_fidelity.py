@@ -359,8 +359,7 @@ CASES = [
         "      replicas: 4\n",
         "accepted: `set_default_device_pinned_mem_limit 0 20389M` (81559 MiB / 4)",
         False,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20389M,",
-        difference="the pinned-memory limit of a partial grant",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20389M,",  # the same figure: no difference
     ),
     Case(
         "unknown-key",

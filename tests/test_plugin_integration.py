@@ -18,7 +18,7 @@ from mpsagent_testing.kubelet.calls import allocate, preferred
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node, write_config
 
-MIB_PER_REPLICA = 16 * 1024 // 4 - 1  # 16 GiB T4 in 4 replicas, on the read-back grid (docs/cap-model.md)
+MIB_PER_REPLICA = 16 * 1024 // 4  # 16 GiB T4 in 4 replicas: exactly a quarter (docs/cap-model.md)
 
 
 @pytest.fixture

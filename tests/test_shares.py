@@ -14,10 +14,14 @@ from hypothesis import strategies as st
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.base.errors import ConfigError, RequestError
+from mpsagent.documents.report import dra_report, plan_report, render_text
 from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.claim_shares import claim_shares
+from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
 from mpsagent.domain.plan import ResourcePlan, build_plan
 from mpsagent.domain.shares import Ceilings, GrantKind
+from mpsagent.mps.commands import daemon_default_commands
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
 
 GIB = 1024**3
@@ -499,3 +503,56 @@ def test_daemon_state_records_the_ceilings_and_reads_an_older_agents_mode() -> N
     # Ceilings of a daemon that served other GPUs do not fit this resource: not adopted as its ceilings.
     other = resource("{name: gpu, replicas: 4}", gpus=1).shares
     assert recorded_ceilings(msgspec.json.decode(msgspec.json.encode(state), type=DaemonState), other) is None
+
+
+# --- the figures a user computes, everywhere they show ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "memory_bytes", "held", "figure", "once_figure"),
+    [
+        pytest.param("{name: gpu, replicas: 4}", 81559 * MIB, 1, "20389M", "20389M", id="80GB-of-4"),
+        pytest.param("{name: gpu, replicas: 4}", 16 * GIB, 1, "4096M", "4096M", id="16GiB-of-4"),
+        pytest.param("{name: gpu, replicas: 3}", 16 * GIB, 1, "5461M", "5461M", id="16GiB-of-3"),
+        # The dry run shows 1 unit, 7 units and a whole GPU: 7 x 2Gi.
+        pytest.param("{name: gpu-mem, memoryUnit: 2Gi}", 16 * GIB, 3, "6144M", "14336M", id="three-2Gi-units"),
+    ],
+)
+def test_a_device_plugin_share_is_one_figure_in_the_env_the_daemons_defaults_and_once(
+    entry: str, memory_bytes: int, held: int, figure: str, once_figure: str
+) -> None:
+    plan = resource(entry, memory_bytes=memory_bytes)
+    share = plan.shares.share_of(ids(held))
+    assert envs(plan, ids(held))[ENV_PINNED_MEM_LIMIT] == f"0={figure}"
+    assert f"set_default_device_pinned_mem_limit 0 {figure}" in daemon_default_commands(plan.shares.ceilings([share]))
+    node_plan = build_plan(
+        check_config(parse_config(f"version: v1\nsharing:\n  mps:\n    resources:\n    - {entry}\n", "c.yaml")),
+        node(1, memory_bytes),
+        Path("/run/nvidia/mps"),
+    )
+    report = plan_report(
+        node_plan, control_bin="nvidia-cuda-mps-control", manages_compute_mode=True, multi_user_offered=True
+    )
+    once = render_text(report)
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={once_figure}" in once
+    assert f", memory 0={once_figure}" in once  # the example's daemon ceilings
+
+
+def test_a_40gi_claim_is_40960m_in_its_env_the_daemons_defaults_and_once() -> None:
+    plan = build_plan(
+        check_config(
+            parse_config("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: gpu, replicas: 4}\n", "c")
+        ),
+        node(1, 81559 * MIB),
+        Path("/run/nvidia/mps"),
+    )
+    device = ClaimDevice(request="gpu", pool="n", device="gpu-0", memory_bytes=40 * GIB)
+    (share,) = claim_shares(
+        plan, ClaimAllocation(claim=ClaimRef(namespace="a", name="b", uid="0"), devices=(device,)), "n"
+    )
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=40960M"
+    ceilings = plan.resources[0].shares.ceilings([share.share])
+    assert "set_default_device_pinned_mem_limit 0 40960M" in daemon_default_commands(ceilings)
+    (example,) = [e for e in dra_report(plan, "n").examples if e.title == "40Gi"]
+    assert (example.memory_mib, example.envs[ENV_PINNED_MEM_LIMIT]) == (40960, "0=40960M")
+    assert example.ceilings == "threads 50%, memory 0=40960M"

@@ -124,8 +124,10 @@ def _resource_report(
 EXAMPLE_CLAIMS = (
     ("8Gi", 8 << 30, None),
     ("8Gi and 25% of the SMs", 8 << 30, 25),
+    ("40Gi", 40 << 30, None),
     ("no capacity request (the whole GPU)", None, None),
 )
+"""What the dry run shows claims get of the node's first device; one asking more memory than it has is left out."""
 NODE_UID_PLACEHOLDER = "<the node's UID>"
 
 
@@ -134,6 +136,8 @@ def dra_report(plan: NodePlan, node: str) -> DraReport:
     published = node_slice(plan, node)
     examples = []
     for title, memory, compute in EXAMPLE_CLAIMS if published.devices else ():
+        if memory is not None and memory > published.devices[0].memory.maximum:
+            continue
         device = ClaimDevice(
             request="gpu", pool=node, device=published.devices[0].name, memory_bytes=memory, compute=compute
         )

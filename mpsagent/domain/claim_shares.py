@@ -134,6 +134,11 @@ class ClaimShare:
     share: Share
     edits: ContainerEdits
 
+    @property
+    def rounded_off_bytes(self) -> int:
+        """The allocated memory below a whole MiB: the cap is the allocation rounded down to whole MiB."""
+        return 0 if self.device.memory_bytes is None else self.device.memory_bytes % MIB
+
 
 def _memory_mib(device: ClaimDevice, gpu: Gpu, claim: str) -> int:
     whole = memory_capacity(gpu).value

@@ -132,6 +132,8 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     """Its memory cap; the GPU's whole memory for a whole-GPU share."""
     thread_percentage: int
     whole: bool
+    rounded_off_bytes: int = 0
+    """The allocated memory below a whole MiB, which its cap leaves out (MPS limits are whole MiB)."""
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):
