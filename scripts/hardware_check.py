@@ -76,6 +76,7 @@ SKIPPED_NO_GPU = "skipped (no GPU)"
 SKIPPED_ONE_GPU = "skipped (needs 2 GPUs)"
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+OBSERVED_METRICS = ("mpsagent_mps_clients", "mpsagent_container_gpu_memory_bytes", "mpsagent_daemon_cap_mode")
 
 
 def _config(*, grants: str | None, name: str, devices: str, size: str) -> str:
@@ -465,6 +466,7 @@ class HardwareCheck:
         self.dry_run = args.dry_run_snapshot is not None
         self.report = Report(mode="dry run (node snapshot, no GPU)" if self.dry_run else "hardware")
         self.work = Path(tempfile.mkdtemp(prefix="hwc-", dir="/tmp"))
+        self.work.chmod(0o711)  # another user reaches the pipe directory through it, as a client container does
         self.mps_root = self.work / "mps"
         self.run = MAIN
         self.runs: list[AgentRun] = []
@@ -535,6 +537,7 @@ class HardwareCheck:
         )
         self.daemon_reads("capped", "after the capped Allocate", f"{100 / REPLICAS:.1f}", memory_read_back(capped_mib))
         self.cap_mode_metric("capped")
+        self.control_log_checks(capped_mib)
         half, fifth = gpu["memoryBytes"] // 2, gpu["memoryBytes"] // 5
         self.probe("probe-a", "capped client allocates 50 %", envs, half, expect_ok=False)
         self.probe(
@@ -834,8 +837,9 @@ class HardwareCheck:
         self.pod_resources.set_containers(ListedContainer("hwc", pod, container, self.run.resource, tuple(ids)))
         return envs
 
-    def control(self, command: str) -> str:
-        """One command to the resource's control daemon, as an operator would send it (`echo ... | ...`)."""
+    def control(self, command: str, user: int | None = None) -> str:
+        """One command to the resource's control daemon, as an operator would send it (`echo ... | ...`), or as
+        another `user` (a client container's)."""
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe)}
         try:
             done = subprocess.run(
@@ -846,6 +850,7 @@ class HardwareCheck:
                 timeout=10,
                 env=env,
                 check=False,
+                user=user,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"<{type(exc).__name__}: {exc}>"
@@ -868,6 +873,68 @@ class HardwareCheck:
             observed,
             observed == memory,
         )
+
+    # --- the daemon's control.log, as the agent's ceiling watch reads it ------------------------------------
+
+    @property
+    def control_log(self) -> Path:
+        return self.mps_root / self.run.resource / "log" / "control.log"
+
+    def control_log_checks(self, capped_mib: int) -> None:
+        """The driver writes the lines the agent's ceiling watch knows: the agent's own commands read as accepted, no
+        line not understood; a root tenant's change within one GiB restored within 1 s; a non-root user's command
+        refused (driver 580) and not counted, or (Debian's 535 build, which refuses no user) restored and counted."""
+        from mpsagent.mps.control_log import ControlLogReader, Outcome, UnknownLine, Verdict  # noqa: PLC0415
+
+        def verdicts() -> list[Verdict | UnknownLine]:
+            reader = ControlLogReader()
+            lines = self.control_log.read_text(errors="replace").splitlines()
+            return [v for line in lines for v in reader.feed(line)] + list(reader.settle())
+
+        found = verdicts()
+        accepted = [v for v in found if isinstance(v, Verdict) and v.outcome is Outcome.ACCEPTED]
+        unknown = [v.line for v in found if isinstance(v, UnknownLine)]
+        self.report.add(
+            "control-log-format",
+            "the daemon's control.log read by the agent's parser (the agent's own ceiling commands so far)",
+            "every ceiling command accepted, no line not understood",
+            f"{len(accepted)} accepted; not understood: {unknown or 'none'}",
+            bool(accepted) and not unknown,
+        )
+        lowered = f"set_default_device_pinned_mem_limit 0 {capped_mib - 100}M"
+        self.control(lowered)
+        from mpsagent_testing.mps.daemon import restored_after  # noqa: PLC0415
+
+        restore = f"set_default_device_pinned_mem_limit 0 {capped_mib}M"
+        took = wait_until(lambda: restored_after(self.control_log, lowered, restore), 5)
+        counted = wait_until(lambda: self.tamper_count("control_log") == 1, 3)
+        self.report.add(
+            "control-log-tamper",
+            f"root lowers the ceiling by 100 MiB (`{lowered}`): seen in control.log and restored",
+            f"the agent's `{restore}` within 1 s; counted once",
+            f"restored after {took:.3f} s; counted: {counted}" if took is not None else "not restored within 5 s",
+            took is not None and took <= 1.0 and bool(counted),
+        )
+        refused_command = "set_default_active_thread_percentage 77"
+        self.control(refused_command, user=65534)
+        wait_until(lambda: any(_text_of(v) == refused_command for v in verdicts()), 5)
+        outcome = next((v.outcome for v in verdicts() if _text_of(v) == refused_command), None)
+        time.sleep(1.0)  # the watch's polls: a refused command must stay uncounted
+        count = self.tamper_count("control_log")
+        self.report.add(
+            "control-log-refused",
+            f"user 65534 sends `{refused_command}`",
+            "refused (Insufficient privileges) and not counted; or, on a daemon that refuses no user (535), counted",
+            f"{outcome.value if outcome else 'not in the log'}; tamper count {count}",
+            (outcome is Outcome.REFUSED and count == 1) or (outcome is Outcome.ACCEPTED and count == 2),
+        )
+
+    def tamper_count(self, seen_by: str) -> float | None:
+        wanted = f'mpsagent_cap_tamper_total{{resource="{self.run.resource}",seen_by="{seen_by}"}}'
+        for line in self.metrics(("mpsagent_cap_tamper_total",)).splitlines():
+            if line.startswith(wanted):
+                return float(line.rsplit(" ", 1)[1])
+        return None
 
     def compute_mode(self, id_: str, step: str, expected: str) -> None:
         if self.dry_run:
@@ -936,7 +1003,7 @@ class HardwareCheck:
             expected in seen,
         )
 
-    def metrics(self) -> str:
+    def metrics(self, wanted: tuple[str, ...] = OBSERVED_METRICS) -> str:
         address = next((e.get("address") for e in self.log_events() if e.get("event") == "http endpoint serving"), None)
         if address is None:
             return "<no `http endpoint serving` event in the agent's log>"
@@ -945,9 +1012,8 @@ class HardwareCheck:
                 text = response.read().decode()
         except OSError as exc:
             return f"<GET /metrics failed: {exc}>"
-        wanted = ("mpsagent_mps_clients", "mpsagent_container_gpu_memory_bytes", "mpsagent_daemon_cap_mode")
         lines = [line for line in text.splitlines() if line.startswith(wanted)]
-        return "\n".join(lines) or "<no mpsagent_mps_clients / mpsagent_container_gpu_memory_bytes samples>"
+        return "\n".join(lines) or f"<no {' / '.join(wanted)} samples>"
 
     def probe(
         self, id_: str, step: str, envs: dict[str, str], nbytes: int, *, expect_ok: bool, observe: str | None = None
@@ -1172,6 +1238,11 @@ def _log_name(stem: str, run: AgentRun, suffix: str = ".log") -> str:
 def _check_id(stem: str, run: AgentRun) -> str:
     """The main run keeps the check IDs it always had; later runs add their name."""
     return stem if run is MAIN else f"{stem}-{run.name}"
+
+
+def _text_of(verdict: object) -> str | None:
+    command = getattr(verdict, "command", None)
+    return None if command is None else str(command.text)
 
 
 def _uncapped(envs: dict[str, str]) -> dict[str, str]:

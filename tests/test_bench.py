@@ -329,3 +329,21 @@ def test_dra_prepare_splits_the_agents_prepare_by_its_log_and_the_daemons() -> N
     }
     assert paired_median([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
     assert paired_median([1.0], []) is None
+
+
+# --- bench/ceiling_restore.py: how fast a changed ceiling is restored -------------------------------------------
+
+
+def test_ceiling_restore_bench_counts_every_change_it_makes_as_seen_in_the_log() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ceiling_restore.py"), "--changes", "4", "--idle-seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ceiling changes: 4, counted 4 (4 seen in the log)" in done.stdout
+    assert "restored after (s, the daemon's clock): min " in done.stdout
+    assert "idle 1 s (probe interval 3 s): this process " in done.stdout

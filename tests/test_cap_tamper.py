@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import anyio
@@ -23,17 +24,28 @@ from mpsagent.mps.commands import CapDifference, ControlStep, cap_differences, r
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
+from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent_testing.agents import AgentLauncher, serve, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.metrics import value
-from mpsagent_testing.mps.daemon import REAL_BIN, control, pipe_of, require_real_control
-from mpsagent_testing.node import GPU0, RESOURCE, config, ids, small_node
+from mpsagent_testing.mps.daemon import (
+    REAL_BIN,
+    control,
+    daemon_pid,
+    pipe_of,
+    plain_daemon,
+    require_real_control,
+    restored_after,
+)
+from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids, small_node
 from mpsagent_testing.repo import EXAMPLES, ROOT
 
 require_real_control()  # the agents these tests start run the real MPS control daemon
 
-TAMPERED = "mps daemon caps changed behind the agent; restoring them"
+TAMPERED = "mps daemon ceiling changed behind the agent; restoring it"
+QUIET = "60"  # --probe-interval-seconds: no read-back round within a test, so only the daemon's log can restore
+STAMP = "%Y-%m-%d %H:%M:%S.%f"
 
 
 def tampered(agent) -> list[dict[str, object]]:
@@ -44,112 +56,224 @@ def status_of(short_dir: Path) -> dict:
     return json.loads((short_dir / "mps" / "status.json").read_text())
 
 
-def test_caps_lifted_through_the_pipe_are_restored_within_the_probe_interval(
+def control_log(short_dir: Path) -> Path:
+    return short_dir / "mps" / "nvidia.com" / "gpu" / "log" / "control.log"
+
+
+def write_as_daemon(short_dir: Path, pid: int, texts: list[str]) -> None:
+    """Lines in the daemon's log as the daemon with this PID writes them (for what Debian's 535 daemon never
+    writes: driver 580's refusals, another driver's wording)."""
+    stamp = datetime.now().strftime(STAMP)[:-3]
+    with control_log(short_dir).open("a") as log:
+        log.writelines(f"[{stamp} Control {pid:>5}] {text}\n" for text in texts)
+
+
+def restored(short_dir: Path, changed: str, restore: str) -> float | None:
+    return restored_after(control_log(short_dir), changed, restore)
+
+
+def tenant(pipe: Path, command: str) -> None:
+    """What an unprivileged (535) or root (any driver) client container can do through its pipe directory. A session
+    the daemon refused (the agent's own was open) is sent again: the command must have reached the daemon."""
+
+    def sent() -> bool:
+        answer = control(pipe, f"{command}\nget_default_active_thread_percentage")
+        return bool(answer) and "Cannot send" not in answer
+
+    wait_for(sent, 5, f"the daemon to take `{command}`")
+
+
+def test_ceilings_lifted_through_the_pipe_are_seen_in_the_log_and_restored_within_a_second(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
-    agent, base = serve(agents, kubelet, short_dir, "--probe-interval-seconds", "1")
+    agent, base = serve(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET)
     plugin = kubelet.wait_registered(RESOURCE)
-    allocate(plugin, ids(GPU0, 0))  # capped: 25 % and 4095 MiB per GPU
+    allocate(plugin, ids(GPU0, 0))  # capped: 25 % and 4096 MiB per GPU
     pipe = pipe_of(short_dir)
     assert control(pipe, "get_default_active_thread_percentage") == "25.0"
 
-    # What an unprivileged (535) or root (any driver) client container can do through its pipe directory.
-    control(pipe, "set_default_active_thread_percentage 100\nset_default_device_pinned_mem_limit 0 16384M")
-    assert control(pipe, "get_default_active_thread_percentage") == "100.0"
+    tenant(pipe, "set_default_active_thread_percentage 100\nset_default_device_pinned_mem_limit 0 16384M")
+    for changed, restore in [
+        ("set_default_active_thread_percentage 100", "set_default_active_thread_percentage 25"),
+        ("set_default_device_pinned_mem_limit 0 16384M", "set_default_device_pinned_mem_limit 0 4096M"),
+    ]:
+        took = wait_for(lambda c=changed, r=restore: restored(short_dir, c, r), 5, f"{restore} after {changed}")
+        assert took <= 1.0, (changed, took)
     wait_for(
         lambda: (
             control(pipe, "get_default_active_thread_percentage") == "25.0"
-            and control(pipe, "get_default_device_pinned_mem_limit 0") == "3G"
+            and control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
         ),
-        3,  # the 1 s interval, and slack for a loaded machine
-        "the caps to be restored",
+        5,  # a session of the test's own is refused while the agent's is open: asked again
+        "the ceilings read back restored",
     )
     events = wait_for(lambda: len(tampered(agent)) == 2 and tampered(agent), 5, "two tamper log lines")
-    assert {(e["value"], e["expected"], e["found"], e["server"], e["level"]) for e in events} == {
-        ("get_default_active_thread_percentage", "25.0", "100.0", None, "error"),
-        ("get_default_device_pinned_mem_limit 0", "3G", "16G", None, "error"),
-    }
+    assert [(e["seen_by"], e["command"], e["gpu"], e["found"], e["wanted"], e["level"]) for e in events] == [
+        ("control_log", "set_default_active_thread_percentage 100", None, "100 %", "25 %", "warning"),
+        ("control_log", "set_default_device_pinned_mem_limit 0 16384M", GPU0, "16384 MiB", "4096 MiB", "warning"),
+    ]
     daemon = wait_for(
-        lambda: (
-            (found := status_of(short_dir)["resources"][0]["daemon"])["capTamper"] == 2
-            and found["capMode"] == "capped"  # None while the restore is under way
-            and found
-        ),
+        lambda: (found := status_of(short_dir)["resources"][0]["daemon"])["capTamper"] == 2 and found,
         5,
         "the count in the status",
     )
-    assert "`get_default_active_thread_percentage` reads 100.0, expected 25.0" in daemon["lastCapTamper"]["found"]
-    wait_for(lambda: value(base, "mpsagent_cap_tamper_total", resource=RESOURCE) == 2, 5, "the counter")
+    assert daemon["capTamperInLog"] == 2 and daemon["controlLog"]["watched"] is True
+    assert daemon["lastCapTamper"]["seenBy"] == "control_log"
+    assert daemon["lastCapTamper"]["found"] == (
+        "`set_default_device_pinned_mem_limit 0 16384M` set the default pinned memory limit of ordinal 0 to "
+        "16384 MiB; the ledger wants 4096 MiB"
+    )
+    wait_for(
+        lambda: value(base, "mpsagent_cap_tamper_total", resource=RESOURCE, seen_by="control_log") == 2, 5, "counter"
+    )
+    assert value(base, "mpsagent_cap_tamper_total", resource=RESOURCE, seen_by="read_back") == 0
+    assert value(base, "mpsagent_daemon_log_watched", resource=RESOURCE) == 1
     printed = status(short_dir)
     assert printed.returncode == 0, printed.stderr
-    shown = printed.stdout
-    assert "caps changed behind the agent 2 times, last at " in shown
-    assert "(restored): `get_default_active_thread_percentage` reads 100.0, expected 25.0" in shown
+    assert "ceilings changed behind the agent 2 times (2 seen in the control log), last at " in printed.stdout
+    assert "(restored; seen in the control log): `set_default_device_pinned_mem_limit 0 16384M` set" in printed.stdout
+
+
+@pytest.mark.parametrize("moved", ["5120M", "6143M"])
+def test_a_limit_moved_within_its_gib_is_seen_in_the_log_and_restored_within_a_second(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, moved: str
+) -> None:
+    """A third of a 16 GiB GPU is 5461M, which reads back `5G` as 5120M and 6143M do: the read-back cannot tell
+    them apart, the daemon's log can."""
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET, text=config(replicas=3))
+    plugin = kubelet.wait_registered(RESOURCE)
+    envs = allocate(plugin, ids(GPU0, 0)).container_responses[0].envs
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5461M,1=5461M"
+    pipe = pipe_of(short_dir)
+    tenant(pipe, f"set_default_device_pinned_mem_limit 0 {moved}")
+    changed = f"set_default_device_pinned_mem_limit 0 {moved}"
+    took = wait_for(
+        lambda: restored(short_dir, changed, "set_default_device_pinned_mem_limit 0 5461M"), 5, "the restore"
+    )
+    assert took <= 1.0
+    (event,) = wait_for(lambda: tampered(agent), 5, "the tamper log line")
+    assert (event["command"], event["found"], event["wanted"]) == (changed, f"{moved[:-1]} MiB", "5461 MiB")
 
 
 def test_a_limit_taken_away_altogether_is_restored(
     agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
 ) -> None:
     # Under equal grants a grant on GPU 0 caps ordinal 1 too (under proportional ones, GPU 1 would be at full).
-    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1", text=config(grants="equal"))
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET, text=config(grants="equal"))
     plugin = kubelet.wait_registered(RESOURCE)
     allocate(plugin, ids(GPU0, 0))
     pipe = pipe_of(short_dir)
-    control(pipe, "set_default_device_pinned_mem_limit 1 0")  # 0: no ceiling; the read-back then prints nothing
-    wait_for(lambda: control(pipe, "get_default_device_pinned_mem_limit 1") == "3G", 3, "the limit to be restored")
+    tenant(pipe, "set_default_device_pinned_mem_limit 1 0")  # 0: no ceiling; the read-back then prints nothing
+    wait_for(lambda: control(pipe, "get_default_device_pinned_mem_limit 1") == "4G", 3, "the limit to be restored")
     (event,) = wait_for(lambda: tampered(agent), 5, "the tamper log line")
-    assert (event["value"], event["found"]) == ("get_default_device_pinned_mem_limit 1", None)
-
-
-@pytest.mark.parametrize("lifted", ["6143M", "5120M"])
-def test_a_limit_lifted_by_less_than_a_gib_is_seen_and_restored(
-    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, lifted: str
-) -> None:
-    """The daemon reads a limit back in whole GiB: a third of a 16 GiB GPU is held at 5119M (`4G`), so that any raise
-    reads back as another value (at 5461M, 6143M read back `5G` as the ceiling itself did, and was never seen)."""
-    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1", text=config(replicas=3))
-    plugin = kubelet.wait_registered(RESOURCE)
-    envs = allocate(plugin, ids(GPU0, 0)).container_responses[0].envs
-    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5119M,1=5119M"
-    pipe = pipe_of(short_dir)
-    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
-    control(pipe, f"set_default_device_pinned_mem_limit 0 {lifted}")
-    (event,) = wait_for(lambda: tampered(agent), 5, "the tamper log line")
-    assert (event["value"], event["expected"], event["found"]) == ("get_default_device_pinned_mem_limit 0", "4G", "5G")
-    # Restored to the MiB: in the daemon's log, the agent's own command follows the one that lifted the limit.
-
-    def set_after_lift() -> list[str]:
-        sets = [
-            line.split("Cmd:", 1)[1]
-            for e in agent.log_events()
-            if "Cmd:set_default_device_pinned_mem_limit 0 " in (line := str(e.get("line")))
-        ]
-        lift = f"set_default_device_pinned_mem_limit 0 {lifted}"
-        return sets[sets.index(lift) + 1 :] if lift in sets else []
-
-    assert wait_for(set_after_lift, 5, "the agent's command after the lift") == [
-        "set_default_device_pinned_mem_limit 0 5119M"
-    ]
-    assert control(pipe, "get_default_device_pinned_mem_limit 0") == "4G"
+    assert (event["command"], event["gpu"], event["found"]) == (
+        "set_default_device_pinned_mem_limit 1 0",
+        GPU1,
+        "no limit",
+    )
 
 
 def test_a_full_daemon_is_held_at_full_too(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
     """Lowering the caps of a full daemon is as much a change as lifting them: the full grant's pod needs them."""
-    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1")
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET)
     kubelet.wait_registered(RESOURCE)
     pipe = pipe_of(short_dir)
-    control(pipe, "set_default_active_thread_percentage 10")
+    tenant(pipe, "set_default_active_thread_percentage 10")
     wait_for(lambda: control(pipe, "get_default_active_thread_percentage") == "100.0", 3, "full again")
-    assert tampered(agent)[0]["found"] == "10.0"
+    assert tampered(agent)[0]["found"] == "10 %"
 
 
-def test_an_untouched_daemon_is_never_reported(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path) -> None:
+def test_the_agents_own_commands_and_refused_ones_are_never_reported(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    """The agent changes the ceilings several times (grants made and replaced), runs its read-back rounds, and a
+    user the daemon refuses sends a ceiling command (driver 580's lines: Debian's 535 refuses no user, so they are
+    written into the log as that driver writes them); nothing is counted."""
     agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", "1")
     plugin = kubelet.wait_registered(RESOURCE)
-    allocate(plugin, ids(GPU0, 0))
+    for grant in (ids(GPU0, 0), ids(GPU0, 0, 1), ids(GPU1, 0, 1, 2, 3), ids(GPU0, 2)):
+        allocate(plugin, grant)
+    pid = daemon_pid(short_dir)
+    refused = [
+        "NEW UI",
+        "Cmd:set_default_device_pinned_mem_limit 0 16384M",
+        "set_default_device_pinned_mem_limit 0 16384M.",
+        "Insufficient privileges for UID 65534. Control deamon settings can only be modified by the user who started "
+        "it or by the root user.",
+        "UI closed",
+    ]
+    write_as_daemon(short_dir, pid, refused)
+    wait_for(lambda: any("Insufficient privileges" in str(e.get("line")) for e in agent.log_events()), 5, "forwarded")
     wait_for(lambda: len([e for e in agent.log_events() if "Cmd:get_server_list" in str(e.get("line"))]) >= 3, 10)
     assert tampered(agent) == []
-    assert status_of(short_dir)["resources"][0]["daemon"]["capTamper"] == 0
+    daemon = status_of(short_dir)["resources"][0]["daemon"]
+    assert (daemon["capTamper"], daemon["controlLog"]["watched"], daemon["controlLog"]["unknownLines"]) == (0, True, 0)
+
+
+def test_an_unknown_answer_in_the_log_is_reported_once_and_the_read_back_asked(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    """A line where a command's answer belongs, in a form the agent does not know (another driver's): reported once,
+    shown, and a read-back round runs at once instead of waiting for the next."""
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET)
+    kubelet.wait_registered(RESOURCE)
+    pid = daemon_pid(short_dir)
+    reads = len([e for e in agent.log_events() if "Cmd:get_server_list" in str(e.get("line"))])
+    unknown = ["NEW UI", "Cmd:set_default_active_thread_percentage 30", "Threads now 30", "UI closed"]
+    write_as_daemon(short_dir, pid, unknown * 2)
+    event = agent.wait_log("mps daemon log line not understood; ceiling changes are checked by reading them back")
+    assert event["after"] == "set_default_active_thread_percentage 30" and event["line"].endswith("Threads now 30")
+    wait_for(
+        lambda: len([e for e in agent.log_events() if "Cmd:get_server_list" in str(e.get("line"))]) > reads,
+        5,
+        "a read-back round at once",
+    )
+    daemon = wait_for(
+        lambda: (d := status_of(short_dir)["resources"][0]["daemon"])["controlLog"]["unknownLines"] == 2 and d, 5
+    )
+    assert daemon["controlLog"]["watched"] is False
+    assert daemon["controlLog"]["firstUnknownLine"].endswith("Threads now 30")
+    assert len([e for e in agent.log_events() if e.get("event", "").startswith("mps daemon log line not")]) == 1
+
+
+def test_a_rotated_truncated_or_deleted_log_is_followed_again_and_reported(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET)
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU0, 0))
+    pipe, log = pipe_of(short_dir), control_log(short_dir)
+    rotated = log.with_name("control.log.1")
+    log.rename(rotated)  # logrotate's `create`: the daemon keeps writing to the file it opened
+    log.touch()
+    tenant(pipe, "set_default_active_thread_percentage 90")
+    wait_for(lambda: len(tampered(agent)) == 1, 5, "the change seen in the rotated file")
+    rotated.unlink()  # deleted: the daemon still writes to it
+    tenant(pipe, "set_default_active_thread_percentage 80")
+    wait_for(lambda: len(tampered(agent)) == 2, 5, "the change seen in the deleted file")
+    moves = [e["what"] for e in agent.log_events() if e.get("event") == "mps daemon log moved; followed"]
+    assert any("now names another file (rotated)" in m for m in moves)
+    assert any("the file followed was deleted" in m for m in moves)
+    daemon = wait_for(
+        lambda: (d := status_of(short_dir)["resources"][0]["daemon"])["controlLog"]["moves"] == 2 and d, 5, "status"
+    )
+    assert daemon["controlLog"]["watched"] is True
+    assert "(the daemon's own output)" in daemon["controlLog"]["file"]
+    assert "the file followed was deleted" in daemon["controlLog"]["problem"]
+
+
+def test_a_truncated_log_is_read_again_from_its_start(
+    agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path
+) -> None:
+    agent = start(agents, kubelet, short_dir, "--probe-interval-seconds", QUIET)
+    kubelet.wait_registered(RESOURCE)
+    pipe, log = pipe_of(short_dir), control_log(short_dir)
+    wait_for(lambda: any("UI closed" in str(e.get("line")) for e in agent.log_events()), 5, "the log read once")
+    os.truncate(log, 0)
+    tenant(pipe, "set_default_active_thread_percentage 70")
+    wait_for(lambda: len(tampered(agent)) == 1, 5, "the change seen after the truncation")
+    moves = [e["what"] for e in agent.log_events() if e.get("event") == "mps daemon log moved; followed"]
+    assert any("was truncated; following it from its start" in m for m in moves)
 
 
 # --- running servers ---------------------------------------------------------------------------------------
@@ -185,7 +309,10 @@ def test_a_server_that_is_still_starting_is_not_taken_for_tampering(
 
     rounds = server_reads()
     wait_for(lambda: server_reads() >= rounds + 2, 10, "two more rounds that read the server")
-    assert [e["value"] for e in tampered(agent)] == ["get_default_active_thread_percentage"]
+    # Once, as the log saw it (the read-back rounds find the starting server's empty values no change).
+    assert [(e["seen_by"], e["command"]) for e in tampered(agent)] == [
+        ("control_log", "set_default_active_thread_percentage 100")
+    ]
 
 
 def steps(server: int) -> tuple[ControlStep, ...]:
@@ -201,8 +328,8 @@ def _sharing() -> SharingConfig:
 @pytest.mark.parametrize(
     ("replies", "changed"),
     [
-        (["25.0", "18G"], []),
-        (["100.0", "18G"], [("get_active_thread_percentage 42", "100.0")]),
+        (["25.0", "19G"], []),
+        (["100.0", "19G"], [("get_active_thread_percentage 42", "100.0")]),
         (["25.0", None], [("get_device_pinned_mem_limit 42 0", None)]),  # no limit at all
         ([None, None], []),  # a server that answers nothing is starting (or gone): read next round
     ],
@@ -226,33 +353,55 @@ def test_a_difference_says_what_was_found_and_what_was_expected() -> None:
     )
 
 
-# --- the supervisor's read-back for PreStartContainer ----------------------------------------------------
+# --- the read-back: the backstop for a log the agent cannot see ----------------------------------------------
 
 
 @pytest.fixture
-def supervisor(short_dir: Path) -> Iterator[DaemonSupervisor]:
+def unlogged_supervisor(short_dir: Path) -> Iterator[tuple[DaemonSupervisor, Path]]:
+    """A supervisor that adopts a daemon someone else started, whose log it cannot see (its output goes nowhere,
+    and no control.log exists): only the read-back guards its ceilings. Its pipe directory with it."""
     sharing = _sharing()
     node = SnapshotGpuSource(small_node(short_dir / "node.json")).discover()
     plan = build_plan(sharing, node, short_dir / "mps")
     prepare_directories(plan)
-    supervisor = DaemonSupervisor(
-        resource=plan.resources[0],
-        inventory=Inventory(plan.resources[0]),
-        gpu_source=SnapshotGpuSource(short_dir / "node.json"),
-        control_bin=str(REAL_BIN),
-        on_exit=MpsOnExit.QUIT,
-        probe_interval_s=60,  # no round in this test: only the calls it makes read the daemon
-    )
-    supervisor.want_ceilings(plan.resources[0].shares.smallest_caps())
-    yield supervisor
+    resource = plan.resources[0]
+    with plain_daemon(resource.directory, logged=False) as (pipe, daemon):
+        StateFile(resource.directory).write(
+            daemon_state(
+                pid=daemon.pid,
+                visible_devices=resource.visible_devices,
+                ceilings=resource.shares.full_hardware(),
+                shares=resource.shares,
+                multi_user=False,
+                original_compute_modes={},
+            )
+        )
+        supervisor = DaemonSupervisor(
+            resource=resource,
+            inventory=Inventory(resource),
+            gpu_source=SnapshotGpuSource(short_dir / "node.json"),
+            control_bin=str(REAL_BIN),
+            on_exit=MpsOnExit.KEEP,
+            probe_interval_s=60,  # no round in this test: only the calls it makes read the daemon
+        )
+        supervisor.want_ceilings(resource.shares.smallest_caps())
+        yield supervisor, pipe
 
 
-def test_set_ceilings_with_verify_reads_the_daemons_real_values(supervisor: DaemonSupervisor, short_dir: Path) -> None:
-    pipe = short_dir / "mps" / "nvidia.com" / "gpu" / "pipe"
+def test_set_ceilings_with_verify_reads_the_daemons_real_values(
+    unlogged_supervisor: tuple[DaemonSupervisor, Path],
+) -> None:
+    supervisor, pipe = unlogged_supervisor
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(supervisor.run)
+            watch = supervisor.status().control_log
+            assert watch is not None and watch.watched is False and watch.problem is not None
+            assert watch.problem == (
+                "the daemon's output is a character device, not a file; "
+                f"{watch.file} cannot be opened (No such file or directory)"
+            )
             control(pipe, "set_default_active_thread_percentage 100")
             capped = supervisor.ceilings
             assert capped is not None
@@ -260,9 +409,10 @@ def test_set_ceilings_with_verify_reads_the_daemons_real_values(supervisor: Daem
             assert control(pipe, "get_default_active_thread_percentage") == "100.0"
             await supervisor.set_ceilings(capped, verify=True)
             assert control(pipe, "get_default_active_thread_percentage") == "25.0"
-            assert supervisor.cap_tamper_count == 1
-            assert supervisor.last_cap_tamper is not None
-            assert "reads 100.0, expected 25.0" in supervisor.last_cap_tamper[1]
+            status = supervisor.status()
+            assert (status.cap_tamper, status.cap_tamper_in_log) == (1, 0)
+            assert status.last_cap_tamper is not None and status.last_cap_tamper.seen_by == "read_back"
+            assert "reads 100.0, expected 25.0" in status.last_cap_tamper.found
             tg.cancel_scope.cancel()
 
     anyio.run(main)
@@ -272,25 +422,14 @@ def test_set_ceilings_with_verify_reads_the_daemons_real_values(supervisor: Daem
 
 
 @pytest.fixture
-def plain_daemon(short_dir: Path) -> Iterator[Path]:
-    pipe, logs = short_dir / "pipe", short_dir / "log"
-    pipe.mkdir()
-    logs.mkdir()
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
-    daemon = subprocess.Popen(
-        [str(REAL_BIN), "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    try:
-        wait_for(lambda: control(pipe, "get_default_active_thread_percentage") == "100.0", 5, "the daemon")
+def daemon_pipe(short_dir: Path) -> Iterator[Path]:
+    with plain_daemon(short_dir) as (pipe, _):
         yield pipe
-    finally:
-        daemon.kill()
-        daemon.wait(5)
 
 
-def test_a_value_that_prints_nothing_reads_as_none_in_its_place(plain_daemon: Path) -> None:
-    channel = ControlChannel(str(REAL_BIN), plain_daemon)
-    control(plain_daemon, "set_default_device_pinned_mem_limit 1 4096M")
+def test_a_value_that_prints_nothing_reads_as_none_in_its_place(daemon_pipe: Path) -> None:
+    channel = ControlChannel(str(REAL_BIN), daemon_pipe)
+    control(daemon_pipe, "set_default_device_pinned_mem_limit 1 4096M")
     reads = [
         "get_default_device_pinned_mem_limit 0",  # never set: prints nothing
         "get_default_active_thread_percentage",

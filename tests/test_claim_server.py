@@ -17,9 +17,12 @@ from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 
 from mpsagent.base.config import resolve_settings
 from mpsagent.base.errors import HostError, KubeApiError
+from mpsagent.documents.status import render_status_text, status_document
+from mpsagent.documents.status_document import PodResourcesStatus
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.plan import NodePlan, build_plan
@@ -30,7 +33,7 @@ from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer
 from mpsagent.supervisor.resource_server import ResourceServer
-from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control
+from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control, restored_after
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, small_node, write_config
 from mpsagent_testing.processes import alive, processes_using
 from mpsagent_testing.waiting import wait_for
@@ -347,6 +350,38 @@ def test_two_requests_of_one_claim_on_one_gpu_get_cdi_devices_of_their_own(node:
     assert len(set(names)) == 2, f"the CDI spec names one device twice: {names}"
     ids = [d.cdi_device_ids[0] for d in outcome.devices]
     assert ids == [cdi.cdi_device_id(name) for name in names]
+
+
+# --- a claim's ceiling changed behind the agent ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moved", ["8292M", "8092M"])
+def test_a_claims_ceiling_moved_by_100_mib_is_restored_within_a_second_and_counted(node: Node, moved: str) -> None:
+    """An 8Gi claim's ceiling is 8192M, which reads back `8G` as 8092M and 8292M do: only the daemon's log shows
+    the change, and the agent restores the claim's exact figure."""
+    agent = node.agent()
+    log = node.plan.resources[0].log_directory / "control.log"
+    changed, restore = f"set_default_device_pinned_mem_limit 0 {moved}", "set_default_device_pinned_mem_limit 0 8192M"
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.allocate(allocation(CLAIM_A, memory_bytes=8 * GIB))
+            assert (await prepare_one(agent, CLAIM_A)).error == ""
+            assert agent.ceilings()[1] == "8G"
+            await anyio.to_thread.run_sync(control, agent.pipe, changed)  # a root tenant, through its pipe
+            with anyio.fail_after(5):
+                while (took := restored_after(log, changed, restore)) is None:
+                    await anyio.sleep(0.05)
+            assert took <= 1.0
+            status = agent.resource.daemon.status()
+            assert (status.cap_tamper, status.cap_tamper_in_log) == (1, 1)
+            assert status.last_cap_tamper is not None
+            assert status.last_cap_tamper.found == (
+                f"`{changed}` set the default pinned memory limit of ordinal 0 to {moved[:-1]} MiB; the ledger wants "
+                "8192 MiB"
+            )
+
+    node.run(main)
 
 
 # --- unprepare -------------------------------------------------------------------------------------------
@@ -732,3 +767,41 @@ def test_status_lists_the_claims_with_their_pods_and_devices_and_counts_the_call
         ("gpu-1", GPU1, RESOURCE, 81920, 100, True)
     ]
     assert a.prepared_at
+
+
+def test_a_claims_memory_below_a_whole_mib_is_rounded_down_and_the_rounding_said(node: Node) -> None:
+    """MPS limits are whole MiB: 8Gi + 1 byte is capped at 8192M, and the prepared claim's log line and `--status`
+    say what was left out."""
+    agent = node.agent()
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.allocate(allocation(CLAIM_A, memory_bytes=8 * GIB + 1), allocation(CLAIM_B, memory_bytes=9 * GIB))
+            with structlog.testing.capture_logs() as logs:
+                await agent.claims.prepare([CLAIM_A, CLAIM_B])
+            prepared = {e["claim_uid"]: e["devices"] for e in logs if e["event"] == "claim prepared"}
+            assert prepared[UID_A] == [
+                "gpu-0: 8192 MiB (the allocation rounded down to whole MiB: 1 byte left out), threads 10%"
+            ]
+            assert prepared[UID_B] == ["gpu-0: 9216 MiB, threads 11%"]
+            assert node.spec_env(UID_A)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M"
+
+    node.run(main)
+    by_uid = {claim.uid: claim for claim in agent.claims.status().claims}
+    assert [d.rounded_off_bytes for d in by_uid[UID_A].devices] == [1]
+    assert [d.rounded_off_bytes for d in by_uid[UID_B].devices] == [0]
+    document = status_document(
+        version="1",
+        pid=1,
+        tasks=1,
+        pod_resources=PodResourcesStatus(available=True),
+        unhealthy_gpus={},
+        resources=[],
+        dra=agent.claims.status(),
+    )
+    shown = render_status_text(document).splitlines()
+    assert (
+        f"      gpu-0 ({GPU0}, {RESOURCE}): 8192 MiB (the allocation rounded down to whole MiB: 1 byte left out), "
+        "threads 10%"
+    ) in shown
+    assert f"      gpu-0 ({GPU0}, {RESOURCE}): 9216 MiB, threads 11%" in shown

@@ -19,20 +19,37 @@ from mpsagent_testing.repo import ROOT
 DOCS = ROOT / "docs"
 
 
+def _module_strings(tree: ast.Module) -> dict[str, str]:
+    """The module's top-level names bound to a string (`TAMPER_EVENT = "..."`)."""
+    strings = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        target = node.target if isinstance(node, ast.AnnAssign) else target
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant) and isinstance(value.value, str):
+            strings[target.id] = value.value
+    return strings
+
+
 def logged_problems(package: Path) -> set[str]:
-    """Every warning and error event logged with a literal name."""
+    """Every warning and error event logged with a literal name, or a module constant's."""
     events = set()
     for path in package.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
+        tree = ast.parse(path.read_text())
+        strings = _module_strings(tree)
+        for node in ast.walk(tree):
+            if not (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr in {"warning", "error", "critical", "exception"}
                 and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
             ):
-                events.add(node.args[0].value)
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                events.add(first.value)
+            elif isinstance(first, ast.Name) and first.id in strings:
+                events.add(strings[first.id])
     return events
 
 
@@ -43,8 +60,10 @@ def test_every_warning_and_error_event_is_documented() -> None:
 
 
 def test_the_event_check_catches_a_new_event(tmp_path: Path) -> None:
-    (tmp_path / "module.py").write_text('log.warning("a new surprise", key=1)\nlog.info("fine")\n')
-    assert logged_problems(tmp_path) == {"a new surprise"}
+    (tmp_path / "module.py").write_text(
+        'EVENT = "named once"\nlog.warning("a new surprise", key=1)\nlog.info("fine")\nlog.error(EVENT)\n'
+    )
+    assert logged_problems(tmp_path) == {"a new surprise", "named once"}
 
 
 def test_every_node_label_is_documented() -> None:
@@ -224,3 +243,38 @@ def test_the_e2e_page_names_every_real_node_scenario_and_the_node_s_pins() -> No
     pins = (layout.KUBERNETES_VERSION, layout.HELM_VERSION, layout.BUSYBOX_IMAGE, layout.SERVICE_CIDR)
     paths = (layout.CACHE, layout.BIN, layout.IMAGES, layout.STATE, layout.RUN, layout.KUBECONFIG, layout.KUBELET_ROOT)
     assert sorted(str(value) for value in (*pins, *paths) if str(value) not in text) == []
+
+
+def documented_labels() -> dict[str, tuple[str, ...]]:
+    """Each metric of docs/metrics.md's table with the label names its labels column gives, in order."""
+    rows = re.findall(r"^\| `(mpsagent_\w+)` \| \w* \|([^|]*)\|", (DOCS / "metrics.md").read_text(), re.MULTILINE)
+    # A label's values follow it in parentheses: `health` (`Healthy`, `Unhealthy`).
+    return {name: tuple(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", labels))) for name, labels in rows}
+
+
+def test_the_metrics_table_gives_each_status_metric_its_labels() -> None:
+    """The labels an operator writes queries with (`seen_by`, `outcome`, ...) are the ones exported."""
+    from mpsagent.documents.status_document import STATUS_METRICS  # noqa: PLC0415
+
+    documented = documented_labels()
+    for row in STATUS_METRICS:
+        name = row.name + ("_total" if row.kind == "counter" else "")
+        assert documented[name] == row.labels, name
+
+
+def test_the_ceiling_watch_fields_of_status_json_are_the_documented_ones() -> None:
+    """docs/operations.md's table of the daemon's watch fields names each field of the status document it covers."""
+    import msgspec  # noqa: PLC0415
+
+    from mpsagent.mps.daemon_status import CapTamperEvent, ControlLogStatus  # noqa: PLC0415
+
+    text = (DOCS / "operations.md").read_text()
+    documented = set()
+    for cell in re.findall(r"^\| (`capTamper[^|]*|`lastCapTamper[^|]*|`controlLog[^|]*) \|", text, re.MULTILINE):
+        names = re.findall(r"`([\w.]+)`", cell)
+        parent = names[0].split(".")[0]
+        documented |= {names[0], *(parent + name for name in names[1:] if name.startswith("."))}
+    fields = {"capTamper", "capTamperInLog"}
+    fields |= {f"lastCapTamper.{f.encode_name}" for f in msgspec.structs.fields(CapTamperEvent)}
+    fields |= {f"controlLog.{f.encode_name}" for f in msgspec.structs.fields(ControlLogStatus)}
+    assert documented == fields

@@ -226,8 +226,12 @@ def test_dry_run_switches_the_daemon_and_skips_what_needs_a_gpu(short_dir: Path)
         assert status[check] == "skipped (no GPU)"
     passing = ["capped-envs", "full-envs", "proportional-envs", "units-envs", "nothing-left"]
     passing += [f"{check}{run}" for check in AGENT_RUNS for run in ("", "-proportional", "-units")]
+    passing += ["control-log-format", "control-log-tamper", "control-log-refused"]
     for check in passing:
         assert status[check] == "pass", check
+    # The daemon's log as the agent reads it: Debian's 535 daemon takes user 65534's command (driver 580 refuses it).
+    assert observed(report, "control-log-format").endswith("accepted; not understood: none")
+    assert observed(report, "control-log-refused") == "accepted; tamper count 2.0"
     assert (out / "agent.log").exists()
     work = Path(report["facts"]["workDir"])
     assert not work.exists()

@@ -12,7 +12,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from mpsagent.base.errors import DaemonError, UnrecordedDaemonError
-from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.daemon_log import DaemonLog
 from mpsagent.supervisor.daemon_host import _keep
 
 
@@ -81,23 +81,31 @@ async def test_a_daemon_that_cannot_be_recorded_again_before_the_start_stops_the
 
 
 @pytest.mark.anyio
-async def test_an_unreadable_daemon_log_is_reported_once_and_forwarding_resumes(tmp_path: Path) -> None:
+async def test_a_daemon_log_that_cannot_be_opened_is_reported_once_and_followed_once_it_can(tmp_path: Path) -> None:
     path = tmp_path / "control.log"
-    path.write_bytes(b"")
+    path.mkdir()  # something else in its place: it cannot be followed
+    log = DaemonLog(path, structlog.stdlib.get_logger("test"), proc_root=tmp_path / "no-proc")
     with structlog.testing.capture_logs() as logs:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(forward_daemon_log, path, structlog.stdlib.get_logger("test"))
-            await anyio.sleep(0.6)
-            path.unlink()
-            path.mkdir()  # something else in its place: reading fails
-            await anyio.sleep(1.2)
+            tg.start_soon(log.run)
+            log.attach(4242)
+            await anyio.sleep(1.2)  # several polls: reported once
+            following = log.following()
+            assert following.followed is False
+            assert following.problem == (
+                f"the daemon's output cannot be opened (No such file or directory); {path} is a directory, not a file"
+            )
             path.rmdir()
             path.write_bytes(b"[2026-12-01 00:00:00.000 Control 1] Starting control daemon\n")
             with anyio.fail_after(5):
                 while not any(e["event"] == "mps daemon log" for e in logs):
                     await anyio.sleep(0.05)
+            assert log.following().followed is True
             tg.cancel_scope.cancel()
-    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["mps daemon log not forwarded"]
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "mps daemon log not followed; the caps are checked by reading them back only"
+    ]
+    assert "mps daemon log followed again" in [e["event"] for e in logs]
     forwarded = next(e for e in logs if e["event"] == "mps daemon log")
     assert forwarded["line"].endswith("Starting control daemon")
     assert forwarded["log_level"] == logging.getLevelName(logging.INFO).lower()

@@ -34,6 +34,7 @@ from mpsagent.kubelet.plugin import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
     CeilingsStatus,
+    ControlLogStatus,
     DaemonBusy,
     DaemonStatus,
     FrontEndFailure,
@@ -109,8 +110,22 @@ def serving_views() -> list[ResourceView]:
             restarts=1,
             restart_attempts=2,
             multi_user=False,
-            cap_tamper=1,
-            last_cap_tamper=CapTamperEvent(at=utc(WALL - 10), found="active thread percentage 100, set 50"),
+            cap_tamper=3,
+            cap_tamper_in_log=2,
+            last_cap_tamper=CapTamperEvent(
+                at=utc(WALL - 10),
+                found="`set_default_device_pinned_mem_limit 0 5120M` set the default pinned memory limit of ordinal 0 "
+                "to 5120 MiB; the ledger wants 5461 MiB",
+                seen_by="control_log",
+            ),
+            control_log=ControlLogStatus(
+                file="/proc/4242/fd/1 (the daemon's own output)",
+                watched=True,
+                problem="/run/nvidia/mps/nvidia.com/gpu/log/control.log now names another file (rotated); the daemon "
+                "still writes to the file it opened, which the agent follows",
+                problem_at=utc(WALL - 20),
+                moves=1,
+            ),
             busy=DaemonBusy(
                 at=utc(WALL - 5), reason="`get_server_list` and 2 more not sent: the MPS control daemon is busy"
             ),
@@ -129,6 +144,13 @@ def serving_views() -> list[ResourceView]:
                 at=utc(WALL - 40),
                 path="/run/nvidia/mps/nvidia.com/gpu-mem/daemon.json",
                 problem="does not decode: Input data was truncated",
+            ),
+            control_log=ControlLogStatus(
+                file="/run/nvidia/mps/nvidia.com/gpu-mem/log/control.log",
+                watched=False,
+                problem="/run/nvidia/mps/nvidia.com/gpu-mem/log/control.log cannot be opened (No such file or "
+                "directory)",
+                problem_at=utc(WALL - 30),
             ),
         ),
         registration=Registration(registered=False, registrations=0),
@@ -419,11 +441,14 @@ def test_metrics_read_the_published_document() -> None:
     assert scraped[("mpsagent_active_grants", (("kind", "capped"), *gpu))] == 2
     assert scraped[("mpsagent_daemon_cap_mode", (("mode", "capped"), *gpu))] == 1
     assert scraped[("mpsagent_daemon_multi_user", gpu)] == 0
-    assert scraped[("mpsagent_cap_tamper_total", gpu)] == 1
+    assert scraped[("mpsagent_cap_tamper_total", (*gpu, ("seen_by", "control_log")))] == 2
+    assert scraped[("mpsagent_cap_tamper_total", (*gpu, ("seen_by", "read_back")))] == 1
+    assert scraped[("mpsagent_daemon_log_watched", gpu)] == 1
+    assert scraped[("mpsagent_daemon_log_unknown_lines_total", gpu)] == 0
     assert scraped[("mpsagent_daemon_busy", gpu)] == 1
     assert scraped[("mpsagent_daemon_busy_episodes_total", gpu)] == 2
     assert scraped[("mpsagent_daemon_busy", (("resource", "nvidia.com/gpu-mem"),))] == 0
-    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4095 * 1024**2
+    assert scraped[("mpsagent_daemon_memory_ceiling_bytes", (("gpu", gpu0), *gpu))] == 4096 * 1024**2
     assert scraped[("mpsagent_escape_thread_percent", (("gpu", gpu0), *gpu))] == 75
     assert scraped[("mpsagent_daemon_thread_ceiling_percent", gpu)] == 100
     assert scraped[("mpsagent_kubelet_registration_failures_total", gpu)] == 1

@@ -28,6 +28,7 @@ from mpsagent.documents.status_document import (
     PodResourcesStatus,
     ResourceStatus,
     StatusDocument,
+    rounding,
 )
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
@@ -287,10 +288,20 @@ def _daemon_events(daemon: DaemonStatus) -> list[str]:
     lines = []
     tampered = daemon.last_cap_tamper
     if tampered:
+        seen = "seen in the control log" if tampered.seen_by == "control_log" else "read back"
         lines.append(
-            f"  caps changed behind the agent {daemon.cap_tamper} times, last at {tampered.at} "
-            f"(restored): {tampered.found}"
+            f"  ceilings changed behind the agent {daemon.cap_tamper} times ({daemon.cap_tamper_in_log} seen in the "
+            f"control log), last at {tampered.at} (restored; {seen}): {tampered.found}"
         )
+    watch = daemon.control_log
+    if watch is not None and not watch.watched:
+        why = watch.problem or f"a line not understood: {watch.first_unknown_line}"
+        lines.append(
+            f"  control log NOT WATCHED ({watch.file}): {why}; ceiling changes are seen by the read-back only, "
+            "in whole GiB (docs/cap-model.md)"
+        )
+    elif watch is not None and watch.problem is not None:
+        lines.append(f"  control log followed ({watch.file}); last at {watch.problem_at}: {watch.problem}")
     failing = daemon.front_end_failure
     if failing:
         lines.append(
@@ -357,7 +368,11 @@ def _dra_lines(dra: DraStatus) -> list[str]:
         lines.append(f"    {claim.claim} (uid {claim.uid}, prepared {claim.prepared_at}) for {pods}")
         lines += [
             f"      {d.device} ({d.gpu}, {d.resource}): "
-            + ("whole GPU" if d.whole else f"{d.memory_mib} MiB, threads {d.thread_percentage}%")
+            + (
+                "whole GPU"
+                if d.whole
+                else f"{d.memory_mib} MiB{rounding(d.rounded_off_bytes)}, threads {d.thread_percentage}%"
+            )
             for d in claim.devices
         ]
     return lines

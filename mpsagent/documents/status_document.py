@@ -210,6 +210,14 @@ POD_RESOURCES_METRICS: tuple[MetricRow[PodResourcesStatus], ...] = (
 )
 
 
+def rounding(rounded_off_bytes: int) -> str:
+    """A cap's rounding in words (MPS limits are whole MiB): empty when the allocation was whole MiB."""
+    if not rounded_off_bytes:
+        return ""
+    noun = "byte" if rounded_off_bytes == 1 else "bytes"
+    return f" (the allocation rounded down to whole MiB: {rounded_off_bytes} {noun} left out)"
+
+
 class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     device: str
     gpu: str
@@ -217,6 +225,8 @@ class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel
     memory_mib: Count = msgspec.field(name="memoryMiB")
     thread_percentage: Count
     whole: bool
+    rounded_off_bytes: Count = 0
+    """The allocated memory below a whole MiB, which the cap leaves out."""
 
 
 class ClaimStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -31,6 +31,7 @@ import anyio
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError
+from mpsagent.mps.ceiling_watch import SentCommands
 from mpsagent.mps.commands import ControlStep
 from mpsagent.mps.liveness import Liveness, greeting
 
@@ -74,8 +75,18 @@ def _cannot_run(control_bin: str, exc: OSError) -> ControlRunError:
 class ControlChannel:
     """Talks to the control daemon listening on one pipe directory."""
 
-    def __init__(self, control_bin: str, pipe_directory: Path, timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        control_bin: str,
+        pipe_directory: Path,
+        timeout_s: float = COMMAND_TIMEOUT_S,
+        *,
+        sent: SentCommands | None = None,
+    ) -> None:
+        """`sent`: where each session's ceiling commands are noted before it opens, so that the daemon's log can
+        tell them from a tenant's (the daemon supervisor's ceiling watch)."""
         self._bin = control_bin
+        self._sent = sent
         self._pipe = pipe_directory
         self._env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_directory)}
         self._timeout = timeout_s
@@ -104,7 +115,12 @@ class ControlChannel:
         for command in commands:
             check_command(command)
         async with self._lock:
-            returncode, reply = await self._answered_session(commands, what, checked=checked)
+            noted = None if self._sent is None else self._sent.opened(commands)
+            try:
+                returncode, reply = await self._answered_session(commands, what, checked=checked)
+            finally:
+                if self._sent is not None:
+                    self._sent.closed(noted, time.monotonic())
         if returncode != 0 or any(marker in reply for marker in _FAILURE_MARKERS):
             raise DaemonCommandError(f"{what} failed: {reply or f'exit status {returncode}'}")
         return reply

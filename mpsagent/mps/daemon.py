@@ -6,17 +6,18 @@ never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps
 (`mps.keeper`) starts and restarts the daemon instead, and this supervisor only adopts and drives it: it never
 starts, kills or quits one.
 
-Every liveness round reads the daemon's values back and restores any that someone with the control socket (every
-client container has it) changed. A round the agent cannot even run (it cannot start the front-end: EMFILE,
-ENOMEM, a missing binary) says nothing about the daemon: it is reported and retried with backoff, and the daemon
-is kept, never killed for the agent's own failure.
+Someone with the control socket (every client container has it) can change the ceilings. The supervisor follows
+the daemon's own log of every control command (`daemon_log`, judged by `ceiling_watch`) and restores a ceiling
+changed behind the agent, by any amount, within a second; every liveness round also reads the daemon's values back:
+the backstop for what the log cannot show, in whole GiB (`get_*` prints them so). A round the agent cannot even run
+(it cannot start the front-end: EMFILE, ENOMEM, a missing binary) says nothing about the daemon: it is reported and
+retried with backoff, and the daemon is kept, never killed for the agent's own failure.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import anyio
 from anyio.abc import Process, TaskStatus
@@ -36,6 +37,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.port import GpuSource
+from mpsagent.mps.ceiling_guard import CeilingGuard
 from mpsagent.mps.commands import (
     CapDifference,
     cap_differences,
@@ -45,9 +47,7 @@ from mpsagent.mps.commands import (
 )
 from mpsagent.mps.compute_mode import ComputeModes
 from mpsagent.mps.control import ControlChannel
-from mpsagent.mps.daemon_log import forward_daemon_log
 from mpsagent.mps.daemon_status import (
-    CapTamperEvent,
     CeilingsStatus,
     DaemonBusy,
     DaemonStatus,
@@ -103,7 +103,6 @@ class DaemonSupervisor:
         self._on_exit = on_exit
         self._probe_interval = probe_interval_s
         self._owns_daemon = owner is MpsDaemonOwner.AGENT
-        self._channel = ControlChannel(control_bin, resource.pipe_directory)
         self._state_file = StateFile(resource.directory)
         self._wanted = resource.shares.unreconciled_ceilings()
         self._ceilings_known = False
@@ -119,10 +118,17 @@ class DaemonSupervisor:
         self.restarts = 0
         self.restart_attempts = 0
         """Daemons started after a failure, each attempt counted (a daemon that keeps failing keeps counting)."""
-        self.cap_tamper_count = 0
-        self.last_cap_tamper: tuple[float, str] | None = None
-        """When (wall clock) the caps were last found changed behind the agent, and what was found."""
+        self._wake = anyio.Event()
         self._log = log.bind(resource=resource.name)
+        self._guard = CeilingGuard(
+            log_path=resource.log_directory / CONTROL_LOG,
+            gpus=resource.shares.gpus,
+            log=self._log,
+            forward=self._owns_daemon,
+            wanted=lambda: self._wanted,
+            wake=self._wake_round,
+        )
+        self._channel = ControlChannel(control_bin, resource.pipe_directory, sent=self._guard.sent)
         self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
         self._busy = busy_episodes(self._log)
         self._front_end = FailureEpisodes(
@@ -173,7 +179,7 @@ class DaemonSupervisor:
 
     def status(self) -> DaemonStatus:
         """What is known about the daemon now: the snapshot the status document embeds and the metrics read."""
-        tamper, failure, damage, busy = self.last_cap_tamper, self.front_end_failure, self.record_damage, self.busy
+        failure, damage, busy = self.front_end_failure, self.record_damage, self.busy
         return DaemonStatus(
             pid=self._pid,
             up=self._up,
@@ -182,8 +188,10 @@ class DaemonSupervisor:
             restarts=self.restarts,
             restart_attempts=self.restart_attempts,
             multi_user=self._running_multi_user,
-            cap_tamper=self.cap_tamper_count,
-            last_cap_tamper=None if tamper is None else CapTamperEvent(at=utc(tamper[0]), found=tamper[1]),
+            cap_tamper=self._guard.count,
+            cap_tamper_in_log=self._guard.in_log,
+            last_cap_tamper=self._guard.last_event(),
+            control_log=self._guard.status(),
             front_end_failure=None if failure is None else FrontEndFailure(at=utc(failure[0]), reason=failure[1]),
             record_damage=None
             if damage is None
@@ -214,10 +222,13 @@ class DaemonSupervisor:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
         await self._hold(verify=verify)
 
-    async def _hold(self, *, verify: bool = False) -> None:
+    async def _hold(self, *, verify: bool = False, restore: bool = False) -> None:
         """Bring the daemon to the latest wanted ceilings; concurrent callers queue, the last wish wins. A daemon
-        that another session keeps busy raises DaemonBusyError (reported once per episode)."""
+        that another session keeps busy raises DaemonBusyError (reported once per episode). `restore`: set every
+        ceiling again, whatever the read-back shows (a change within a GiB reads back the same)."""
         async with self._ceilings_lock:
+            if restore:
+                self._held = None
             try:
                 await self._hold_wanted(verify=verify)
             except DaemonBusyError as exc:
@@ -233,7 +244,7 @@ class DaemonSupervisor:
             self._busy.works(pid=self._pid)
             if not differences:
                 return
-            self._report_tamper(ceilings, differences)
+            self._guard.read_back(ceilings, differences)
             known = None
         self._held = None
         steps = daemon_default_steps(ceilings)
@@ -276,19 +287,6 @@ class DaemonSupervisor:
         )
         return cap_differences(defaults, default_values, per_server, server_values)
 
-    def _report_tamper(self, ceilings: Ceilings, differences: Sequence[CapDifference]) -> None:
-        for difference in differences:
-            self._log.error(
-                "mps daemon caps changed behind the agent; restoring them",
-                value=difference.step.read_back,
-                expected=difference.step.expected,
-                found=difference.found,
-                server=difference.step.server,
-                ceilings=ceilings.describe(),
-            )
-        self.cap_tamper_count += len(differences)
-        self.last_cap_tamper = (time.time(), "; ".join(difference.describe() for difference in differences))
-
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -298,8 +296,8 @@ class DaemonSupervisor:
             self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._guard.run)
                 if self._owns_daemon:
-                    tg.start_soon(forward_daemon_log, self._resource.log_directory / CONTROL_LOG, self._log)
                     await self._bring_up(first=True)
                     task_status.started()
                 else:
@@ -310,6 +308,7 @@ class DaemonSupervisor:
                     await self._adopt_from_host()
                 while True:
                     await self._wait_for_failure()
+                    self._guard.detach()
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True)
                     self._held = None
                     self._up = False
@@ -392,6 +391,7 @@ class DaemonSupervisor:
                 daemon_gpus=state.visible_devices,
             )
         self._pid = state.pid
+        self._follow_log(since=None)
         self._running_multi_user = state.multi_user
         self._compute_modes.adopt(state.original_compute_modes)
         held = recorded_ceilings(state, self._resource.shares)
@@ -413,11 +413,17 @@ class DaemonSupervisor:
         return True
 
     async def _start(self) -> None:
-        self._process = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
+        self._process, written = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
         self._pid = self._process.pid
+        self._follow_log(since=written)
         self._running_multi_user = self._multi_user
         self._save_state()
         await self._wait_answering()
+
+    def _follow_log(self, *, since: int | None) -> None:
+        """Follow the log of the daemon just started or adopted (from `since`, else its end), and judge it."""
+        assert self._pid is not None
+        self._guard.attach(self._pid, since=since)
 
     async def _wait_answering(self) -> None:
         assert self._process is not None
@@ -443,6 +449,10 @@ class DaemonSupervisor:
             tg.start_soon(hung)
             tg.start_soon(self._watch_rounds)
 
+    def _wake_round(self) -> None:
+        """Run the next round now (the event is replaced after each wake: the round's own)."""
+        self._wake.set()
+
     async def _watch_liveness(self) -> str:
         """Why the daemon counts as hung, once it does: checked every probe interval without a front-end session
         or any lock, so never behind queued RPC work, and never fooled by another session keeping it busy."""
@@ -458,14 +468,17 @@ class DaemonSupervisor:
                 return reason
 
     async def _watch_rounds(self) -> None:
-        """A round every probe interval: the daemon's caps read back, what changed restored. When the agent
-        cannot run the front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S). Whether the daemon lives is
-        the liveness watch's to say, never a round's."""
+        """A round every probe interval, and at once when the daemon's log shows a ceiling changed behind the agent
+        (or a line not understood): the daemon's caps read back (set again after a change), what changed restored.
+        When the agent cannot run the front-end, the rounds back off (up to FRONT_END_BACKOFF_MAX_S). Whether the
+        daemon lives is the liveness watch's to say, never a round's."""
         rounds = Backoff(self._probe_interval, max(FRONT_END_BACKOFF_MAX_S, self._probe_interval))
         while True:
-            await anyio.sleep(rounds.delay)
+            with anyio.move_on_after(rounds.delay):
+                await self._wake.wait()
+            self._wake = anyio.Event()
             try:
-                await self._hold(verify=True)
+                await self._hold(verify=True, restore=self._guard.take_explained())
             except ControlRunError as exc:
                 rounds.grow()
                 self._front_end.failed(str(exc), pid=self._pid, retry_in_s=rounds.delay)

@@ -1,43 +1,232 @@
-"""Forwarding the MPS control daemon's `control.log` into the agent's log, each line at a level that fits it:
-the agent's own round trips at debug, failures as warnings."""
+"""Following the file an MPS control daemon writes its log to (`<resource>/log/control.log`): its new lines
+forwarded into the agent's log, each at a level that fits it, and handed to whoever reads them (the ceiling watch).
+
+The daemon runs in the foreground with its output on that file, opened once at its start: it keeps writing to that
+file whatever happens to the path. So the follower holds the daemon's own file open (`/proc/<pid>/fd/1` when the
+daemon is known and that is a regular file, else the path), and follows it through what an operator or a tool does:
+- truncated (`copytruncate`, `: > control.log`): read again from its start, reported;
+- renamed away or deleted (logrotate's `create`, `rm`): still followed (the daemon writes there), reported once.
+A file that cannot be opened or read is reported once, tried again every poll, and never ends its owner.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 from structlog.typing import FilteringBoundLogger
 
-LOG_POLL_S = 0.5
+from mpsagent.base.host import file_kind, os_reason
+
+LOG_POLL_S = 0.2
+"""How often the file is read: a ceiling changed behind the agent is seen within this (and restored within 1 s)."""
 MAX_READ_BYTES = 1 << 20
 """At most this much of the log per poll: a daemon that writes faster is followed, not read whole at once."""
 MAX_LINE_BYTES = 4096
 
 
-async def forward_daemon_log(path: Path, log: FilteringBoundLogger) -> None:
-    """Forward lines appended to `path` from now on, until cancelled. A log that cannot be read (replaced by
-    something else, unreadable) is reported once and tried again; it never ends its owner."""
-    position = _file_size(path)
-    pending = b""
-    failing = False
-    while True:
-        await anyio.sleep(LOG_POLL_S)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Chunk:
+    """New lines of the log, and what the read that found them knows."""
+
+    lines: list[str]
+    at_end: bool
+    """The read reached the end of the file (everything the daemon had written when it began is in it)."""
+    began: float
+    """When the read began (monotonic)."""
+
+
+LogReader = Callable[[Chunk], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Following:
+    """What the follower knows of the file now: for `--status`."""
+
+    file: str
+    """The file followed (or tried): the path, or the daemon's own output through /proc."""
+    followed: bool
+    problem: str | None
+    """Why it is not followed, or what last happened to it (truncated, renamed away, deleted)."""
+    problem_at: float | None
+    """When (wall clock)."""
+    events: int
+    """Truncations, renames and deletions followed."""
+
+
+class DaemonLog:
+    """Follows one resource's daemon log. `forward`: whether its lines go into the agent's log (the daemon host
+    forwards the log of the daemons it keeps; the agent reads them too, to watch the ceilings)."""
+
+    def __init__(
+        self,
+        path: Path,
+        log: FilteringBoundLogger,
+        *,
+        forward: bool = True,
+        reader: LogReader | None = None,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
+        """`reader`: handed each poll's new lines."""
+        self._path = path
+        self._reader = reader
+        self._log = log
+        self._forward = forward
+        self._proc_root = proc_root
+        self._fd: int | None = None
+        self._file = str(path)
+        self._position = 0
+        self._pending = b""
+        self._daemon: int | None = None
+        self._attached = False
+        self._failing: str | None = None
+        self._moved: tuple[tuple[int, int], bool] | None = None
+        """The path's identity (device, inode; (0, 0): no file) and whether the file followed was deleted, when last
+        reported."""
+        self._problem: tuple[float, str] | None = None
+        self.events = 0
+
+    def attach(self, daemon: int | None, *, since: int | None = None) -> None:
+        """Follow the file the daemon with this PID writes to (None: the path) from its current end, or from offset
+        `since` (the file's size before the daemon was started): called when a daemon has been started or adopted.
+        Opens it at once, so no line written after this call is missed."""
+        self._daemon = daemon
+        self._attached = True
+        self._close()
+        self._open(since=since)
+
+    def following(self) -> Following:
+        problem = self._failing or (self._problem[1] if self._problem else None)
+        return Following(
+            file=self._file,
+            followed=self._fd is not None,
+            problem=problem,
+            problem_at=self._problem[0] if self._problem else None,
+            events=self.events,
+        )
+
+    async def run(self) -> None:
+        """Follow the file until cancelled: a poll every LOG_POLL_S."""
         try:
-            position, chunk = _read_from(path, position)
+            while True:
+                await anyio.sleep(LOG_POLL_S)
+                self.poll()
+        finally:
+            self._close()
+
+    def poll(self) -> None:
+        """Read what was appended since the last poll, forward it and hand it to the reader. The run loop polls;
+        a read-back round polls at once too, so that what the log shows is judged before what it reads back."""
+        began = time.monotonic()
+        if self._fd is None and self._attached:
+            self._open(since=0)  # never read: all of it (a file that appears after the daemon started is its own)
+        if self._fd is None:
+            return
+        try:
+            lines, at_end = self._read()
         except OSError as exc:
-            if not failing:
-                log.warning("mps daemon log not forwarded", path=str(path), reason=exc.strerror or str(exc))
-            failing = True
-            continue
-        failing = False
-        *lines, pending = (pending + chunk).split(b"\n")
-        pending = pending[-MAX_LINE_BYTES:]
+            self._fail(f"{self._file} cannot be read ({os_reason(exc)})")
+            self._close()
+            return
+        self._check_path()
         for line in lines:
-            text = line.decode(errors="replace").strip()
-            if text:
-                log.log(daemon_log_level(text), "mps daemon log", line=text[:MAX_LINE_BYTES])
+            if self._forward:
+                self._log.log(daemon_log_level(line), "mps daemon log", line=line[:MAX_LINE_BYTES])
+        if self._reader is not None:
+            self._reader(Chunk(lines=lines, at_end=at_end, began=began))
+
+    # --- the file -------------------------------------------------------------------------------------------
+
+    def _open(self, *, since: int | None = None) -> None:
+        """Open the daemon's own file (through /proc), else the path; report once when neither can be."""
+        candidates = [] if self._daemon is None else [self._proc_root / str(self._daemon) / "fd" / "1"]
+        reasons = []
+        for candidate in [*candidates, self._path]:
+            what = "the daemon's output" if candidate != self._path else str(self._path)
+            try:
+                fd = os.open(candidate, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                reasons.append(f"{what} cannot be opened ({os_reason(exc)})")
+                continue
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                os.close(fd)
+                reasons.append(f"{what} is {file_kind(status.st_mode)}, not a file")
+                continue
+            self._fd = fd
+            self._file = str(self._path) if candidate == self._path else f"{candidate} (the daemon's own output)"
+            self._position = status.st_size if since is None or since > status.st_size else since
+            self._pending = b""
+            self._moved = None
+            if self._failing is not None:
+                self._log.info("mps daemon log followed again", file=self._file)
+            self._failing = None
+            return
+        self._fail("; ".join(reasons))
+
+    def _fail(self, reason: str) -> None:
+        if self._failing is None:
+            self._log.warning(
+                "mps daemon log not followed; the caps are checked by reading them back only",
+                file=str(self._path),
+                reason=reason,
+                hint="the agent tries again every poll; the log directory is the agent's own (mode 0700)",
+            )
+            self._problem = (time.time(), reason)
+        self._failing = reason
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _read(self) -> tuple[list[str], bool]:
+        """The complete lines appended since the last read, and whether the read reached the end."""
+        assert self._fd is not None
+        size = os.fstat(self._fd).st_size
+        if size < self._position:
+            self._event(f"{self._file} was truncated; following it from its start")
+            self._position, self._pending = 0, b""
+        chunk = os.pread(self._fd, min(size - self._position, MAX_READ_BYTES), self._position) if size else b""
+        self._position += len(chunk)
+        *complete, pending = (self._pending + chunk).split(b"\n")
+        self._pending = pending[-MAX_LINE_BYTES:]
+        lines = [text for line in complete if (text := line.decode(errors="replace").strip())]
+        return lines, self._position >= size
+
+    def _check_path(self) -> None:
+        """Report once when the file followed was deleted, or the path no longer names it (renamed away, replaced)."""
+        assert self._fd is not None
+        followed = os.fstat(self._fd)
+        try:
+            at_path = os.stat(self._path)
+            identity = (at_path.st_dev, at_path.st_ino)
+        except OSError:
+            identity = (0, 0)
+        deleted = followed.st_nlink == 0
+        state = (identity, deleted)
+        if (identity == (followed.st_dev, followed.st_ino) and not deleted) or state == self._moved:
+            return
+        self._moved = state
+        if deleted:
+            what = "the file followed was deleted"
+        elif identity == (0, 0):
+            what = f"{self._path} was renamed away"
+        else:
+            what = f"{self._path} now names another file (rotated)"
+        self._event(f"{what}; the daemon still writes to the file it opened, which the agent follows")
+
+    def _event(self, what: str) -> None:
+        self.events += 1
+        self._problem = (time.time(), what)
+        self._log.warning("mps daemon log moved; followed", what=what, hint="a new daemon writes a new control.log")
 
 
 # The agent's own commands (a round trip every few seconds) make most of the daemon's log: debug level for them,
@@ -54,23 +243,3 @@ def daemon_log_level(line: str) -> int:
     if re.search(r"error|fail", line, re.IGNORECASE):
         return logging.WARNING
     return logging.INFO
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _read_from(path: Path, position: int) -> tuple[int, bytes]:
-    """What was appended since `position` (from the start again when the file was truncated or rotated)."""
-    size = _file_size(path)
-    if size < position:
-        position = 0
-    if size == position:
-        return position, b""
-    with path.open("rb") as file:
-        file.seek(position)
-        chunk = file.read(min(size - position, MAX_READ_BYTES))
-        return position + len(chunk), chunk

@@ -51,9 +51,32 @@ class CeilingsStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
         return Ceilings(thread_percentage=self.thread_percentage, memory_mib=self.memory_mib)
 
 
+SeenBy = Literal["control_log", "read_back"]
+"""How a ceiling changed behind the agent was seen: in the daemon's log as it happened, or by reading it back."""
+SEEN_BY: tuple[SeenBy, ...] = ("control_log", "read_back")
+
+
 class CapTamperEvent(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     at: str
     found: str
+    seen_by: SeenBy = "read_back"
+
+
+class ControlLogStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The daemon's log as the ceiling watch reads it: while `watched`, every ceiling change is seen as it
+    happens; otherwise only the read-back guards the ceilings, in whole GiB."""
+
+    file: str
+    """The file followed (or tried): the log's path, or the daemon's own output through /proc."""
+    watched: bool
+    """Followed, and every line where a command's answer belongs understood."""
+    problem: str | None = None
+    """Why it is not followed, or what last happened to it (truncated, rotated, deleted)."""
+    problem_at: str | None = None
+    moves: Count = 0
+    """Truncations, renames and deletions followed."""
+    unknown_lines: Count = 0
+    first_unknown_line: str | None = None
 
 
 class FrontEndFailure(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -90,11 +113,19 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     multi_user: bool | None = None
     """None: not known (a daemon adopted from an older agent)."""
     cap_tamper: Count = 0
+    cap_tamper_in_log: Count = 0
+    """Of `cap_tamper`, the changes seen in the daemon's log as they happened; the rest were read back."""
     last_cap_tamper: CapTamperEvent | None = None
+    control_log: ControlLogStatus | None = None
     front_end_failure: FrontEndFailure | None = None
     record_damage: RecordDamage | None = None
     busy: DaemonBusy | None = None
     busy_episodes: Count = 0
+
+
+def _tamper_seen_by(daemon: DaemonStatus, seen_by: str) -> int:
+    in_log = daemon.cap_tamper_in_log
+    return in_log if seen_by == "control_log" else daemon.cap_tamper - in_log
 
 
 DAEMON_METRICS: tuple[MetricRow[DaemonStatus], ...] = (
@@ -122,8 +153,21 @@ DAEMON_METRICS: tuple[MetricRow[DaemonStatus], ...] = (
     ),
     counter(
         "mpsagent_cap_tamper",
-        "Daemon values found changed behind the agent (and restored)",
-        one(lambda d: d.cap_tamper),
+        "Daemon ceilings found changed behind the agent (and restored), by how they were seen: in the daemon's "
+        "control log as they happened, or by reading them back",
+        each(SEEN_BY, _tamper_seen_by),
+        labels=("seen_by",),
+    ),
+    gauge(
+        "mpsagent_daemon_log_watched",
+        "1 while the agent follows the daemon's control log and understands it (every ceiling change seen as it "
+        "happens); 0 while only the read-back guards the ceilings",
+        one(lambda d: None if d.control_log is None else d.control_log.watched),
+    ),
+    counter(
+        "mpsagent_daemon_log_unknown_lines",
+        "Lines of the daemon's control log, where a command's answer belongs, in a form the agent does not know",
+        one(lambda d: None if d.control_log is None else d.control_log.unknown_lines),
     ),
     gauge(
         "mpsagent_daemon_busy",

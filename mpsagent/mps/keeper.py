@@ -24,7 +24,7 @@ from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
-from mpsagent.mps.daemon_log import forward_daemon_log
+from mpsagent.mps.daemon_log import DaemonLog
 from mpsagent.mps.launch import (
     CONTROL_LOG,
     decide_multi_user,
@@ -59,6 +59,7 @@ class DaemonKeeper:
         self._pid: int | None = None
         self.restarts = 0
         self._log = log.bind(resource=resource.name)
+        self._daemon_log = DaemonLog(resource.log_directory / CONTROL_LOG, self._log)
         self._busy = busy_episodes(self._log)
 
     @property
@@ -72,7 +73,7 @@ class DaemonKeeper:
         self._multi_user = await decide_multi_user(self._resource, self._control_bin, self._log)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(forward_daemon_log, self._resource.log_directory / CONTROL_LOG, self._log)
+                tg.start_soon(self._daemon_log.run)
                 if not await self._adopt():
                     await self._start_with_backoff()
                 task_status.started()
@@ -93,6 +94,7 @@ class DaemonKeeper:
         if state is None:
             return False
         self._pid = state.pid
+        self._daemon_log.attach(state.pid)
         self._log.info("mps daemon adopted", pid=state.pid)
         return True
 
@@ -121,7 +123,8 @@ class DaemonKeeper:
 
     async def _start(self) -> None:
         if self._process is None or self._process.returncode is not None:
-            self._process = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
+            self._process, written = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
+            self._daemon_log.attach(self._process.pid, since=written)
         self._pid = self._process.pid
         await wait_answering(self._process, self._resource, self._channel)
         # Capped until the agent knows the live grants: a client container restarted before the agent is back

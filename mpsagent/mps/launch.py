@@ -41,9 +41,9 @@ async def decide_multi_user(resource: ResourcePlan, control_bin: str, log: Filte
     return multi_user
 
 
-async def launch_daemon(resource: ResourcePlan, control_bin: str, *, multi_user: bool) -> Process:
-    """Start the daemon in a session of its own, its output appended to `<resource>/log/control.log`. Raises
-    DaemonError when it cannot be started."""
+async def launch_daemon(resource: ResourcePlan, control_bin: str, *, multi_user: bool) -> tuple[Process, int]:
+    """Start the daemon in a session of its own, its output appended to `<resource>/log/control.log`; returns it and
+    where its lines begin in that file (the file's size before). Raises DaemonError when it cannot be started."""
     launch = daemon_launch(resource, control_bin, multi_user=multi_user)
     log_file = resource.log_directory / CONTROL_LOG
     try:
@@ -55,7 +55,8 @@ async def launch_daemon(resource: ResourcePlan, control_bin: str, *, multi_user:
         raise DaemonError(f"cannot open the daemon log {log_file} ({exc.strerror})") from exc
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)  # a log left by an older version may be readable by all
-        return await anyio.open_process(
+        written = os.fstat(fd).st_size
+        process = await anyio.open_process(
             list(launch.argv),
             stdin=subprocess.DEVNULL,
             stdout=fd,
@@ -69,6 +70,7 @@ async def launch_daemon(resource: ResourcePlan, control_bin: str, *, multi_user:
         ) from exc
     finally:
         os.close(fd)
+    return process, written
 
 
 async def wait_answering(process: Process, resource: ResourcePlan, channel: ControlChannel) -> None:

@@ -25,7 +25,7 @@ from mpsagent.base.devices import ResourceName
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import DaemonError, HostError, KubeApiError, MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
-from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus
+from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus, rounding
 from mpsagent.domain.claim_shares import ClaimShare, claim_shares, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, NodeSlice, PreparedClaim, PreparedDevice
 from mpsagent.domain.ledger import Grant
@@ -318,6 +318,7 @@ def _prepared(ref: ClaimRef, shares: tuple[ClaimShare, ...], pods: tuple[str, ..
                 memory_mib=share.share.gpus[0].memory_mib,
                 thread_percentage=share.share.thread_percentage,
                 whole=share.share.full,
+                rounded_off_bytes=share.rounded_off_bytes,
             )
             for share in shares
         ),
@@ -327,7 +328,9 @@ def _prepared(ref: ClaimRef, shares: tuple[ClaimShare, ...], pods: tuple[str, ..
 
 
 def _describe(device: PreparedDevice) -> str:
-    return "whole GPU" if device.whole else f"{device.memory_mib} MiB, threads {device.thread_percentage}%"
+    if device.whole:
+        return "whole GPU"
+    return f"{device.memory_mib} MiB{rounding(device.rounded_off_bytes)}, threads {device.thread_percentage}%"
 
 
 def _claim_status(prepared: PreparedClaim) -> ClaimStatus:
@@ -343,6 +346,7 @@ def _claim_status(prepared: PreparedClaim) -> ClaimStatus:
                 memory_mib=d.memory_mib,
                 thread_percentage=d.thread_percentage,
                 whole=d.whole,
+                rounded_off_bytes=d.rounded_off_bytes,
             )
             for d in prepared.devices
         ),

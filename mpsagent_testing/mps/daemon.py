@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -115,18 +116,21 @@ def _open_session(pipe: Path) -> subprocess.Popen[bytes]:
 
 
 @contextmanager
-def plain_daemon(directory: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
-    """A control daemon of its own (no agent) with its pipe and log directories under `directory`, in a session of
-    its own; its pipe directory and process, killed and reaped when the block ends."""
+def plain_daemon(directory: Path, *, logged: bool = True) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """A control daemon of its own (no agent) with its pipe and log directories under `directory` (made when
+    missing), in a session of its own, its output in `log/control.log` as the agent starts one (not `logged`: to
+    nowhere, as a daemon someone else started whose log the agent cannot see); its pipe directory and process,
+    killed and reaped when the block ends."""
     if REAL_BIN is None:
         raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
     pipe, logs = directory / "pipe", directory / "log"
-    pipe.mkdir(parents=True)
-    logs.mkdir()
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(exist_ok=True)
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
-    daemon = subprocess.Popen(
-        [REAL_BIN, "-f"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    with (logs / "control.log").open("ab") if logged else open(os.devnull, "wb") as output:
+        daemon = subprocess.Popen(
+            [REAL_BIN, "-f"], env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 10
         while control(pipe, "get_default_active_thread_percentage") != "100.0":
@@ -137,3 +141,22 @@ def plain_daemon(directory: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes
     finally:
         daemon.kill()
         daemon.wait(10)
+
+
+def logged_commands(log: Path) -> list[tuple[float, str]]:
+    """Every command a control daemon's log shows (`Cmd:...`), with the daemon's own time stamp (seconds, local)."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        stamp, _, text = line.partition("] Cmd:")
+        if text:
+            found.append((datetime.strptime(stamp[1:24], "%Y-%m-%d %H:%M:%S.%f").timestamp(), text))
+    return found
+
+
+def restored_after(log: Path, changed: str, restore: str) -> float | None:
+    """Seconds, by the daemon's clock, from the last `changed` command to the first `restore` after it (None: no
+    such restore yet): how long a ceiling changed behind the agent held."""
+    logged = logged_commands(log)
+    at = [i for i, (_, text) in enumerate(logged) if text == changed]
+    later = [when for when, text in logged[at[-1] + 1 :] if text == restore] if at else []
+    return later[0] - logged[at[-1]][0] if later else None
