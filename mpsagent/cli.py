@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         add(
             entry.flag,
             metavar=entry.metavar,
-            choices=entry.choices or None,
-            type=str.lower if entry.choices else str,
+            choices=[str(choice) for choice in entry.choices] or None,
+            type=entry.choice if entry.choices else str,
             help=entry.help_text(),
         )
     add("--once", action="store_true", default=False, help="dry run: print the plan and exit")
@@ -95,7 +95,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(render_status_json(document) if args.output == "json" else render_status_text(document))
             return EXIT_OK
         settings = resolve_settings(vars(args))
-        configure_logging(settings.log_format, settings.log_level)
+        configure_logging(settings.log_format, settings.log_level, settings.library_log_level)
         for warning in settings.sharing.warnings:
             log.warning("config accepted with a warning", problem=warning)
         for key in settings.sharing.ignored_keys:

@@ -76,6 +76,9 @@ SKIPPED_NO_GPU = "skipped (no GPU)"
 SKIPPED_ONE_GPU = "skipped (needs 2 GPUs)"
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+ANSWER_CHECK = "get_default_active_thread_percentage"
+"""Ends every control session the check sends: it always prints, so a session that printed nothing went unanswered."""
+CONTROL_RETRY_S = 3.0
 OBSERVED_METRICS = ("mpsagent_mps_clients", "mpsagent_container_gpu_memory_bytes", "mpsagent_daemon_cap_mode")
 
 
@@ -839,22 +842,29 @@ class HardwareCheck:
 
     def control(self, command: str, user: int | None = None) -> str:
         """One command to the resource's control daemon, as an operator would send it (`echo ... | ...`), or as
-        another `user` (a client container's)."""
+        another `user` (a client container's); its reply. A session the daemon closes unanswered (the agent's own
+        session is open) is sent again, as an operator would: each session ends with a `get_` that always prints,
+        so an answered one is known, and that line is not part of the reply."""
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe)}
-        try:
-            done = subprocess.run(
-                [self.mps_control],
-                input=command + "\n",
-                capture_output=True,
-                text=True,
-                timeout=10,
-                env=env,
-                check=False,
-                user=user,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"<{type(exc).__name__}: {exc}>"
-        return done.stdout.strip() or done.stderr.strip()
+        deadline = time.monotonic() + CONTROL_RETRY_S
+        while True:
+            try:
+                done = subprocess.run(
+                    [self.mps_control],
+                    input=f"{command}\n{ANSWER_CHECK}\n",
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    env=env,
+                    check=False,
+                    user=user,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return f"<{type(exc).__name__}: {exc}>"
+            reply = done.stdout.strip() or done.stderr.strip()
+            if (reply and "Cannot send command" not in reply) or time.monotonic() >= deadline:
+                return reply.rpartition("\n")[0].strip()
+            time.sleep(0.1)
 
     def daemon_reads(self, phase: str, when: str, threads: str, memory: str, ordinal: int = 0) -> None:
         observed = self.control("get_default_active_thread_percentage")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -16,11 +17,19 @@ import anyio
 import pytest
 
 from mpsagent.base.config import SharingConfig, check_config, parse_config
+from mpsagent.base.errors import DaemonCommandError
 from mpsagent.base.settings import MpsOnExit
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
+from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.mps.commands import CapDifference, ControlStep, cap_differences, running_server_steps
+from mpsagent.mps.commands import (
+    CapDifference,
+    ControlStep,
+    cap_differences,
+    daemon_default_steps,
+    running_server_steps,
+)
 from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
@@ -441,6 +450,30 @@ def test_a_value_that_prints_nothing_reads_as_none_in_its_place(daemon_pipe: Pat
         assert await channel.read_with_servers(reads[1:]) == (["100.0", "4G"], [])
 
     anyio.run(main)
+
+
+def test_ceilings_are_set_and_read_back_in_one_session_and_a_value_that_did_not_hold_is_named(
+    short_dir: Path,
+) -> None:
+    """A prepare's ceilings cost one front-end session (the daemon's log shows one `NEW UI`): the `set_` commands,
+    their read-backs and the server list; a value the daemon does not hold is read once more, then named."""
+    with plain_daemon(short_dir) as (pipe, _):
+        channel = ControlChannel(str(REAL_BIN), pipe)
+        log = short_dir / "log" / "control.log"
+        steps = daemon_default_steps(Ceilings(thread_percentage=37, memory_mib=(30720, 81920)))
+        wrong = (*steps[:1], replace(steps[1], expected="31G"))
+
+        async def main() -> None:
+            before = log.read_text().count("NEW UI")
+            assert await channel.apply_with_servers(steps) == []
+            assert log.read_text().count("NEW UI") == before + 1
+            assert control(pipe, "get_default_device_pinned_mem_limit 0") == "30G"
+            with pytest.raises(DaemonCommandError, match=r"reads '30G', expected '31G'"):
+                await channel.apply_with_servers(wrong)
+            # Sessions since: the `get_` above, the wrong apply, and its values read again before the error.
+            assert log.read_text().count("NEW UI") == before + 4
+
+        anyio.run(main)
 
 
 @pytest.mark.parametrize(("value", "message"), [("0.5", "from 1 to 60, not `0.5`"), ("61", "not `61`"), ("x", "`x`")])

@@ -19,20 +19,22 @@ from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids
 
 require_real_control()  # the agents these tests start run the real MPS control daemon
 
-# A front-end that passes everything to the real one, except that once `fault` holds "read-back", the session that
-# reads the defaults back after the next switch to the full hardware fails (once): the daemon switched, and the
-# agent cannot know that it holds what it was told. (Not "Cannot send command": from a daemon that greets, that is
-# a session refused because another is open, which the agent asks again.)
+# A front-end that passes everything to the real one, except that once `fault` holds "read-back", the next session
+# that switches the defaults to the full hardware (and reads them back, in the same session) fails after the real
+# front-end ran it (once): the daemon switched, and the agent cannot know that it holds what it was told. (Not
+# "Cannot send command": from a daemon that greets, that is a session refused because another is open, which the
+# agent asks again.)
 FRONT_END = """#!/bin/sh
 fault="{fault}"
 [ $# -gt 0 ] && exec "{real}" "$@"
 input=$(cat)
 case "$(cat "$fault" 2>/dev/null):$input" in
-  read-back:*"set_default_active_thread_percentage 100"*) echo armed > "$fault" ;;
-  armed:*get_default_device_pinned_mem_limit*) rm -f "$fault"; echo "Invalid reply: test fault"; exit 1 ;;
+  read-back:*"set_default_active_thread_percentage 100"*)
+    rm -f "$fault"; printf '%s\\n' "$input" | "{real}" > /dev/null; echo "Invalid reply: test fault"; exit 1 ;;
 esac
 printf '%s\\n' "$input" | exec "{real}"
 """
+
 
 
 def flaky_front_end(short_dir: Path) -> tuple[Path, Path]:

@@ -14,16 +14,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import structlog
 
 from mpsagent.base.config import resolve_settings
+from mpsagent.base.devices import MIB, Health
 from mpsagent.base.errors import HostError, KubeApiError
 from mpsagent.documents.status import render_status_text, status_document
 from mpsagent.documents.status_document import PodResourcesStatus
-from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig
+from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig, PreparedClaim
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Ceilings
@@ -31,7 +34,7 @@ from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.mps.paths import prepare_directories
-from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer
+from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control, restored_after
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, small_node, write_config
@@ -85,6 +88,8 @@ class FakeKubeApi:
 
     claims: dict[str, ClaimAllocation] = field(default_factory=dict)
     reads: list[ClaimRef] = field(default_factory=list)
+    reading: int = 0
+    most_at_once: int = 0
 
     def allocate(self, *allocations: ClaimAllocation) -> None:
         for each in allocations:
@@ -93,7 +98,10 @@ class FakeKubeApi:
     async def read_claim(self, ref: ClaimRef, *, driver: str, node: str) -> ClaimAllocation:
         self.reads.append(ref)
         assert (driver, node) == (DRA_DRIVER, NODE)
-        await anyio.sleep(0)  # a real read awaits the server: another prepare may run meanwhile
+        self.reading += 1
+        self.most_at_once = max(self.most_at_once, self.reading)
+        await anyio.sleep(0.01)  # a real read awaits the server: another prepare (or read) may run meanwhile
+        self.reading -= 1
         found = self.claims.get(ref.uid)
         if found is None:
             raise KubeApiError(f"reading ResourceClaim {ref}", "resourceclaims not found", 404)
@@ -501,12 +509,20 @@ def test_a_prepare_while_the_daemon_is_down_holds_nothing(node: Node) -> None:
         node.api.allocate(allocation(CLAIM_A))
         outcome = await prepare_one(agent, CLAIM_A)
         assert outcome.devices == ()
+        assert outcome.error == (
+            f"claim ml/train: GPU {GPU0} is unhealthy (its MPS daemon is not up); nothing was prepared: the kubelet "
+            "retries, and the claim is prepared once the GPU is healthy again (its device is tainted: new claims go "
+            "elsewhere)"
+        )
+        # A daemon that is down before its resource knows it: the ceilings cannot be held, and nothing is.
+        agent.resource.inventory.set_resource_problem("mps daemon", False)
+        outcome = await prepare_one(agent, CLAIM_A)
         assert outcome.error == f"the MPS daemon of {RESOURCE} is not running"
         assert agent.claim_grants() == []
         assert agent.resource.allocator.ceilings() == Ceilings(thread_percentage=100, memory_mib=(81920, 81920))
         assert node.spec_uids() == set()
-        assert not node.checkpoint.exists()
-        assert counters(agent) == (0, 1, 0)
+        assert node.checkpointed() == []
+        assert counters(agent) == (0, 2, 0)
 
     node.run(main)
 
@@ -612,31 +628,35 @@ def test_a_claim_the_api_server_does_not_have_is_refused(node: Node) -> None:
 
 
 def test_the_client_limit_counts_device_plugin_grants_and_claims_alike(node: Node) -> None:
+    """47 of GPU 0's 48 replicas (1706 MiB each) held by device-plugin grants leave 1738 MiB: a 1 GiB claim is the
+    48th MPS client, and the next 1 GiB claim is refused at the client limit (which the accounting asks first)."""
     agent = node.agent()
     allocator = agent.resource.allocator
-    for replica in range(47):
-        allocator.allocate([[f"{GPU0}::{replica}"]])
-    assert allocator.ledger.tally.clients(0) == 47
 
     async def main() -> None:
         async with agent.running():
+            for replica in range(47):
+                allocator.allocate([[f"{GPU0}::{replica}"]])
+            await agent.resource.set_ceilings()
+            assert allocator.ledger.tally.clients(0) == 47
             assert agent.ceilings() == ("2.0", "1G", "80G")  # 1/48 of GPU 0 each: 1706M
             node.api.allocate(
-                allocation(CLAIM_A, memory_bytes=10 * GIB),
-                allocation(CLAIM_B, memory_bytes=10 * GIB),
+                allocation(CLAIM_A, memory_bytes=GIB),
+                allocation(CLAIM_B, memory_bytes=GIB),
                 allocation(CLAIM_C, device="gpu-1", memory_bytes=10 * GIB),
             )
             assert (await prepare_one(agent, CLAIM_A)).error == ""
             assert allocator.ledger.tally.clients(0) == 48
-            assert agent.ceilings() == ("12.0", "10G", "80G")
 
             refused = await prepare_one(agent, CLAIM_B)
             assert refused.devices == ()
-            assert f"GPU {GPU0} would hold 49 MPS clients (device-plugin grants and claims)" in refused.error
-            assert "at most 48" in refused.error
+            assert refused.error == (
+                f"claim ml/serve: GPU {GPU0} would hold 49 MPS clients (device-plugin grants and claims), but MPS "
+                "serves at most 48; nothing was prepared: the kubelet retries, and the claim is prepared once a "
+                "container on the GPU ends (the scheduler does not count MPS clients)"
+            )
             assert allocator.ledger.tally.clients(0) == 48
-            assert agent.claim_grants() == [(UID_A, "gpu-0", 10240, 12)]
-            assert agent.ceilings() == ("12.0", "10G", "80G")
+            assert agent.claim_grants() == [(UID_A, "gpu-0", 1024, 1)]
             assert node.spec_uids() == {UID_A}
             assert node.checkpointed() == [UID_A]
             assert counters(agent) == (1, 1, 0)
@@ -648,13 +668,12 @@ def test_the_client_limit_counts_device_plugin_grants_and_claims_alike(node: Nod
                     claim=both,
                     devices=(
                         ClaimDevice(request="gpu", pool=NODE, device="gpu-1", memory_bytes=10 * GIB),
-                        ClaimDevice(request="gpu", pool=NODE, device="gpu-0", memory_bytes=10 * GIB),
+                        ClaimDevice(request="gpu", pool=NODE, device="gpu-0", memory_bytes=GIB),
                     ),
                 )
             )
             assert "at most 48" in (await prepare_one(agent, both)).error
             assert allocator.ledger.tally.clients(1) == 0
-            assert agent.ceilings() == ("12.0", "10G", "80G")
             assert node.spec_uids() == {UID_A}
 
             # The limit is per GPU: GPU 1 has room.
@@ -728,6 +747,182 @@ def test_a_corrupt_checkpoint_makes_restore_fail_naming_the_file(node: Node) -> 
     assert str(node.checkpoint) in str(failed.value)
     assert "delete it" in str(failed.value)
     assert agent.claim_grants() == []
+
+
+@pytest.mark.parametrize(
+    ("edit", "rule"),
+    [
+        (lambda d: {**d, "gpu": "GPU-gone"}, "is not one of nvidia.com/gpu's"),
+        (lambda d: {**d, "memory_mib": 90000}, "90000 MiB is outside the GPU's 1 to 81920 MiB"),
+        (lambda d: {**d, "memory_mib": -5}, "has memory_mib -5; it must be at least 1"),
+        (lambda d: {**d, "thread_percentage": 1000}, "has thread_percentage 1000; it must be 1 to 100"),
+        (lambda d: {**d, "device": "gpu-0"}, "is not GPU"),
+        (lambda d: {**d, "resource": "nvidia.com/other"}, "resource nvidia.com/other is not configured"),
+        (lambda d: {**d, "whole": True}, "marked whole, but its figures say not"),
+    ],
+)
+def test_a_checkpoint_entry_a_fresh_prepare_would_refuse_is_refused_naming_the_file_and_entry(
+    node: Node, edit: Callable[[dict[str, Any]], dict[str, Any]], rule: str
+) -> None:
+    prepared_by_an_earlier_run(node, allocation(CLAIM_A), allocation(CLAIM_B, device="gpu-1", memory_bytes=20 * GIB))
+    claims_written = _claims_of(node.checkpoint)
+    claims_written[1]["devices"][0] = edit(claims_written[1]["devices"][0])
+    _rewrite(node.checkpoint, claims_written)
+    second = node.agent()
+    with pytest.raises(HostError) as failed:
+        second.claims.restore()
+    message = str(failed.value)
+    assert message.startswith(f"the DRA checkpoint {node.checkpoint} entry 1 (claim ml/serve) "), message
+    assert rule in message
+    assert second.claim_grants() == [], "nothing is held from a checkpoint that lies"
+
+
+def test_claims_that_do_not_fit_their_gpu_together_are_refused_at_restore(node: Node) -> None:
+    """Each within its GPU, but 50 + 40 GiB of one 80 GiB GPU: the checkpoint cannot be true."""
+    prepared_by_an_earlier_run(
+        node, allocation(CLAIM_A, memory_bytes=50 * GIB), allocation(CLAIM_B, memory_bytes=20 * GIB)
+    )
+    claims_written = _claims_of(node.checkpoint)
+    claims_written[1]["devices"][0]["memory_mib"] = 40 * 1024
+    _rewrite(node.checkpoint, claims_written)
+    with pytest.raises(HostError, match=r"entry 1 .* has 30720 MiB of its 81920 MiB free"):
+        node.agent().claims.restore()
+
+
+def prepared_by_an_earlier_run(node: Node, *allocations: ClaimAllocation) -> None:
+    """An agent that prepared these claims in one call and stopped: its checkpoint is what the test starts from."""
+    earlier = node.agent()
+
+    async def run() -> None:
+        async with earlier.running():
+            node.api.allocate(*allocations)
+            outcomes = await earlier.claims.prepare([each.claim for each in allocations])
+            assert [outcome.error for outcome in outcomes.values()] == [""] * len(allocations)
+
+    node.run(run)
+
+
+def _claims_of(path: Path) -> list[dict[str, Any]]:
+    written: list[dict[str, Any]] = json.loads(msgspec.json.encode(checkpoint.load(path)))
+    return written
+
+
+def _rewrite(path: Path, claims_written: list[dict[str, Any]]) -> None:
+    """The checkpoint with an entry changed by hand and its checksum made right again (as by someone who knows the
+    format): only the entries' own rules can refuse it."""
+    path.write_bytes(checkpoint.encode(msgspec.convert(claims_written, tuple[PreparedClaim, ...])))
+
+
+def test_with_dra_off_a_checkpoint_of_live_claims_refuses_the_start_naming_them(node: Node) -> None:
+    prepared_by_an_earlier_run(node, allocation(CLAIM_A), allocation(CLAIM_B, device="gpu-1", memory_bytes=20 * GIB))
+    refusal = live_claims_without_dra(node.checkpoint)
+    assert refusal == (
+        f"--dra is off, but the DRA checkpoint {node.checkpoint} holds 2 prepared claims (ml/train, ml/serve) whose "
+        "pods may still run: without them the MPS daemons' ceilings would drop below those pods' caps. Start with "
+        "--dra on until those pods are gone (kubectl delete the pods, or drain the node), or, if none runs any more, "
+        "remove the checkpoint"
+    )
+    node.checkpoint.unlink()
+    assert live_claims_without_dra(node.checkpoint) is None
+
+
+def test_one_prepare_call_is_one_batch_the_daemon_told_once(node: Node) -> None:
+    """Three claims in one NodePrepareResources: read at once, and one change of the daemon's ceilings for all."""
+    agent = node.agent()
+    log = node.plan.resources[0].log_directory / "control.log"
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.allocate(
+                allocation(CLAIM_A, memory_bytes=10 * GIB),
+                allocation(CLAIM_B, memory_bytes=20 * GIB),
+                allocation(CLAIM_C, device="gpu-1", memory_bytes=30 * GIB),
+            )
+            before = log.read_text().count("Cmd:set_default_device_pinned_mem_limit 0 ")
+            outcomes = await agent.claims.prepare([CLAIM_A, CLAIM_B, CLAIM_C])
+            assert [outcome.error for outcome in outcomes.values()] == ["", "", ""]
+            assert node.api.most_at_once == 3, "the claims of one call are read concurrently"
+            assert log.read_text().count("Cmd:set_default_device_pinned_mem_limit 0 ") == before + 1
+            assert agent.ceilings() == ("37.0", "20G", "30G")
+            assert node.checkpointed() == [UID_A, UID_B, UID_C]
+
+    node.run(main)
+
+
+def test_a_claim_of_a_batch_that_fails_holds_nothing_and_the_others_stand(node: Node) -> None:
+    agent = node.agent()
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.allocate(allocation(CLAIM_A, memory_bytes=60 * GIB), allocation(CLAIM_B, memory_bytes=30 * GIB))
+            outcomes = await agent.claims.prepare([CLAIM_A, CLAIM_B])
+            assert outcomes[UID_A].error == ""
+            assert "has 20480 MiB of its 81920 MiB free" in outcomes[UID_B].error
+            assert agent.claim_grants() == [(UID_A, "gpu-0", 61440, 75)]
+            assert node.spec_uids() == {UID_A} and node.checkpointed() == [UID_A]
+
+    node.run(main)
+
+
+def test_the_slice_offers_what_device_plugin_grants_leave_and_replicas_are_withheld_beside_claims(node: Node) -> None:
+    agent = node.agent()
+    allocator = agent.resource.allocator
+
+    async def main() -> None:
+        async with agent.running():
+            allocator.allocate([[f"{GPU0}::{i}" for i in range(12)]])  # 12 of 48: 20480 MiB, 25 % of the SMs
+            node.api.allocate(allocation(CLAIM_A, device="gpu-1", memory_bytes=40 * GIB))
+            await prepare_one(agent, CLAIM_A)
+            devices = {d.name: d for d in agent.claims.slice.devices}
+            assert (devices["gpu-0"].memory.value, devices["gpu-0"].compute.value) == (61440 * MIB, 75)
+            assert (devices["gpu-1"].memory.value, devices["gpu-1"].compute.value) == (81920 * MIB, 100)
+            (withheld,) = agent.resource.inventory.withheld()
+            assert (withheld.uuid, len(withheld.replica_ids)) == (GPU1, 24), "40 GiB of 80: 24 of 48 no longer fit"
+            offered = [d for d in agent.resource.inventory.snapshot().devices if d.replica_id.startswith(GPU1)]
+            assert sum(d.health is Health.HEALTHY for d in offered) == 24
+            with structlog.testing.capture_logs() as logs:
+                node.api.allocate(allocation(CLAIM_B, device="gpu-0", memory_bytes=50 * GIB))
+                await prepare_one(agent, CLAIM_B)  # GPU 0 changes: GPU 1's withheld replicas are not told again
+                await agent.claims.unprepare([CLAIM_A])
+            said = [(e["event"], e["gpu"]) for e in logs if "withheld" in e["event"]]
+            assert said == [
+                ("replicas withheld beside the claims", GPU0),
+                ("withheld replicas offered again", GPU1),
+            ]
+
+    node.run(main)
+
+
+def test_a_failed_gpu_is_tainted_refuses_claims_and_its_devices_health_changes(node: Node) -> None:
+    agent = node.agent()
+
+    async def main() -> None:
+        async with agent.running():
+            await agent.claims.prepare([])  # any call looks at the node again (the agent's own look runs every 0.2 s)
+            assert [(h.device, h.problem) for h in agent.claims.device_health()] == [("gpu-0", None), ("gpu-1", None)]
+            generation = agent.claims.health_generation
+            agent.resource.inventory.set_gpu_problem(GPU0, "nvml", True, "critical Xid 79")
+            await agent.claims.prepare([])
+            with anyio.fail_after(5):
+                assert await agent.claims.wait_health_changed(generation) == generation + 1
+            assert [(h.device, h.problem) for h in agent.claims.device_health()] == [
+                ("gpu-0", "critical Xid 79"),
+                ("gpu-1", None),
+            ]
+            (taint,) = next(d for d in agent.claims.slice.devices if d.name == "gpu-0").taints
+            assert (taint.key, taint.value, taint.effect) == (
+                "mps.mpsagent.io/unhealthy",
+                "critical-Xid-79",
+                "NoSchedule",
+            )
+            node.api.allocate(allocation(CLAIM_A))
+            assert "is unhealthy (critical Xid 79)" in (await prepare_one(agent, CLAIM_A)).error
+            agent.resource.inventory.set_gpu_problem(GPU0, "nvml", False)
+            await prepare_one(agent, CLAIM_B)  # any call looks at the node again
+            assert agent.claims.device_health()[0].problem is None
+            assert next(d for d in agent.claims.slice.devices if d.name == "gpu-0").taints == ()
+
+    node.run(main)
 
 
 # --- status ----------------------------------------------------------------------------------------------
@@ -805,3 +1000,24 @@ def test_a_claims_memory_below_a_whole_mib_is_rounded_down_and_the_rounding_said
         "threads 10%"
     ) in shown
     assert f"      gpu-0 ({GPU0}, {RESOURCE}): 9216 MiB, threads 11%" in shown
+
+
+def test_at_start_what_is_not_a_spec_file_of_the_agent_is_skipped_not_a_reason_to_stop(node: Node) -> None:
+    """A directory, or a link, named like one of the agent's specs: skipped with a warning each (a link never
+    removed through); a stale spec file of the agent is still removed."""
+    cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [cdi.CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
+    directory = cdi.spec_path(node.cdi_dir, UID_A)
+    directory.mkdir()
+    target = node.directory / "elsewhere.json"
+    target.write_text("{}")
+    link = cdi.spec_path(node.cdi_dir, UID_B)
+    link.symlink_to(target)
+    agent = node.agent()
+    with structlog.testing.capture_logs() as logs:
+        assert agent.claims.restore() == 0
+    assert not cdi.spec_path(node.cdi_dir, STRAY_UID).exists()
+    assert directory.is_dir()
+    assert link.is_symlink()
+    assert target.read_text() == "{}"
+    skipped = [(e["path"], e["log_level"]) for e in logs if e["event"] == "cdi directory entry skipped"]
+    assert sorted(skipped) == sorted([(str(directory), "warning"), (str(link), "warning")])

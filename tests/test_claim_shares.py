@@ -308,6 +308,12 @@ def test_memory_outside_what_the_gpu_publishes_is_refused(memory: int) -> None:
         one_share(device("gpu-0", memory=memory))
 
 
+def test_one_byte_of_memory_is_said_in_the_singular() -> None:
+    with pytest.raises(RequestError) as error:
+        one_share(device("gpu-0", memory=1))
+    assert str(error.value).startswith("claim ml/train-gpu: device gpu-0 was allocated 1 byte of memory; its GPU")
+
+
 @pytest.mark.parametrize("compute", [-1, 101, 1000])
 def test_compute_outside_0_to_100_is_refused(compute: int) -> None:
     with pytest.raises(RequestError, match=r"claim ml/train-gpu: device gpu-0 .*compute .*from 0 to 100"):

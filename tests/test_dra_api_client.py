@@ -4,7 +4,6 @@ the credentials `connect` accepts or refuses with a message that says what to do
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,8 +18,8 @@ from lightkube.config.models import Cluster, User
 from mpsagent.base.errors import ClaimRefusedError, KubeApiError, UsageError
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef
 from mpsagent.dra import api
-from mpsagent.dra.api import KubeApi, connect, resource_slice
-from tests.test_dra_api_convert import CLAIM, NODE, NODE_SLICE, REF
+from mpsagent.dra.api import KubeApi, connect
+from tests.test_dra_api_convert import CLAIM, NODE, REF
 
 Handler = Callable[[httpx2.Request], Awaitable[httpx2.Response]]
 SLICE_PATH = "/apis/resource.k8s.io/v1/resourceslices"
@@ -153,96 +152,19 @@ SLICE = f"{SLICE_PATH}/node-1-mps-mpsagent-io"
 
 
 @pytest.mark.anyio
-async def test_publishing_a_new_slice_applies_it_at_generation_one_owned_by_the_node() -> None:
-    server = Server(
-        {
-            ("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT,
-            ("PATCH", SLICE): {
-                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}}
-            },
-        }
-    )
-    kube = kube_api(server)
-    await kube.publish_slice(NODE_SLICE)
-    await kube.close()
-    assert server.calls() == [f"GET {SLICE}", f"GET /api/v1/nodes/{NODE}", f"PATCH {SLICE}"]
-    applied = server.requests[-1]
-    assert applied.headers["content-type"] == "application/apply-patch+yaml"
-    assert dict(applied.url.params) == {"fieldManager": "mpsagent", "force": "true"}
-    body = json.loads(applied.content)
-    assert body == resource_slice(NODE_SLICE, generation=1, node_uid="4f6e3d2c-node").to_dict()
-
-
-@pytest.mark.anyio
-async def test_publishing_again_keeps_the_generation_until_the_slice_changes() -> None:
-    existing = resource_slice(NODE_SLICE, generation=7, node_uid="4f6e3d2c-node").to_dict()
-    server = Server(
-        {("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT, ("GET", SLICE): existing, ("PATCH", SLICE): existing}
-    )
-    kube = kube_api(server)
-    await kube.publish_slice(NODE_SLICE)
-    changed = type(NODE_SLICE)(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=NODE_SLICE.devices[:1])
-    await kube.publish_slice(changed)
-    await kube.close()
-    generations = [json.loads(r.content)["spec"]["pool"]["generation"] for r in server.requests if r.method == "PATCH"]
-    assert generations == [7, 8]
-
-
-@pytest.mark.anyio
-async def test_a_slice_of_another_pool_is_deleted_before_the_new_one_is_applied() -> None:
-    existing = copy.deepcopy(resource_slice(NODE_SLICE, generation=2, node_uid="n").to_dict())
-    existing["spec"]["pool"]["name"] = "old-pool"
-    server = Server(
-        {
-            ("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT,
-            ("GET", SLICE): existing,
-            ("DELETE", SLICE): {},
-            ("PATCH", SLICE): existing,
-        }
-    )
-    kube = kube_api(server)
-    await kube.publish_slice(NODE_SLICE)
-    await kube.close()
-    assert server.calls() == [f"GET {SLICE}", f"DELETE {SLICE}", f"GET /api/v1/nodes/{NODE}", f"PATCH {SLICE}"]
-    assert json.loads(server.requests[-1].content)["spec"]["pool"] == {
-        "name": NODE,
-        "generation": 3,
-        "resourceSliceCount": 1,
-    }
-
-
-@pytest.mark.anyio
-async def test_a_missing_node_fails_the_publish_with_its_status() -> None:
+async def test_a_missing_node_is_an_api_error_with_its_status() -> None:
     kube = kube_api(Server({("GET", f"/api/v1/nodes/{NODE}"): status(404, 'nodes "node-1" not found')}))
     with pytest.raises(KubeApiError) as caught:
-        await kube.publish_slice(NODE_SLICE)
+        await kube.node_uid(NODE)
     await kube.close()
-    assert str(caught.value) == 'publishing ResourceSlice node-1-mps-mpsagent-io: nodes "node-1" not found (HTTP 404)'
+    assert str(caught.value) == 'reading Node node-1: nodes "node-1" not found (HTTP 404)'
 
 
 @pytest.mark.anyio
-async def test_removing_slices_selects_them_by_driver_and_node_and_counts_the_deleted() -> None:
-    listing = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSliceList",
-        "metadata": {"resourceVersion": "9"},
-        "items": [
-            {
-                "metadata": {"name": "a"},
-                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}},
-            },
-            {
-                "metadata": {"name": "gone"},
-                "spec": {"driver": DRA_DRIVER, "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}},
-            },
-        ],
-    }
-    server = Server({("GET", SLICE_PATH): listing, ("DELETE", f"{SLICE_PATH}/a"): {}})
-    kube = kube_api(server)
-    assert await kube.remove_slices(driver=DRA_DRIVER, node=NODE) == 1
+async def test_the_node_uid_is_read_from_the_node_object() -> None:
+    kube = kube_api(Server({("GET", f"/api/v1/nodes/{NODE}"): NODE_OBJECT}))
+    assert await kube.node_uid(NODE) == "4f6e3d2c-node"
     await kube.close()
-    assert server.requests[0].url.params["fieldSelector"] == f"spec.driver={DRA_DRIVER},spec.nodeName={NODE}"
-    assert server.calls()[1:] == [f"DELETE {SLICE_PATH}/a", f"DELETE {SLICE_PATH}/gone"]
 
 
 # --- credentials --------------------------------------------------------------------------------------------

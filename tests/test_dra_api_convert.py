@@ -9,15 +9,18 @@ import json
 from typing import Any
 
 import kubernetes_validate
+import msgspec
 import pytest
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
+from mpsagent.base.devices import MIB
 from mpsagent.base.errors import ClaimRefusedError, KubeApiError
 from mpsagent.domain.claims import (
     DRA_DRIVER,
     CapacityPolicy,
     ClaimDevice,
     ClaimRef,
+    DeviceTaint,
     NodeSlice,
     OpaqueConfig,
     SliceDevice,
@@ -189,16 +192,42 @@ def test_an_unallocated_claim_is_refused(edit: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("consumed", "shown"),
-    [({"memory": "lots"}, "memory `lots`"), ({"compute": "-5"}, "compute `-5`"), ({"memory": 8}, "memory `8`")],
+    ("consumed", "said"),
+    [
+        ({"memory": "lots"}, "memory `lots` is not a quantity"),
+        ({"memory": 8}, "memory `8` is not a quantity"),
+        ({"memory": "8GB"}, "memory `8GB` is not a quantity"),
+        ({"memory": "-8Gi"}, "memory `-8Gi` is negative"),
+        ({"compute": "-5"}, "compute `-5` is negative"),
+        ({"memory": "500m"}, "memory `500m` is not a whole number of bytes"),
+        ({"memory": "1.5"}, "memory `1.5` is not a whole number of bytes"),
+        ({"compute": "1.5"}, "compute `1.5` is not a whole per cent"),
+        ({"compute": "250m"}, "compute `250m` is not a whole per cent"),
+    ],
 )
-def test_a_consumed_capacity_that_is_not_a_quantity_is_refused(consumed: dict[str, Any], shown: str) -> None:
+def test_a_consumed_capacity_that_is_no_amount_says_what_is_wrong(consumed: dict[str, Any], said: str) -> None:
     def edit(document: dict[str, Any]) -> None:
         results(document)[0]["consumedCapacity"] = consumed
 
     with pytest.raises(ClaimRefusedError) as caught:
         claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
-    assert str(caught.value) == f"claim team-a/trainer-gpu: device gpu-0's consumed {shown} is not a quantity"
+    assert str(caught.value) == f"claim team-a/trainer-gpu: device gpu-0's consumed {said}"
+
+
+@pytest.mark.parametrize(
+    ("consumed", "amounts"),
+    [
+        ({"memory": "8000m", "compute": "25000m"}, (8, 25)),
+        ({"memory": "1.5Ki", "compute": "2.5e1"}, (1536, 25)),
+        ({"memory": "0", "compute": "0"}, (0, 0)),
+    ],
+)
+def test_a_whole_amount_in_any_quantity_form_is_read(consumed: dict[str, Any], amounts: tuple[int, int]) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        results(document)[0]["consumedCapacity"] = consumed
+
+    device = claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE).devices[0]
+    assert (device.memory_bytes, device.compute) == amounts
 
 
 def test_oversized_parameters_are_refused() -> None:
@@ -357,3 +386,61 @@ def test_a_slice_without_the_digest_or_of_another_pool_gets_a_new_generation() -
     assert existing.metadata is not None and existing.metadata.annotations is not None
     existing.metadata.annotations[CONTENT_ANNOTATION] = slice_digest(moved)
     assert next_generation(existing, moved) == 3
+
+
+def test_a_result_of_a_request_the_claim_does_not_ask_is_refused() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["status"]["allocation"]["devices"]["results"][0]["request"] = "other"
+
+    with pytest.raises(ClaimRefusedError) as refused:
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert str(refused.value).endswith(
+        "its allocation names request `other` (device gpu-0), which the claim does not ask (gpu, whole): the "
+        "allocation is not this claim's"
+    )
+
+
+def test_a_subrequest_of_a_request_with_alternatives_is_asked() -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["spec"]["devices"]["requests"][0] = {
+            "name": "gpu",
+            "firstAvailable": [
+                {"name": "big", "deviceClassName": DRA_DRIVER},
+                {"name": "small", "deviceClassName": "x"},
+            ],
+        }
+        document["status"]["allocation"]["devices"]["results"][0]["request"] = "gpu/small"
+
+    (device, *_) = claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE).devices
+    assert device.request == "gpu/small"
+
+
+def test_a_device_with_less_than_a_step_left_offers_its_value_without_a_policy_and_its_taints() -> None:
+    full = slice_device(0)
+    full = msgspec.structs.replace(
+        full,
+        memory=CapacityPolicy(value=0, default=0, minimum=MIB, maximum=0, step=MIB),
+        taints=(DeviceTaint(key="mps.mpsagent.io/no-memory-left", value="x", effect="NoSchedule", added=1764864026.7),),
+    )
+    node_slice = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(full,))
+    document = resource_slice(node_slice, generation=1, node_uid="u").to_dict()
+    (device,) = document["spec"]["devices"]
+    assert device["capacity"]["memory"] == {"value": "0"}
+    assert device["taints"] == [
+        {
+            "key": "mps.mpsagent.io/no-memory-left",
+            "value": "x",
+            "effect": "NoSchedule",
+            "timeAdded": "2025-12-04T16:00:26Z",
+        }
+    ]
+    kubernetes_validate.validate(document, "1.34", strict=True)
+
+
+def test_a_slice_with_taints_holds_at_most_64_devices() -> None:
+    taint = DeviceTaint(key="mps.mpsagent.io/unhealthy", value="x", effect="NoSchedule", added=0)
+    devices = tuple(msgspec.structs.replace(slice_device(0), taints=(taint,)) for _ in range(65))
+    with pytest.raises(
+        KubeApiError, match="65 devices, more than the 64 a ResourceSlice holds when a device has taints"
+    ):
+        resource_slice(NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=devices), generation=1, node_uid="u")

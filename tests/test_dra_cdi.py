@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from mpsagent.base.errors import HostError, RequestError
 from mpsagent.domain.container import Mount
@@ -130,3 +131,51 @@ def test_a_directory_in_the_files_place_is_a_host_error_naming_the_file(tmp_path
     with pytest.raises(HostError) as caught:
         write_claim_spec(tmp_path, UID, [device()])
     assert str(caught.value) == f"cannot write the CDI spec {path}: it is a directory, not a regular file"
+
+
+def test_a_directory_or_a_link_named_like_a_spec_is_skipped_with_one_warning_each(tmp_path: Path) -> None:
+    """The agent lists its specs at start to remove stale ones: what is not one of its regular files is skipped
+    (left alone, one warning naming it), never removed through a link and never a reason to stop."""
+    write_claim_spec(tmp_path, UID, [device()])
+    directory = tmp_path / f"mpsagent.io-mps-share_{OTHER_UID}.json"
+    directory.mkdir()
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    link_uid = "ffffffff-0000-4000-8000-000000000002"
+    link = tmp_path / f"mpsagent.io-mps-share_{link_uid}.json"
+    link.symlink_to(target)
+    odd = tmp_path / "mpsagent.io-mps-share_UPPER.json"
+    odd.write_text("{}")
+    (tmp_path / "nvidia.com-gpu_0b3c.json").write_text("{}")  # another vendor's: not the agent's to judge
+    with capture_logs() as logs:
+        assert claim_spec_uids(tmp_path) == {UID}
+    skipped = sorted((entry["path"], entry["reason"]) for entry in logs)
+    assert [entry["event"] for entry in logs] == ["cdi directory entry skipped"] * 3
+    assert [entry["log_level"] for entry in logs] == ["warning"] * 3
+    assert skipped == sorted(
+        [
+            (str(directory), "it is a directory, not a regular file"),
+            (str(link), "it is a symbolic link, which the agent does not follow"),
+            (str(odd), "its name is not a spec file name of the agent (mpsagent.io-mps-share_<claim UID>.json)"),
+        ]
+    )
+    assert directory.is_dir()
+    assert link.is_symlink()
+    assert target.read_text() == "{}"
+
+
+@pytest.mark.parametrize("kind", ["directory", "link"])
+def test_removing_a_spec_that_is_not_a_regular_file_leaves_it_with_a_warning(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"mpsagent.io-mps-share_{UID}.json"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "kept").write_text("kept")
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(target)
+    with capture_logs() as logs:
+        assert remove_claim_spec(tmp_path, UID) is False
+    assert [(entry["event"], entry["path"]) for entry in logs] == [("cdi spec not removed", str(path))]
+    assert os.path.lexists(path)
+    assert (target / "kept").read_text() == "kept"

@@ -3,11 +3,15 @@ that cannot be trusted is an error naming the file and the way out, never an emp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from mpsagent.base.errors import HostError
@@ -45,17 +49,22 @@ def test_saved_claims_load_back_the_same(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.json"
     checkpoint.save(path, CLAIMS)
     assert checkpoint.load(path) == CLAIMS
-    assert json.loads(path.read_bytes())["version"] == 1
+    assert json.loads(path.read_bytes())["version"] == 2
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it names pods
     checkpoint.save(path, ())
     assert checkpoint.load(path) == ()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.json"]
 
 
-def test_the_file_is_versioned_json() -> None:
-    document = json.loads(checkpoint.encode(CLAIMS[:1]))
+def test_the_file_is_versioned_json_with_the_checksum_of_its_claims() -> None:
+    """Version 2: the SHA-256 of the claims' bytes as written, so that a file changed since the agent wrote it
+    (edited, damaged) is refused, not trusted."""
+    data = checkpoint.encode(CLAIMS[:1])
+    claims = data[data.index(b'"claims":') + len(b'"claims":') : -len(b"}\n")]
+    document = json.loads(data)
     assert document == {
-        "version": 1,
+        "version": 2,
+        "sha256": hashlib.sha256(claims).hexdigest(),
         "claims": [
             {
                 "claim": {"namespace": "team-a", "name": "small", "uid": "0b3c6a5e-0000-4000-8000-000000000001"},
@@ -72,6 +81,7 @@ def test_the_file_is_versioned_json() -> None:
                         "thread_percentage": 25,
                         "whole": False,
                         "rounded_off_bytes": 0,
+                        "compute": 0,
                     }
                 ],
                 "pods": ["team-a/trainer-0"],
@@ -81,9 +91,14 @@ def test_the_file_is_versioned_json() -> None:
     }
 
 
+def version_1(claims: tuple[PreparedClaim, ...]) -> dict[str, Any]:
+    """The checkpoint an agent wrote before the checksum: version 1, no `sha256`."""
+    return {"version": 1, "claims": msgspec.to_builtins(claims)}
+
+
 def test_a_checkpoint_written_before_the_rounding_was_recorded_reads_as_none_rounded(tmp_path: Path) -> None:
     """An older agent's checkpoint has no `rounded_off_bytes`: its claims were whole MiB, or rounded unsaid."""
-    document = json.loads(checkpoint.encode(CLAIMS[:1]))
+    document = version_1(CLAIMS[:1])
     del document["claims"][0]["devices"][0]["rounded_off_bytes"]
     (tmp_path / "checkpoint.json").write_text(json.dumps(document))
     (prepared,) = checkpoint.load(tmp_path / "checkpoint.json")
@@ -100,7 +115,8 @@ def test_a_missing_file_holds_no_claims(tmp_path: Path) -> None:
         (b'{"version": 1, "claims": [', "is not a checkpoint (Input data was truncated)"),
         (b"[]", "is not a checkpoint (Expected `object`, got `array`)"),
         (b'{"claims": []}', "is not a checkpoint (Object missing required field `version`)"),
-        (b'{"version": 2, "claims": []}', "has version 2; this agent reads version 1"),
+        (b'{"version": 3, "claims": []}', "has version 3; this agent reads versions 1 and 2"),
+        (b'{"version": 2, "claims": []}', "is not a valid checkpoint (Object missing required field `sha256`)"),
         (b'{"version": 1, "claims": [{"claim": {}}]}', "is not a valid checkpoint (Object missing required field"),
         (b'{"version": 1, "claims": [], "extra": 1}', "is not a valid checkpoint (Object contains unknown field"),
     ],
@@ -138,3 +154,133 @@ def test_a_file_that_cannot_be_saved_is_a_host_error_naming_it(tmp_path: Path) -
     path = tmp_path / "missing" / "checkpoint.json"
     with pytest.raises(HostError, match=f"cannot write the DRA checkpoint {path}: No such file or directory"):
         checkpoint.save(path, CLAIMS)
+
+
+def test_a_checkpoint_of_the_agent_before_the_checksum_still_loads(tmp_path: Path) -> None:
+    """An upgrade: the older agent's version 1 file (no checksum) is read, and the next save writes version 2."""
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps(version_1(CLAIMS)))
+    assert checkpoint.load(path) == CLAIMS
+    checkpoint.save(path, CLAIMS)
+    assert json.loads(path.read_bytes())["version"] == 2
+    assert checkpoint.load(path) == CLAIMS
+
+
+def test_a_file_changed_since_the_agent_wrote_it_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    checkpoint.save(path, CLAIMS)
+    path.write_bytes(path.read_bytes().replace(b'"memory_mib":8192', b'"memory_mib":8193'))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == (
+        f"the DRA checkpoint {path} does not match its checksum (sha256): it was changed or damaged after the agent "
+        f"wrote it: {WAY_OUT}"
+    )
+
+
+def test_a_link_in_its_place_is_refused_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.json"
+    checkpoint.save(target, CLAIMS)
+    path = tmp_path / "checkpoint.json"
+    path.symlink_to(target)
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == f"the DRA checkpoint {path} is a symbolic link, not a regular file: {WAY_OUT}"
+
+
+def device_edit(**changes: Any) -> Callable[[PreparedClaim], PreparedClaim]:
+    def edit(claim: PreparedClaim) -> PreparedClaim:
+        return msgspec.structs.replace(claim, devices=(msgspec.structs.replace(claim.devices[0], **changes),))
+
+    return edit
+
+
+def claim_edit(**changes: str) -> Callable[[PreparedClaim], PreparedClaim]:
+    def edit(claim: PreparedClaim) -> PreparedClaim:
+        return msgspec.structs.replace(claim, claim=msgspec.structs.replace(claim.claim, **changes))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "rule"),
+    [
+        pytest.param(
+            claim_edit(uid="../../etc"),
+            "has claim UID `../../etc`, which is not a Kubernetes UID (at most 64 characters of 0-9, a-f and '-', "
+            "from a digit or letter)",
+            id="uid-form",
+        ),
+        pytest.param(
+            claim_edit(uid="a" * 65),
+            f"has claim UID `{'a' * 65}`, which is not a Kubernetes UID (at most 64 characters",
+            id="uid-length",
+        ),
+        pytest.param(claim_edit(namespace=""), "has an empty namespace", id="no-namespace"),
+        pytest.param(claim_edit(name=""), "has an empty name", id="no-name"),
+        pytest.param(
+            device_edit(memory_mib=-200000),
+            "device 0 (gpu-0) has memory_mib -200000; it must be at least 1",
+            id="negative-memory",
+        ),
+        pytest.param(
+            device_edit(memory_mib=0), "device 0 (gpu-0) has memory_mib 0; it must be at least 1", id="no-mib"
+        ),
+        pytest.param(
+            device_edit(thread_percentage=1000),
+            "device 0 (gpu-0) has thread_percentage 1000; it must be 1 to 100",
+            id="threads-over",
+        ),
+        pytest.param(
+            device_edit(thread_percentage=0), "device 0 (gpu-0) has thread_percentage 0; it must be 1 to 100", id="none"
+        ),
+        pytest.param(
+            device_edit(rounded_off_bytes=1 << 20),
+            "device 0 (gpu-0) has rounded_off_bytes 1048576; it must be 0 to 1048575 (less than 1 MiB)",
+            id="rounding-a-mib",
+        ),
+        pytest.param(
+            device_edit(rounded_off_bytes=-1),
+            "device 0 (gpu-0) has rounded_off_bytes -1; it must be 0 to 1048575 (less than 1 MiB)",
+            id="rounding-negative",
+        ),
+        pytest.param(
+            device_edit(compute=-5), "device 0 (gpu-0) has compute -5; it must be 0 to 100", id="compute-negative"
+        ),
+        pytest.param(
+            device_edit(cdi_device_ids=()), "device 0 (gpu-0) has no CDI device ID (cdi_device_ids is empty)", id="cdi"
+        ),
+    ],
+)
+def test_an_entry_that_breaks_a_rule_is_refused_naming_the_file_the_entry_and_the_rule(
+    tmp_path: Path, edit: Callable[[PreparedClaim], PreparedClaim], rule: str
+) -> None:
+    """Never trusted (a negative memory figure became a cap of 200000 MiB and threads 1000%), never dropped."""
+    path = tmp_path / "checkpoint.json"
+    broken = edit(CLAIMS[1])
+    checkpoint.save(path, (CLAIMS[0], broken))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value).startswith(f"the DRA checkpoint {path} entry 1 (claim {broken.claim}) {rule}")
+    assert str(caught.value).endswith(f": {WAY_OUT}")
+    with pytest.raises(checkpoint.EntryError) as entry:
+        checkpoint.check_entry(1, broken)
+    assert str(entry.value).startswith(f"entry 1 (claim {broken.claim}) {rule}")
+
+
+def test_a_claim_listed_twice_is_refused_naming_both_entries(tmp_path: Path) -> None:
+    """Two entries of one UID would hold its share twice, and its unprepare release one: a grant leaked."""
+    path = tmp_path / "checkpoint.json"
+    again = msgspec.structs.replace(CLAIMS[0], claim=msgspec.structs.replace(CLAIMS[0].claim, name="again"))
+    checkpoint.save(path, (CLAIMS[0], CLAIMS[1], again))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == (
+        f"the DRA checkpoint {path} entry 2 (claim team-a/again) has claim UID {CLAIMS[0].claim.uid}, as entry 0 "
+        f"(claim team-a/small) has: a claim is prepared once: {WAY_OUT}"
+    )
+
+
+def test_the_entries_the_agent_writes_pass_the_check() -> None:
+    for index, claim in enumerate(CLAIMS):
+        checkpoint.check_entry(index, claim)

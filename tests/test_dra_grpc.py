@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import grpc
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -24,8 +25,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mpsagent.base.errors import HostError
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, PreparedDevice
 from mpsagent.dra.endpoint import DraEndpoint
+from mpsagent.dra.health_service import MAX_STREAMS, DeviceHealth
 from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, RECEIVE_LIMIT, SERVICE, PrepareOutcome
-from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, reg_grpc, reg_pb2
+from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, health_grpc, health_pb2, reg_grpc, reg_pb2
 from mpsagent_testing.waiting import wait_for
 
 CALL_TIMEOUT_S = 5
@@ -427,3 +429,111 @@ def test_a_socket_that_cannot_be_served_again_is_tried_again(running: Running) -
     wait_for(lambda: is_socket(path), what="the registration socket again")
     assert get_info(running).name == DRA_DRIVER
     assert running.endpoint.statistics().sockets_served_again == 1
+
+
+# --- the devices' health (v1alpha1.DRAResourceHealth) -------------------------------------------------------------
+
+
+class FakeHealth:
+    """Device health that a test changes (from its own thread, through the portal)."""
+
+    def __init__(self) -> None:
+        self.devices = [DeviceHealth(pool="node-a", device="gpu-0", problem=None)]
+        self.generation = 0
+        self._changed: anyio.Event | None = None
+
+    def device_health(self) -> Sequence[DeviceHealth]:
+        return list(self.devices)
+
+    @property
+    def health_generation(self) -> int:
+        return self.generation
+
+    async def wait_health_changed(self, since: int) -> int:
+        while self.generation == since:
+            self._changed = self._changed or anyio.Event()
+            await self._changed.wait()
+        return self.generation
+
+    async def set_problem(self, problem: str | None) -> None:
+        self.devices = [DeviceHealth(pool="node-a", device="gpu-0", problem=problem)]
+        self.generation += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+
+@pytest.fixture
+def watched(kubelet_dir: Path) -> Iterator[tuple[Running, FakeHealth]]:
+    health = FakeHealth()
+    with start_blocking_portal() as portal:
+        endpoint = DraEndpoint(
+            kubelet_dir=kubelet_dir,
+            driver=DRA_DRIVER,
+            handler=FakeClaimHandler(),
+            health=health,
+            watch_interval_s=WATCH_INTERVAL_S,
+        )
+        task, _ = portal.start_task(endpoint.run)
+        served = Running(endpoint, FakeClaimHandler(), portal, task)
+        try:
+            yield served, health
+        finally:
+            served.stop()
+
+
+def watch(served: Running) -> Any:
+    stub = health_grpc.DRAResourceHealthStub(_channel(served.endpoint.dra_socket))
+    return stub.NodeWatchResources(health_pb2.NodeWatchResourcesRequest(), timeout=CALL_TIMEOUT_S)
+
+
+def test_the_registration_lists_the_health_service_when_it_is_served(watched: tuple[Running, FakeHealth]) -> None:
+    served, _ = watched
+    assert list(get_info(served).supported_versions) == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+
+
+def test_the_health_stream_gives_every_device_then_each_change(watched: tuple[Running, FakeHealth]) -> None:
+    served, health = watched
+    stream = watch(served)
+    first = next(stream)
+    (device,) = first.devices
+    assert (device.device.pool_name, device.device.device_name) == ("node-a", "gpu-0")
+    assert (device.health, device.message, device.health_check_timeout_seconds) == (health_pb2.HEALTHY, "", 30)
+    assert abs(device.last_updated_time - time.time()) < 5
+    served.portal.call(health.set_problem, "critical Xid 79")
+    (device,) = next(stream).devices
+    assert (device.health, device.message) == (health_pb2.UNHEALTHY, "critical Xid 79")
+    served.portal.call(health.set_problem, None)
+    assert next(stream).devices[0].health == health_pb2.HEALTHY
+    stream.cancel()
+
+
+def test_the_health_stream_repeats_itself_before_the_kubelet_counts_a_device_unknown(kubelet_dir: Path) -> None:
+    health = FakeHealth()
+    with start_blocking_portal() as portal:
+        endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=FakeClaimHandler(), health=health)
+        assert endpoint.health_service is not None
+        endpoint.health_service._resend = 0.1
+        task, _ = portal.start_task(endpoint.run)
+        served = Running(endpoint, FakeClaimHandler(), portal, task)
+        try:
+            stream = watch(served)
+            began = time.monotonic()
+            for _ in range(3):
+                next(stream)
+            assert time.monotonic() - began < 3
+            stream.cancel()
+        finally:
+            served.stop()
+
+
+def test_streams_beyond_the_bound_are_refused(watched: tuple[Running, FakeHealth]) -> None:
+    served, _ = watched
+    streams = [watch(served) for _ in range(MAX_STREAMS)]
+    for stream in streams:
+        next(stream)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(watch(served))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for stream in streams:
+        stream.cancel()

@@ -285,7 +285,7 @@ CASES = [
         mps("    - name: nvidia.com/gpu\n      replicas: 20\n"),
         "refused: maximum allowed replicas exceeded: 20 > 16 (below compute capability 7.5)",
         False,
-        "1 GPUs x 20 replicas",
+        "1 GPU x 20 replicas",
         difference="`replicas` of 17 to 48 on compute capability 7.0 to 7.4",
         node=V100_NODE,
     ),
@@ -294,7 +294,7 @@ CASES = [
         mps("    - name: nvidia.com/gpu\n      replicas: 1\n"),
         "refused: number of replicas must be >= 2",
         False,
-        "8 GPUs x 1 replicas",
+        "8 GPUs x 1 replica",
         difference="`replicas: 1`",
     ),
     Case(

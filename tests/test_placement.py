@@ -149,8 +149,13 @@ def test_orders(
             id="must-larger",
         ),
         pytest.param(
-            1, 4, 0, (), ((0, 0),), "1 replicas must be included but only 0 were requested", id="must-with-size-0"
+            1, 4, 0, (), ((0, 0),), "1 replica must be included but only 0 were requested", id="must-with-size-0"
         ),
+        pytest.param(
+            1, 4, 1, (), ((0, 0), (0, 1)), "2 replicas must be included but only 1 was requested", id="must-2-of-1"
+        ),
+        pytest.param(1, 1, 2, (), (), "nvidia.com/gpu: 2 replicas requested but only 1 is available", id="one-left"),
+        pytest.param(1, 4, 1, ((0, 0), (0, 1), (0, 2), (0, 3)), (), "1 replica requested but only 0 are", id="none"),
     ],
 )
 def test_refusals(

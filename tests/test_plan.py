@@ -198,6 +198,12 @@ def test_device_selection_refusals(entries: list[str], path: str, phrase: str) -
     assert phrase in info.value.message
 
 
+def test_one_gpu_asked_of_a_node_without_any_is_said_in_the_singular() -> None:
+    with pytest.raises(ConfigError) as info:
+        plan(node(), "{name: gpu, replicas: 2, devices: 1}")
+    assert info.value.message == "asks for 1 GPU but this node has 0"
+
+
 def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
     with pytest.raises(ConfigError, match="already shared") as info:
         plan(t4_node(2), "{name: a, replicas: 2}", "{name: b, replicas: 2, devices: [1]}")

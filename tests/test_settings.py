@@ -53,6 +53,17 @@ def test_a_choice_is_read_in_any_case_from_the_command_line(tmp_path: Path, name
 
 
 @pytest.mark.parametrize("name", [name for name, entry in SETTINGS.items() if entry.choices])
+def test_a_bad_choice_on_the_command_line_lists_the_choices_as_written(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entry = SETTINGS[name]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([entry.flag, "nope"])
+    listed = ", ".join(f"'{choice}'" for choice in entry.choices)
+    assert f"argument {entry.flag}: invalid choice: 'nope' (choose from {listed})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [name for name, entry in SETTINGS.items() if entry.choices])
 def test_a_bad_choice_in_the_file_names_the_flag_the_variable_and_the_key(tmp_path: Path, name: str) -> None:
     entry = SETTINGS[name]
     with pytest.raises(UsageError) as info:

@@ -393,8 +393,9 @@ def test_the_49th_live_grant_on_a_gpu_is_refused_with_nothing_changed() -> None:
     with pytest.raises(RequestError) as refused:
         allocator.allocate([[format_replica_id(uuid(1), 0)], [format_replica_id(uuid(0), 48)]])
     assert str(refused.value) == (
-        f"nvidia.com/gpu-mem: GPU {uuid(0)} would hold 49 live grants, but MPS serves at most 48 clients a GPU; "
-        "nothing was granted: ask for IDs of another GPU, or wait for a container on it to end"
+        f"nvidia.com/gpu-mem: GPU {uuid(0)} would hold 49 MPS clients (device-plugin grants and claims), but MPS "
+        "serves at most 48; nothing was granted: ask for IDs of another GPU, or wait for a container or claim on it "
+        "to end"
     )
     assert (allocator.ledger.version, allocator.ledger.statistics(), allocator.ceilings()) == before
     # A grant that replaces one of the 48 (its replica granted again: that container ended) is no 49th.

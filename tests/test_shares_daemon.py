@@ -132,8 +132,8 @@ def test_the_49th_live_grant_on_a_gpu_is_refused_and_preferred_allocation_avoids
         allocate(plugin, ids(GPU1, 0), ids(GPU0, 48))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == (
-        f"{RESOURCE}: GPU {GPU0} would hold 49 live grants, but MPS serves at most 48 clients a GPU; nothing was "
-        "granted: ask for IDs of another GPU, or wait for a container on it to end"
+        f"{RESOURCE}: GPU {GPU0} would hold 49 MPS clients (device-plugin grants and claims), but MPS serves at "
+        "most 48; nothing was granted: ask for IDs of another GPU, or wait for a container or claim on it to end"
     )
     res = wait_for(lambda: with_grants(short_dir, 48), 5, "the status with 48 grants")
     assert res["gpus"][GPU0]["liveGrants"] == 48 and res["gpus"][GPU1]["liveGrants"] == 0

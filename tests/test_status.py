@@ -24,7 +24,7 @@ from mpsagent.documents.status import (
     summary,
     write_status,
 )
-from mpsagent.documents.status_document import PodResourcesStatus
+from mpsagent.documents.status_document import DraStatus, PodResourcesStatus
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
@@ -403,6 +403,35 @@ def test_readiness_and_the_systemd_line_read_the_document() -> None:
     assert readiness_problems(kept_busy) == [
         "nvidia.com/gpu: mps control daemon busy since 2025-11-30T23:59:55Z (another control session is open)"
     ]
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_counts_of_one_are_said_in_the_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    serving, _ = serving_views()
+    daemon = msgspec.structs.replace(serving.daemon, busy=None, restarts=1, cap_tamper=1, cap_tamper_in_log=1)
+    one = dataclasses.replace(serving, daemon=daemon)
+    one.allocator.ledger.release([grant.grant_id for grant in one.allocator.ledger.live_grants()[1:]])
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+    dra = DraStatus(
+        driver="mps.mpsagent.io",
+        node="node-1",
+        registered=True,
+        slice_published=True,
+        prepared=1,
+        refused=1,
+        unprepared=1,
+    )
+    document = status_document(
+        version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[one], dra=dra
+    )
+    assert summary(document) == "serving nvidia.com/gpu (4/8 healthy, 1 grant, caps capped)"
+    write_status(tmp_path, document)
+    assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert ", 1 restart, one server per user" in printed
+    assert "  ceilings changed behind the agent 1 time (1 seen in the control log), last at " in printed
+    assert f"  GPU 0 ({uuid(0)}): 1 live grant; ceilings " in printed
+    assert "; 1 prepare, 1 refused, 1 unprepared\n" in printed
 
 
 def test_the_starting_document_names_every_resource_not_ready() -> None:

@@ -270,21 +270,23 @@ def _device_list_strategy(value: str | list[str] | None) -> DeviceListStrategy:
     return _one_of(DeviceListStrategy, value, DeviceListStrategy.ENVVAR, path)
 
 
-# A Kubernetes quantity: a signed number (`1`, `1.5`, `1.`, `.5`), then a binary or decimal SI suffix, or a decimal
-# exponent (`1e9`, `25e+8`, `1E-3`: `E` alone is the exa suffix). Bounded: 20 digits a part, 3 for an exponent.
+# A Kubernetes quantity: a signed number (`1`, `1.5`, `1.`, `.5`), then a binary or decimal SI suffix (the small
+# ones too: `500m` is half a unit), or a decimal exponent (`1e9`, `25e+8`, `1E-3`: `E` alone is the exa suffix).
+# Bounded: 20 digits a part, 3 for an exponent.
 _QUANTITY = re.compile(
     r"(?P<sign>[+-]?)(?P<number>[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})"
-    r"(?:(?P<suffix>[KMGTPE]i|[kMGTPE])|[eE](?P<exponent>[+-]?[0-9]{1,3}))?"
+    r"(?:(?P<suffix>[KMGTPE]i|[numkMGTPE])|[eE](?P<exponent>[+-]?[0-9]{1,3}))?"
 )
-_QUANTITY_FACTORS: dict[str | None, int] = {
-    None: 1,
-    **{f"{prefix}i": 1024 ** (power + 1) for power, prefix in enumerate("KMGTPE")},
-    **{prefix: 1000 ** (power + 1) for power, prefix in enumerate("kMGTPE")},
+_QUANTITY_FACTORS: dict[str | None, Fraction] = {
+    None: Fraction(1),
+    **{prefix: Fraction(1, 1000 ** (3 - power)) for power, prefix in enumerate("num")},
+    **{f"{prefix}i": Fraction(1024 ** (power + 1)) for power, prefix in enumerate("KMGTPE")},
+    **{prefix: Fraction(1000 ** (power + 1)) for power, prefix in enumerate("kMGTPE")},
 }
 
 
-def parse_quantity(text: str) -> int | None:
-    """Bytes of a Kubernetes quantity (`512Mi`, `8G`, `1.5Gi`, `1e9`), rounded down; None when it is not one."""
+def quantity_value(text: str) -> Fraction | None:
+    """The exact amount of a Kubernetes quantity (`500m` is 1/2, `-8Gi` is negative); None when it is not one."""
     match = _QUANTITY.fullmatch(text.strip())
     if match is None:
         return None
@@ -292,7 +294,13 @@ def parse_quantity(text: str) -> int | None:
     value = Fraction(int(whole or "0") * 10 ** len(fraction) + int(fraction or "0"), 10 ** len(fraction))
     exponent = match.group("exponent")
     value *= Fraction(10) ** int(exponent) if exponent else _QUANTITY_FACTORS[match.group("suffix")]
-    return math.floor(-value if match.group("sign") == "-" else value)
+    return -value if match.group("sign") == "-" else value
+
+
+def parse_quantity(text: str) -> int | None:
+    """Bytes of a Kubernetes quantity (`512Mi`, `8G`, `1.5Gi`, `1e9`), rounded down; None when it is not one."""
+    value = quantity_value(text)
+    return None if value is None else math.floor(value)
 
 
 def _quantity_text(value: int | float | str) -> str:

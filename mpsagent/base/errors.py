@@ -9,6 +9,8 @@ MpsAgentError                 base, never raised itself
 │   ├── GpuHealthError        NVML's event wait failed: the GPUs' health cannot be known
 │   └── SnapshotError         a node snapshot file is unreadable or malformed (exit 2)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
+│   └── GrantRefusedError     a grant or a claim that does not fit its GPU beside the live shares of both routes
+│                             (memory, SMs, MPS's client limit) or asks an unhealthy GPU; carries the kind and GPU
 ├── AgentLockedError          another agent already serves a resource (exit 1)
 ├── KubeApiError              a call to the Kubernetes API server failed: unreachable, timed out, or an HTTP error;
 │   │                         carries the HTTP status (None when there was no answer)
@@ -119,6 +121,16 @@ class SnapshotError(GpuDiscoveryError):
 
 class RequestError(MpsAgentError):
     """A kubelet request is refused; the ledger is left exactly as it was."""
+
+
+class GrantRefusedError(RequestError):
+    """A grant or a claim refused by the node's accounting (`domain.accounting`): `kind` says why (clients, memory,
+    compute, unhealthy), `gpu` which GPU; the message says it in words, with what happens next."""
+
+    def __init__(self, message: str, *, kind: str, gpu: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.gpu = gpu
 
 
 class AgentLockedError(MpsAgentError):

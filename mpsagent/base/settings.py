@@ -26,6 +26,7 @@ from mpsagent.base.values import (
     MpsDaemonOwner,
     MpsOnExit,
     SharingConfig,
+    TaintEffect,
     XidPolicy,
 )
 
@@ -83,6 +84,10 @@ class Setting(Generic[T]):
         """The attribute of the file's `config.Flags` that holds its key (`kubeletSocket`: `kubelet_socket`)."""
         return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", self.key).lower() if self.key else None
 
+    def choice(self, text: str) -> str:
+        """The choice `text` names in any case (`noexecute`: `NoExecute`), or `text` itself when it names none."""
+        return next((choice for choice in self.choices if choice.lower() == text.lower()), text)
+
     @property
     def on_off(self) -> bool:
         """A switch (`on`/`off`): the file may write it as YAML's boolean too (a bare `on` is YAML's true)."""
@@ -136,10 +141,10 @@ class Setting(Generic[T]):
             return self.default
         if self.empty_turns_off and not text:
             return None
-        if self.choices and text.lower() not in self.choices:
+        if self.choices and self.choice(text) not in self.choices:
             raise UsageError(f"{self.label} must be one of {', '.join(self.choices)}; not `{shown(text)}`")
         try:
-            value = self.parse(text.lower() if self.choices else text)
+            value = self.parse(self.choice(text) if self.choices else text)
         except ValueError as exc:
             raise UsageError(f"{self.label} {exc} `{shown(text)}`") from None
         return self.default if value is None else value
@@ -417,6 +422,17 @@ class Settings:
         metavar="DIR",
         help="where prepared claims' CDI specs are written for the container runtime, for --dra on",
     )
+    dra_taint_effect: TaintEffect = setting(
+        flag="--dra-taint-effect",
+        env="DRA_TAINT_EFFECT",
+        key="draTaintEffect",
+        parse=TaintEffect,
+        default=TaintEffect.NO_SCHEDULE,
+        choices=tuple(TaintEffect),
+        help="the effect of the taint on a failed GPU's device, for --dra on: NoSchedule keeps new claims off it, "
+        "NoExecute also evicts the pods of the claims on it",
+        nvidia="(the device plugin withdraws a failed GPU's replicas)",
+    )
     log_format: LogFormat = setting(
         flag="--log-format",
         env="LOG_FORMAT",
@@ -434,6 +450,15 @@ class Settings:
         default=LogLevel.INFO,
         choices=tuple(LogLevel),
         help="the least severe events logged",
+    )
+    library_log_level: LogLevel = setting(
+        flag="--library-log-level",
+        env="LIBRARY_LOG_LEVEL",
+        key="libraryLogLevel",
+        parse=LogLevel,
+        default=LogLevel.WARNING,
+        choices=tuple(LogLevel),
+        help="the least severe events logged by the libraries the agent uses (HTTP/2, gRPC, the API client)",
     )
     # Not settings: what the config file says, the run mode (plain flags in cli.py), and the Xid variables.
     sharing: SharingConfig

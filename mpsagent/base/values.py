@@ -117,6 +117,15 @@ class DraMode(enum.StrEnum):
     ON = "on"
 
 
+class TaintEffect(enum.StrEnum):
+    """What a device taint does to claims that do not tolerate it (KEP-5055)."""
+
+    NO_SCHEDULE = "NoSchedule"
+    """No new claim is allocated the device; the pods of claims already on it keep running."""
+    NO_EXECUTE = "NoExecute"
+    """And the pods of claims already on it are evicted (their claims deallocated)."""
+
+
 class MpsOnExit(enum.StrEnum):
     KEEP = "keep"
     QUIT = "quit"

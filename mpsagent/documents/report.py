@@ -11,6 +11,7 @@ import yaml
 from mpsagent.base.devices import ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
 from mpsagent.base.values import MIB
+from mpsagent.base.words import counted
 from mpsagent.documents.report_document import (
     CeilingsReport,
     ClaimExampleReport,
@@ -220,11 +221,14 @@ def _example_lines(example: ExampleReport) -> list[str]:
 def _resource_lines(res: ResourceReport) -> list[str]:
     ids = res.device_ids
     per_gpu = (
-        f"memory units of {res.memory_unit_bytes // MIB} MiB" if res.memory_unit_bytes else f"{res.replicas} replicas"
+        f"memory units of {res.memory_unit_bytes // MIB} MiB"
+        if res.memory_unit_bytes
+        else counted(res.replicas, "replica")
     )
     lines = [
         "",
-        f"Resource {res.name}: {len(res.gpus)} GPUs x {per_gpu} = {len(ids)} devices (grants: {res.grants})",
+        f"Resource {res.name}: {counted(len(res.gpus), 'GPU')} x {per_gpu} = {counted(len(ids), 'device')} "
+        f"(grants: {res.grants})",
         f"  device IDs: {ids[0]} ... {ids[-1]}" if len(ids) > 2 else f"  device IDs: {', '.join(ids)}",
         f"  pipe directory: {res.pipe_directory}",
         f"  compute mode: {res.compute_mode.mode or 'unchanged'} ({res.compute_mode.note})",

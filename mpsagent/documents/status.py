@@ -20,6 +20,7 @@ from mpsagent import __version__
 from mpsagent.base.devices import GpuUuid, Health, gpu_of
 from mpsagent.base.errors import FileRefusedError, UsageError
 from mpsagent.base.host import pid_alive, process_started, read_regular_file, write_atomically
+from mpsagent.base.words import counted
 from mpsagent.documents.status_document import (
     DraStatus,
     GpuStatus,
@@ -30,9 +31,11 @@ from mpsagent.documents.status_document import (
     StatusDocument,
     rounding,
 )
+from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
+from mpsagent.domain.shares import EscapeBound
 from mpsagent.kubelet.plugin import Registration
 from mpsagent.mps.daemon_status import DaemonStatus, utc
 
@@ -96,22 +99,34 @@ def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuSt
     bounds = {b.uuid: b for b in shares.escape_bounds(ceilings, [g.share for g in grants])}
     for uuid in bounds:
         counts.setdefault(uuid, [0, 0])
+    withheld = {held.uuid: held for held in view.inventory.withheld()}
+    tally = view.allocator.ledger.tally
     return {
         uuid: GpuStatus(replicas=replicas, healthy=healthy)
         if (bound := bounds.get(uuid)) is None
-        else GpuStatus(
-            replicas=replicas,
-            healthy=healthy,
-            ordinal=bound.ordinal,
-            live_grants=bound.live_grants,
-            memory_ceiling_mib=bound.memory_ceiling_mib,
-            memory_mib=shares.gpus[bound.ordinal].memory_mib,
-            thread_ceiling=bound.thread_ceiling,
-            memory_escape_mib=bound.memory_escape_mib,
-            thread_escape=bound.thread_escape,
-        )
+        else _gpu_status(replicas, healthy, bound, gpu_use(shares, tally, bound.ordinal), withheld.get(uuid))
         for uuid, (replicas, healthy) in counts.items()
     }
+
+
+def _gpu_status(replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, withheld: Withheld | None) -> GpuStatus:
+    return GpuStatus(
+        replicas=replicas,
+        healthy=healthy,
+        ordinal=bound.ordinal,
+        live_grants=bound.live_grants,
+        memory_ceiling_mib=bound.memory_ceiling_mib,
+        memory_mib=use.gpu.memory_mib,
+        thread_ceiling=bound.thread_ceiling,
+        memory_escape_mib=bound.memory_escape_mib,
+        thread_escape=bound.thread_escape,
+        grant_memory_mib=use.grant_memory_mib,
+        grant_compute=use.grant_compute,
+        claim_memory_mib=use.claim_memory_mib,
+        claim_compute=use.claim_compute,
+        withheld=0 if withheld is None else len(withheld.replica_ids),
+        withheld_reason=None if withheld is None else withheld.reason,
+    )
 
 
 def _grant_status(grant: Grant) -> GrantStatus:
@@ -273,7 +288,8 @@ def summary(document: StatusDocument) -> str:
     if problems:
         return "; ".join(problems)
     return "serving " + "; ".join(
-        f"{res.name} ({res.healthy}/{res.replicas} healthy, {len(res.grants)} grants, caps {res.daemon.cap_mode})"
+        f"{res.name} ({res.healthy}/{res.replicas} healthy, {counted(len(res.grants), 'grant')}, "
+        f"caps {res.daemon.cap_mode})"
         for res in document.resources
     )
 
@@ -290,8 +306,9 @@ def _daemon_events(daemon: DaemonStatus) -> list[str]:
     if tampered:
         seen = "seen in the control log" if tampered.seen_by == "control_log" else "read back"
         lines.append(
-            f"  ceilings changed behind the agent {daemon.cap_tamper} times ({daemon.cap_tamper_in_log} seen in the "
-            f"control log), last at {tampered.at} (restored; {seen}): {tampered.found}"
+            f"  ceilings changed behind the agent {counted(daemon.cap_tamper, 'time')} "
+            f"({daemon.cap_tamper_in_log} seen in the control log), last at {tampered.at} (restored; {seen}): "
+            f"{tampered.found}"
         )
     watch = daemon.control_log
     if watch is not None and not watch.watched:
@@ -328,10 +345,19 @@ def _gpu_lines(gpus: dict[str, GpuStatus]) -> list[str]:
         if bound is None:
             continue
         lines.append(
-            f"  GPU {bound.ordinal} ({uuid}): {bound.live_grants} live grants; ceilings "
+            f"  GPU {bound.ordinal} ({uuid}): {counted(bound.live_grants, 'live grant')}; ceilings "
             f"{bound.memory_ceiling_mib} of {bound.memory_mib} MiB, threads {bound.thread_ceiling}%; escape bound: "
             f"+{bound.memory_escape_mib} MiB, +{bound.thread_escape} threads % over the smallest live share"
         )
+        if gpu.claim_memory_mib or gpu.claim_compute:
+            lines.append(
+                f"    held: device-plugin grants {gpu.grant_memory_mib} MiB and {gpu.grant_compute} % of the SMs, "
+                f"DRA claims {gpu.claim_memory_mib} MiB and {gpu.claim_compute} %"
+            )
+        if gpu.withheld:
+            lines.append(
+                f"    {counted(gpu.withheld, 'free replica')} WITHHELD from the kubelet: {gpu.withheld_reason}"
+            )
     return lines
 
 
@@ -360,7 +386,7 @@ def _dra_lines(dra: DraStatus) -> list[str]:
         "",
         f"DRA driver {dra.driver} on node {dra.node}: {'registered' if dra.registered else 'NOT registered'} with "
         f"the kubelet, ResourceSlice {'published' if dra.slice_published else 'NOT published'}; "
-        f"{dra.prepared} prepares, {dra.refused} refused, {dra.unprepared} unprepared",
+        f"{counted(dra.prepared, 'prepare')}, {dra.refused} refused, {dra.unprepared} unprepared",
         f"  prepared claims: {len(dra.claims)}",
     ]
     for claim in dra.claims:
@@ -396,7 +422,7 @@ def render_status_text(document: StatusDocument) -> str:
             f"{res.name}: {res.healthy}/{res.replicas} replicas healthy, "
             f"{'registered' if res.registered else 'NOT registered'} with the kubelet",
             f"  mps daemon: {'up' if daemon.up else 'DOWN'}, pid {daemon.pid}, caps {daemon.cap_mode}, "
-            f"{daemon.restarts} restarts, {_users(daemon.multi_user)}",
+            f"{counted(daemon.restarts, 'restart')}, {_users(daemon.multi_user)}",
             *_daemon_events(daemon),
             *_gpu_lines(res.gpus),
             f"  grants: {len(res.grants)}",

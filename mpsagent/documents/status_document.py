@@ -17,6 +17,7 @@ import msgspec
 from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
 from mpsagent.base.values import MIB
+from mpsagent.base.words import counted
 from mpsagent.mps.daemon_status import CEILING_MODES, DAEMON_METRICS, DaemonStatus
 
 
@@ -44,6 +45,15 @@ class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     thread_ceiling: Count | None = None
     memory_escape_mib: Count | None = msgspec.field(default=None, name="memoryEscapeMiB")
     thread_escape: Count | None = None
+    grant_memory_mib: Count | None = msgspec.field(default=None, name="grantMemoryMiB")
+    """What the device-plugin grants hold of the GPU's memory (k/N of it per replica)."""
+    grant_compute: Count | None = None
+    claim_memory_mib: Count | None = msgspec.field(default=None, name="claimMemoryMiB")
+    """What the DRA claims hold of it (the memory they consumed)."""
+    claim_compute: Count | None = None
+    withheld: Count = 0
+    """Free replicas ListAndWatch does not offer: their share no longer fits beside the claims."""
+    withheld_reason: str | None = None
 
     def bound(self) -> GpuBound | None:
         """The ceilings and escape bound, when the file holds them all."""
@@ -73,6 +83,35 @@ GPU_REPLICA_METRICS: tuple[MetricRow[GpuStatus], ...] = (
             lambda gpu, health: gpu.healthy if health == "Healthy" else gpu.replicas - gpu.healthy,
         ),
         labels=("health",),
+    ),
+)
+ROUTES = ("device-plugin", "claim")
+
+
+def _held(gpu: GpuStatus, route: str, memory: bool) -> int:
+    if memory:
+        value = gpu.grant_memory_mib if route == "device-plugin" else gpu.claim_memory_mib
+        return (value or 0) * MIB
+    return (gpu.grant_compute if route == "device-plugin" else gpu.claim_compute) or 0
+
+
+GPU_HELD_METRICS: tuple[MetricRow[GpuStatus], ...] = (
+    gauge(
+        "mpsagent_gpu_held_memory_bytes",
+        "Memory of the GPU the live shares hold, by route: device-plugin grants (k/N per replica), DRA claims",
+        each(ROUTES, lambda gpu, route: _held(gpu, route, memory=True)),
+        labels=("route",),
+    ),
+    gauge(
+        "mpsagent_gpu_held_compute_percent",
+        "Per cent of the GPU's SMs the live shares hold, by route",
+        each(ROUTES, lambda gpu, route: _held(gpu, route, memory=False)),
+        labels=("route",),
+    ),
+    gauge(
+        "mpsagent_replicas_withheld",
+        "Free replicas ListAndWatch does not offer: their share no longer fits beside the claims on the GPU",
+        one(lambda gpu: gpu.withheld),
     ),
 )
 GPU_BOUND_METRICS: tuple[MetricRow[GpuStatus], ...] = (
@@ -185,6 +224,7 @@ RESOURCE_METRICS: tuple[MetricRow[ResourceStatus], ...] = (
     *within((), lambda res: (((), res.daemon),), DAEMON_METRICS),
     *REGISTRATION_METRICS,
     *within(("gpu",), _gpus, GPU_BOUND_METRICS),
+    *within(("gpu",), _gpus, GPU_HELD_METRICS),
 )
 """Each resource's families, in the order /metrics shows them; each sample also gets the resource's label."""
 
@@ -214,8 +254,7 @@ def rounding(rounded_off_bytes: int) -> str:
     """A cap's rounding in words (MPS limits are whole MiB): empty when the allocation was whole MiB."""
     if not rounded_off_bytes:
         return ""
-    noun = "byte" if rounded_off_bytes == 1 else "bytes"
-    return f" (the allocation rounded down to whole MiB: {rounded_off_bytes} {noun} left out)"
+    return f" (the allocation rounded down to whole MiB: {counted(rounded_off_bytes, 'byte')} left out)"
 
 
 class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -245,6 +284,8 @@ class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     node: str
     registered: bool = False
     slice_published: bool = False
+    slice_writes: Count = 0
+    """Writes of the node's ResourceSlice (create, apply, delete) since the start: none while nothing changes."""
     prepared: Count = 0
     """Claims prepared, all time (a retried prepare of a claim already prepared is answered, not counted)."""
     refused: Count = 0
@@ -260,6 +301,11 @@ DRA_METRICS: tuple[MetricRow[DraStatus], ...] = (
         "mpsagent_dra_slice_published",
         "1 once the node's ResourceSlice is published (and its last publish worked)",
         one(lambda d: d.slice_published),
+    ),
+    counter(
+        "mpsagent_dra_slice_writes",
+        "Writes of the node's ResourceSlice (none while what it offers does not change)",
+        one(lambda d: d.slice_writes),
     ),
     gauge("mpsagent_dra_prepared_claims", "DRA claims prepared on the node now", one(lambda d: len(d.claims))),
     counter(

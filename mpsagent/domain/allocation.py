@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import cast
 
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
-from mpsagent.base.errors import RequestError, shown
+from mpsagent.base.errors import GrantRefusedError, RequestError, shown
+from mpsagent.domain.accounting import GpuProblem, GpuRefusal, Withheld, admit, healthy, withheld_replicas
 from mpsagent.domain.container import ContainerEdits, ContainerSetup, setup_of, share_edits
 from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
-from mpsagent.domain.shares import Ceilings, ClientLimit, Share, ShareTally
+from mpsagent.domain.shares import Ceilings, Share, ShareTally
 
 MAX_NAMED_IDS = 3
 MAX_KNOWN_EDITS = 4096
@@ -41,11 +42,13 @@ def size_error(resource: str, count: int) -> RequestError:
     )
 
 
-def client_limit_error(resource: str, over: Sequence[ClientLimit]) -> RequestError:
-    first = over[0]
-    return RequestError(
-        f"{resource}: GPU {first.uuid} would hold {first.grants} live grants, but MPS serves at most {first.limit} "
-        "clients a GPU; nothing was granted: ask for IDs of another GPU, or wait for a container on it to end"
+def grant_refused(resource: str, refusal: GpuRefusal) -> GrantRefusedError:
+    """An Allocate the node's accounting refuses: the GPU's side of it, and what the user can do."""
+    return GrantRefusedError(
+        f"{resource}: {refusal.reason}; nothing was granted: ask for IDs of another GPU, or wait for a container or "
+        "claim on it to end",
+        kind=refusal.kind.value,
+        gpu=refusal.uuid,
     )
 
 
@@ -61,9 +64,18 @@ class ContainerAllocation:
 class ResourceAllocator:
     """Answers Allocate and GetPreferredAllocation for one resource."""
 
-    def __init__(self, resource: ResourcePlan, shm_directory: Path, ledger: Ledger | None = None) -> None:
+    def __init__(
+        self,
+        resource: ResourcePlan,
+        shm_directory: Path,
+        ledger: Ledger | None = None,
+        *,
+        problem: GpuProblem = healthy,
+    ) -> None:
+        """`problem`: why a GPU of the resource is unhealthy now (None: healthy); a new share on it is refused."""
         self.resource = resource
         self.ledger = ledger or Ledger()
+        self.problem = problem
         self._shm = shm_directory
         # Each advertised ID to itself: a request's IDs (new strings on every call) are checked and swapped for these in
         # one pass, so that the ledger's and the shares' lookups of them after that compare by identity.
@@ -129,17 +141,38 @@ class ResourceAllocator:
     def allocate(self, requests: Sequence[Sequence[str]]) -> list[ContainerAllocation]:
         """Check every container request, then record them all; a refusal records nothing."""
         grants = [self.grant_for(ids) for ids in requests]
-        self._check_clients(grants)
+        self._admit(grants)
         return [ContainerAllocation(setup=g, record=self.ledger.record(g.replica_ids, g.share)) for g in grants]
 
-    def _check_clients(self, grants: Sequence[ContainerSetup]) -> None:
-        """Refuse grants that would give a GPU more live grants (MPS clients) than MPS serves."""
+    def _admit(self, grants: Sequence[ContainerSetup]) -> None:
+        """Refuse grants that do not fit their GPUs beside the live shares of both routes (`accounting.admit`),
+        but those whose replicas they take over: live grants, and earlier containers of the same request (the
+        kubelet hands an init container's IDs on to a later container), as recording them will end them."""
         ending = {holder.grant_id: holder for g in grants for holder in self.ledger.holders(g.replica_ids)}
-        over = self.resource.shares.clients_over_limit(
-            self.ledger.tally, [holder.share for holder in ending.values()], [g.share for g in grants]
+        staying: list[ContainerSetup] = []
+        for grant in grants:
+            taken = set(grant.replica_ids)
+            staying = [earlier for earlier in staying if taken.isdisjoint(earlier.replica_ids)]
+            staying.append(grant)
+        refusal = admit(
+            self.resource.shares,
+            self.ledger.tally,
+            [g.share for g in staying],
+            ending=[holder.share for holder in ending.values()],
+            problem=self.problem,
         )
-        if over:
-            raise client_limit_error(self.resource.name, over)
+        if refusal is not None:
+            raise grant_refused(self.resource.name, refusal)
+
+    def withheld(self) -> tuple[Withheld, ...]:
+        """Per GPU, the free IDs ListAndWatch must not offer: their share no longer fits beside the live ones."""
+        found = []
+        for gpu in self.resource.shares.gpus:
+            free = [replica for replica in self._gpu_replicas[gpu.uuid] if self.ledger.holder(replica) is None]
+            withheld = withheld_replicas(self.resource.shares, self.ledger.tally, gpu.ordinal, free)
+            if withheld is not None:
+                found.append(withheld)
+        return tuple(found)
 
     def withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
         """Undo `allocate` (its answer was an error): the ledger is as it was before, as far as nothing else has

@@ -10,14 +10,15 @@ naming the claim and what is wrong, before anything is held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from mpsagent.base.devices import Gpu
+from mpsagent.base.devices import Gpu, GpuUuid
 from mpsagent.base.errors import RequestError, shown
 from mpsagent.base.values import MIB
+from mpsagent.base.words import counted
 from mpsagent.domain.claims import (
     DEVICE_NAME_PREFIX,
     DRA_DRIVER,
@@ -26,6 +27,7 @@ from mpsagent.domain.claims import (
     CapacityPolicy,
     ClaimAllocation,
     ClaimDevice,
+    DeviceTaint,
     NodeSlice,
     OpaqueConfig,
     SliceDevice,
@@ -52,33 +54,58 @@ def _semver(version: str) -> str:
     return ".".join(parts + ["0"] * (_SEMVER_PARTS - len(parts))) if parts else "0.0.0"
 
 
-def memory_capacity(gpu: Gpu) -> CapacityPolicy:
-    """A GPU's `memory`: its whole memory in MiB steps, the whole of it by default."""
-    whole = gpu.memory_bytes // MEMORY_STEP_BYTES * MEMORY_STEP_BYTES
-    return CapacityPolicy(value=whole, default=whole, minimum=MEMORY_STEP_BYTES, maximum=whole, step=MEMORY_STEP_BYTES)
+def whole_memory(gpu: Gpu) -> int:
+    """A GPU's memory as its device offers it: in whole MiB, in bytes."""
+    return gpu.memory_bytes // MEMORY_STEP_BYTES * MEMORY_STEP_BYTES
 
 
-COMPUTE_CAPACITY = CapacityPolicy(value=FULL_COMPUTE, default=0, minimum=0, maximum=FULL_COMPUTE, step=1)
-"""`compute`: per cent of the SMs; a claim that asks none consumes 0 and gets threads in proportion to its memory."""
-
-
-def node_slice(plan: NodePlan, node: str) -> NodeSlice:
-    """The ResourceSlice of the node: every GPU of a shared resource, one device each, in host-index order."""
-    devices = tuple(
-        SliceDevice(
-            name=device_name(gpu),
-            uuid=gpu.uuid,
-            index=gpu.index,
-            product_name=gpu.name,
-            compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}.0",
-            driver_version=_semver(plan.driver_version),
-            resource=resource.name,
-            memory=memory_capacity(gpu),
-            compute=COMPUTE_CAPACITY,
-        )
-        for resource in plan.resources
-        for gpu in resource.gpus
+def memory_capacity(free_bytes: int) -> CapacityPolicy:
+    """A device's `memory`: what the claims may take of it (its GPU's memory less the device-plugin grants'), in MiB
+    steps, all of it by default (a claim that asks no capacity gets what is left: the whole GPU when no grant holds
+    any of it)."""
+    return CapacityPolicy(
+        value=free_bytes, default=free_bytes, minimum=MEMORY_STEP_BYTES, maximum=free_bytes, step=MEMORY_STEP_BYTES
     )
+
+
+def compute_capacity(free: int) -> CapacityPolicy:
+    """A device's `compute`: per cent of the SMs the claims may take (100 less the device-plugin grants'); a claim
+    that asks none consumes 0 and gets threads in proportion to its memory."""
+    return CapacityPolicy(value=free, default=0, minimum=0, maximum=free, step=1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceRoom:
+    """What one GPU's device offers the claims now: memory (MiB) and compute (per cent) the device-plugin grants do
+    not hold, and its taints."""
+
+    memory_mib: int
+    compute: int
+    taints: tuple[DeviceTaint, ...] = ()
+
+
+def node_slice(plan: NodePlan, node: str, room: Mapping[GpuUuid, DeviceRoom] | None = None) -> NodeSlice:
+    """The ResourceSlice of the node: every GPU of a shared resource, one device each, in host-index order, offering
+    what `room` says of it (default: the whole GPU, untainted: the dry run, or no grant yet)."""
+    devices = []
+    for resource in plan.resources:
+        for gpu in resource.gpus:
+            offered = (room or {}).get(gpu.uuid)
+            memory = whole_memory(gpu) if offered is None else offered.memory_mib * MEMORY_STEP_BYTES
+            devices.append(
+                SliceDevice(
+                    name=device_name(gpu),
+                    uuid=gpu.uuid,
+                    index=gpu.index,
+                    product_name=gpu.name,
+                    compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}.0",
+                    driver_version=_semver(plan.driver_version),
+                    resource=resource.name,
+                    memory=memory_capacity(min(memory, whole_memory(gpu))),
+                    compute=compute_capacity(FULL_COMPUTE if offered is None else offered.compute),
+                    taints=() if offered is None else offered.taints,
+                )
+            )
     return NodeSlice(driver=DRA_DRIVER, node=node, pool=node, devices=tuple(sorted(devices, key=lambda d: d.index)))
 
 
@@ -141,13 +168,13 @@ class ClaimShare:
 
 
 def _memory_mib(device: ClaimDevice, gpu: Gpu, claim: str) -> int:
-    whole = memory_capacity(gpu).value
+    whole = whole_memory(gpu)
     if device.memory_bytes is None:
         return whole // MIB
     if not MEMORY_STEP_BYTES <= device.memory_bytes <= whole:
         raise RequestError(
-            f"claim {claim}: device {device.device} was allocated {shown(device.memory_bytes)} bytes of memory; its "
-            f"GPU has 1Mi to {whole // MIB}Mi to give"
+            f"claim {claim}: device {device.device} was allocated {counted(device.memory_bytes, 'byte')} of memory; "
+            f"its GPU has 1Mi to {whole // MIB}Mi to give"
         )
     return device.memory_bytes // MIB
 
@@ -160,7 +187,7 @@ def _thread_percentage(device: ClaimDevice, gpu: Gpu, memory_mib: int, claim: st
         )
     if device.compute:
         return device.compute
-    return max(1, FULL_COMPUTE * memory_mib // (memory_capacity(gpu).value // MIB))
+    return max(1, FULL_COMPUTE * memory_mib // (whole_memory(gpu) // MIB))
 
 
 def claim_shares(plan: NodePlan, allocation: ClaimAllocation, node: str) -> tuple[ClaimShare, ...]:
@@ -183,7 +210,7 @@ def claim_shares(plan: NodePlan, allocation: ClaimAllocation, node: str) -> tupl
         threads = _thread_percentage(device, gpu, memory_mib, claim)
         ordinal = resource.shares.ordinal_of(gpu.uuid)
         assert ordinal is not None  # `by_name` holds the resource's own GPUs
-        share = resource.shares.capacity_share(ordinal, memory_mib, threads)
+        share = resource.shares.capacity_share(ordinal, memory_mib, threads, compute=device.compute or 0)
         parameters = share_parameters(allocation.configs, device.request, claim)
         edits = share_edits(resource, share, plan.shm_directory)
         if parameters is not None and parameters.client_priority is not None:

@@ -13,6 +13,8 @@ import re
 
 import msgspec
 
+from mpsagent.base.values import TaintEffect
+
 DRA_DRIVER = "mps.mpsagent.io"
 """The DRA driver's name: its DeviceClass selects devices of this driver, and the kubelet registers it so."""
 CDI_VENDOR_CLASS = "mpsagent.io/mps-share"
@@ -28,6 +30,11 @@ CLAIM_UID_FORM = "0-9, a-f and '-', from a digit or letter"
 CLAIM_UID = re.compile(r"[0-9a-f][0-9a-f-]*")
 """A claim's UID as the API server makes them (a UUID): it names the claim's CDI spec file and devices, so never a
 `/`, `.` or `..` (the kubelet's request and the checkpoint are both checked against it)."""
+
+
+def cdi_device_id(name: str) -> str:
+    """The fully-qualified CDI device name the kubelet hands the runtime for one of a claim's devices."""
+    return f"{CDI_VENDOR_CLASS}={name}"
 
 
 class ClaimRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,13 +87,35 @@ class ClaimAllocation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CapacityPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """A consumable capacity with its request policy (a valid range with a step)."""
+    """A consumable capacity with its request policy (a valid range with a step); no policy when less than one step
+    is left (the API server refuses a step larger than the value): then any request beyond it does not fit."""
 
     value: int
     default: int
     minimum: int
     maximum: int
     step: int
+
+    @property
+    def has_policy(self) -> bool:
+        return self.value >= self.step
+
+
+TAINT_UNHEALTHY = f"{DRA_DRIVER}/unhealthy"
+"""The taint of a device whose GPU failed (a critical Xid, NVML lost it) or whose MPS daemon is down or hung."""
+TAINT_FULL = f"{DRA_DRIVER}/no-memory-left"
+"""The taint of a device whose memory the device-plugin grants hold whole: no claim fits beside them."""
+
+
+class DeviceTaint(msgspec.Struct, frozen=True, kw_only=True):
+    """A device taint (KEP-5055): the scheduler allocates the device to no claim that does not tolerate it
+    (NoSchedule), and evicts the pods of claims that do not (NoExecute)."""
+
+    key: str
+    value: str
+    effect: TaintEffect
+    added: float
+    """Wall-clock time it was added (the taint's `timeAdded`, second precision)."""
 
 
 class SliceDevice(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +133,7 @@ class SliceDevice(msgspec.Struct, frozen=True, kw_only=True):
     """The device-plugin resource whose MPS daemon serves the GPU."""
     memory: CapacityPolicy
     compute: CapacityPolicy
+    taints: tuple[DeviceTaint, ...] = ()
 
 
 class NodeSlice(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +164,9 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     whole: bool
     rounded_off_bytes: int = 0
     """The allocated memory below a whole MiB, which its cap leaves out (MPS limits are whole MiB)."""
+    compute: int = 0
+    """The compute (per cent of the SMs) it consumed, which the GPU's accounting holds for it; 0: none asked (its
+    threads follow its memory). A checkpoint of an older agent has none."""
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):

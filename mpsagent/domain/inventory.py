@@ -1,17 +1,20 @@
 """The advertised replicas of one resource, their health, and a generation counter ListAndWatch waits on.
 
-Health has several independent sources (the MPS daemon for the whole resource, NVML per GPU); a replica is
-Healthy only while no source holds it unhealthy. Every change bumps the generation, so a watcher that compares
-generations never misses a wake-up.
+Health has several independent sources (the MPS daemon for the whole resource, NVML per GPU), each with its reason;
+a replica is Healthy only while no source holds it unhealthy, and while the node's accounting does not withhold it
+(a free replica whose share no longer fits beside the claims on its GPU: `accounting.withheld_replicas`). Every
+change bumps the generation, so a watcher that compares generations never misses a wake-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
 
 from mpsagent.base.devices import GpuUuid, Health, ReplicaId, gpu_of
+from mpsagent.domain.accounting import Withheld
 from mpsagent.domain.plan import ResourcePlan
 
 
@@ -33,8 +36,9 @@ class Inventory:
 
     def __init__(self, resource: ResourcePlan, *, daemon_ready: bool = False) -> None:
         self._resource = resource
-        self._gpu_problems: dict[GpuUuid, set[str]] = {gpu.uuid: set() for gpu in resource.gpus}
-        self._resource_problems: set[str] = set() if daemon_ready else {"mps daemon"}
+        self._gpu_problems: dict[GpuUuid, dict[str, str]] = {gpu.uuid: {} for gpu in resource.gpus}
+        self._resource_problems: dict[str, str] = {} if daemon_ready else {"mps daemon": "its MPS daemon is not up"}
+        self._withheld: dict[GpuUuid, Withheld] = {}
         self._generation = 0
         self._changed: anyio.Event | None = None  # created by the first waiter, inside the event loop
 
@@ -48,30 +52,57 @@ class Inventory:
     def gpu_health(self, uuid: GpuUuid) -> Health:
         return Health.UNHEALTHY if self._gpu_problems[uuid] or self._resource_problems else Health.HEALTHY
 
+    def problem(self, uuid: GpuUuid) -> str | None:
+        """Why the GPU is unhealthy now, in words (None: healthy): a new grant or claim on it is refused."""
+        reasons = [*self._gpu_problems[uuid].values(), *self._resource_problems.values()]
+        return "; ".join(reasons) if reasons else None
+
+    def withheld(self) -> tuple[Withheld, ...]:
+        """The GPUs whose free replicas are withheld now, how many and why."""
+        return tuple(self._withheld.values())
+
     def snapshot(self) -> InventorySnapshot:
         health = {gpu.uuid: self.gpu_health(gpu.uuid) for gpu in self._resource.gpus}
         numa = {gpu.uuid: gpu.numa_node for gpu in self._resource.gpus}
+        withheld = set(self._withheld_ids())
         devices = tuple(
-            AdvertisedDevice(replica_id=replica, health=health[gpu], numa_node=numa[gpu])
+            AdvertisedDevice(
+                replica_id=replica,
+                health=Health.UNHEALTHY if replica in withheld else health[gpu],
+                numa_node=numa[gpu],
+            )
             for replica, gpu in ((r, gpu_of(r)) for r in self._resource.device_ids)
         )
         return InventorySnapshot(generation=self._generation, devices=devices)
 
-    def set_resource_problem(self, source: str, present: bool) -> bool:
+    def _withheld_ids(self) -> list[ReplicaId]:
+        """The IDs withheld: each GPU's last free IDs (so that the lowest stay offered, as they were)."""
+        return [replica for held in self._withheld.values() for replica in held.replica_ids]
+
+    def set_resource_problem(self, source: str, present: bool, reason: str = "") -> bool:
         """Mark (or clear) a problem that makes every replica of the resource Unhealthy; True when it changed."""
-        return self._update(self._resource_problems, source, present)
+        return self._update(self._resource_problems, source, present, reason or source)
 
-    def set_gpu_problem(self, uuid: GpuUuid, source: str, present: bool) -> bool:
+    def set_gpu_problem(self, uuid: GpuUuid, source: str, present: bool, reason: str = "") -> bool:
         """Mark (or clear) a problem that makes every replica of one GPU Unhealthy; True when it changed."""
-        return self._update(self._gpu_problems[uuid], source, present)
+        return self._update(self._gpu_problems[uuid], source, present, reason or source)
 
-    def _update(self, problems: set[str], source: str, present: bool) -> bool:
-        if (source in problems) == present:
+    def set_withheld(self, withheld: Sequence[Withheld]) -> bool:
+        """The free replicas the node's accounting withholds now (replacing the earlier set); True when it changed."""
+        new = {held.uuid: held for held in withheld}
+        if new == self._withheld:
+            return False
+        self._withheld = new
+        self._bump()
+        return True
+
+    def _update(self, problems: dict[str, str], source: str, present: bool, reason: str) -> bool:
+        if (problems.get(source) == reason) if present else (source not in problems):
             return False
         if present:
-            problems.add(source)
+            problems[source] = reason
         else:
-            problems.discard(source)
+            del problems[source]
         self._bump()
         return True
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
 from mpsagent.base.values import AllocationPolicy
+from mpsagent.base.words import counted
 
 
 def preferred_replicas(
@@ -36,10 +37,17 @@ def preferred_replicas(
     """
     chosen = list(dict.fromkeys(must_include))
     if len(chosen) > size:
-        raise RequestError(f"{resource}: {len(chosen)} replicas must be included but only {size} were requested")
+        raise RequestError(
+            f"{resource}: {counted(len(chosen), 'replica')} must be included but only {size} "
+            f"{'was' if size == 1 else 'were'} requested"
+        )
     free = set(available) - set(chosen)
     if len(free) < size - len(chosen):
-        raise RequestError(f"{resource}: {size} replicas requested but only {len(free) + len(chosen)} are available")
+        available_count = len(free) + len(chosen)
+        raise RequestError(
+            f"{resource}: {counted(size, 'replica')} requested but only {available_count} "
+            f"{'is' if available_count == 1 else 'are'} available"
+        )
     remaining = size - len(chosen)
     if not remaining:
         return chosen

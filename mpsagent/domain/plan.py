@@ -23,6 +23,7 @@ from mpsagent.base.values import (
     ResourceSpec,
     SharingConfig,
 )
+from mpsagent.base.words import counted
 from mpsagent.domain.shares import GpuSlots, ShareModel
 
 MAX_MEMORY_UNITS_PER_GPU = 256
@@ -107,7 +108,7 @@ def _select_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
         return gpus
     if isinstance(spec.devices, int):
         if spec.devices > len(gpus):
-            raise ConfigError(path, f"asks for {spec.devices} GPUs but this node has {len(gpus)}")
+            raise ConfigError(path, f"asks for {counted(spec.devices, 'GPU')} but this node has {len(gpus)}")
         return gpus[: spec.devices]
     by_reference = {key: gpu for gpu in gpus for key in (gpu.uuid, str(gpu.index))}
     chosen: dict[GpuUuid, Gpu] = {}

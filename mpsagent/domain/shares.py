@@ -41,6 +41,14 @@ class GrantKind(enum.StrEnum):
     CAPPED = "capped"
 
 
+class Route(enum.StrEnum):
+    """How a share was asked for: device-plugin replicas (an Allocate, or adopted from the kubelet's listing), or a
+    DRA claim's consumed capacity (a prepare)."""
+
+    DEVICE_PLUGIN = "device-plugin"
+    CLAIM = "claim"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuSlots:
     """One GPU of a resource as shares see it: its daemon ordinal, memory and how many device IDs it has."""
@@ -71,13 +79,17 @@ class Ceilings:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuShare:
-    """k of N IDs of one GPU, and the memory that is."""
+    """k of N IDs of one GPU, and the memory and compute that is (what it holds of the GPU, so that nothing else is
+    given it: `accounting`)."""
 
     uuid: GpuUuid
     ordinal: int
     held: int
     of: int
     memory_mib: int
+    compute: int
+    """Per cent of the GPU's SMs it holds: k/N of them for replicas; what a claim consumed (0 when its threads follow
+    its memory: a claim that asks no compute holds none)."""
 
     def describe(self) -> str:
         return f"{self.held}/{self.of} of GPU {self.ordinal}"
@@ -97,6 +109,7 @@ class Share:
     bounds: tuple[tuple[int, int], ...]
     """(ordinal, MiB) it needs the daemon's ceilings to allow: its held GPUs (under `equal`, a capped grant's
     uniform value on every GPU of the resource, as the NVIDIA rule sets it)."""
+    route: Route = Route.DEVICE_PLUGIN
 
     @property
     def full(self) -> bool:
@@ -140,6 +153,8 @@ class ShareTally:
         self._memory: dict[int, Counter[int]] = {}
         self._threads: Counter[int] = Counter()
         self._clients: Counter[int] = Counter()
+        self._held: dict[Route, dict[int, list[int]]] = {route: {} for route in Route}
+        """Per route and ordinal: [memory MiB, compute per cent] the live shares hold of the GPU."""
         self.changes = 0
         """Moves whenever a share is added or removed: what is worked out from the tally holds until it moves."""
         for share in shares:
@@ -150,19 +165,33 @@ class ShareTally:
         for ordinal, mib in share.bounds:
             self._memory.setdefault(ordinal, Counter())[mib] += 1
         self._threads[share.thread_percentage] += 1
-        for held in share.gpus:
-            self._clients[held.ordinal] += 1
+        held = self._held[share.route]
+        for gpu in share.gpus:
+            self._clients[gpu.ordinal] += 1
+            use = held.setdefault(gpu.ordinal, [0, 0])
+            use[0] += gpu.memory_mib
+            use[1] += gpu.compute
 
     def remove(self, share: Share) -> None:
         self.changes += 1
         for ordinal, mib in share.bounds:
             _take(self._memory[ordinal], mib)
         _take(self._threads, share.thread_percentage)
-        for held in share.gpus:
-            _take(self._clients, held.ordinal)
+        held = self._held[share.route]
+        for gpu in share.gpus:
+            _take(self._clients, gpu.ordinal)
+            use = held[gpu.ordinal]
+            use[0] -= gpu.memory_mib
+            use[1] -= gpu.compute
 
     def clients(self, ordinal: int) -> int:
         return self._clients[ordinal]
+
+    def held(self, ordinal: int, route: Route | None = None) -> tuple[int, int]:
+        """The memory (MiB) and compute (per cent) the live shares of `route` (None: both) hold of the GPU."""
+        routes = tuple(Route) if route is None else (route,)
+        uses = [self._held[r].get(ordinal, (0, 0)) for r in routes]
+        return sum(use[0] for use in uses), sum(use[1] for use in uses)
 
     def largest_memory(self, ordinal: int) -> int | None:
         values = self._memory.get(ordinal)
@@ -276,6 +305,14 @@ class ShareModel:
             share = self._known_shares[key] = self._share(key)
         return share
 
+    def share_of_one(self, ordinal: int) -> Share:
+        """The share of one ID of the GPU: what each of its free IDs would take of it."""
+        key = ((ordinal, 1),)
+        share = self._known_shares.get(key)
+        if share is None:
+            share = self._known_shares[key] = self._share(key)
+        return share
+
     def _share(self, counts: tuple[tuple[int, int], ...]) -> Share:
         held = tuple(
             GpuShare(
@@ -284,6 +321,7 @@ class ShareModel:
                 held=k,
                 of=self.gpus[ordinal].id_count,
                 memory_mib=self._memory_mib(self.gpus[ordinal], k),
+                compute=min(FULL_THREAD_PERCENTAGE, FULL_THREAD_PERCENTAGE * k // self.gpus[ordinal].id_count),
             )
             for ordinal, k in counts
         )
@@ -304,22 +342,40 @@ class ShareModel:
             bounds=tuple(by_ordinal.items()),
         )
 
-    def capacity_share(self, ordinal: int, memory_mib: int, thread_percentage: int) -> Share:
-        """The share of a DRA claim that consumed `memory_mib` of one GPU and asks `thread_percentage` of its SMs:
+    def capacity_share(self, ordinal: int, memory_mib: int, thread_percentage: int, *, compute: int = 0) -> Share:
+        """The share of a DRA claim that consumed `memory_mib` of one GPU and `compute` per cent of its SMs, with
+        `thread_percentage` for its threads (the compute, or in proportion to its memory when it asks none):
         capped at exactly that memory, whole when it is all of both."""
         gpu = self.gpus[ordinal]
         memory = max(1, min(memory_mib, gpu.memory_mib))
         threads = max(1, min(thread_percentage, FULL_THREAD_PERCENTAGE))
-        held = (GpuShare(uuid=gpu.uuid, ordinal=ordinal, held=memory, of=gpu.memory_mib, memory_mib=memory),)
+        held = (
+            GpuShare(
+                uuid=gpu.uuid,
+                ordinal=ordinal,
+                held=memory,
+                of=gpu.memory_mib,
+                memory_mib=memory,
+                compute=max(0, min(compute, FULL_THREAD_PERCENTAGE)),
+            ),
+        )
         if memory >= gpu.memory_mib and threads >= FULL_THREAD_PERCENTAGE:
             bounds = ((ordinal, gpu.memory_mib),)
-            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=bounds)
+            return Share(
+                gpus=held,
+                kind=GrantKind.FULL,
+                thread_percentage=100,
+                env_memory_mib=(),
+                bounds=bounds,
+                route=Route.CLAIM,
+            )
         return Share(
             gpus=held,
             kind=GrantKind.CAPPED,
             thread_percentage=threads,
             env_memory_mib=tuple(memory for _ in self.gpus),
             bounds=((ordinal, memory),),
+            route=Route.CLAIM,
         )
 
     def joined(self, shares: Sequence[Share]) -> Share:

@@ -1,13 +1,18 @@
 """The prepared claims, kept on disk so that an agent restart keeps them: the claim handler saves the whole set after
 each prepare and unprepare, and loads it at start.
 
-`{"version": 1, "claims": [...]}` in JSON, replaced whole. A checkpoint that cannot be read is an error naming the
-file, never an empty set taken silently (the agent would forget shares it holds); the message says that deleting
-the file is the way out: the kubelet prepares each claim again on its next try.
+`{"version": 2, "sha256": "<hex>", "claims": [...]}` in JSON, replaced whole, durably, mode 0600; `sha256` is the
+digest of the claims' bytes as written, so that a file changed since (edited, damaged) is refused. Version 1 (no
+checksum, written by older agents) is still read. A checkpoint that cannot be trusted is an error naming the file,
+never an empty set taken silently (the agent would forget shares it holds): not a regular file (a link is not
+followed), unreadable, another version, a checksum that does not match, or an entry that breaks a rule
+(`check_entry`: what needs no knowledge of the node; the claim server checks the rest). The message says that
+deleting the file is the way out: the kubelet prepares each claim again on its next try.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,9 +21,10 @@ import msgspec
 from mpsagent.base.errors import FileRefusedError, HostError, shown
 from mpsagent.base.host import os_reason, read_regular_file, write_atomically
 from mpsagent.base.values import MIB
-from mpsagent.domain.claims import PreparedClaim
+from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, PreparedClaim, PreparedDevice
 
-VERSION = 1
+VERSION = 2
+"""What `save` writes; `load` reads this and version 1 (no checksum)."""
 MAX_BYTES = 4 * MIB
 """Hundreds of claims take tens of KiB."""
 MODE = 0o600  # it names pods, as status.json does
@@ -26,45 +32,136 @@ _WHAT = "the DRA checkpoint"
 _WAY_OUT = "delete it, and the kubelet's next prepare of each claim starts again"
 
 
+class EntryError(ValueError):
+    """A checkpoint entry that breaks a rule; the message names the entry (index and claim) and the rule."""
+
+
 class _Header(msgspec.Struct, kw_only=True):
     version: int
 
 
-class _Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _CheckpointV1(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     version: int
     claims: tuple[PreparedClaim, ...]
+
+
+class _Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    version: int
+    sha256: str
+    claims: msgspec.Raw
+    """The claims' bytes as written, which the digest covers: kept raw, so that a field a later agent adds (with a
+    default) changes no digest of a file an earlier one wrote."""
 
 
 def _refused(path: Path, problem: str) -> HostError:
     return HostError(f"{_WHAT} {path} {problem}: {_WAY_OUT}")
 
 
+def _device_problem(device: PreparedDevice) -> str | None:
+    if device.memory_mib < 1:
+        return f"has memory_mib {device.memory_mib}; it must be at least 1"
+    if not 1 <= device.thread_percentage <= 100:
+        return f"has thread_percentage {device.thread_percentage}; it must be 1 to 100"
+    if not 0 <= device.rounded_off_bytes < MIB:
+        return f"has rounded_off_bytes {device.rounded_off_bytes}; it must be 0 to {MIB - 1} (less than 1 MiB)"
+    if not 0 <= device.compute <= 100:
+        return f"has compute {device.compute}; it must be 0 to 100"
+    if not device.cdi_device_ids:
+        return "has no CDI device ID (cdi_device_ids is empty)"
+    return None
+
+
+def _entry_problem(prepared: PreparedClaim) -> str | None:
+    ref = prepared.claim
+    if len(ref.uid) > MAX_CLAIM_UID_CHARS or CLAIM_UID.fullmatch(ref.uid) is None:
+        return (
+            f"has claim UID `{shown(ref.uid)}`, which is not a Kubernetes UID (at most {MAX_CLAIM_UID_CHARS} "
+            f"characters of {CLAIM_UID_FORM})"
+        )
+    if not ref.namespace:
+        return "has an empty namespace"
+    if not ref.name:
+        return "has an empty name"
+    for number, device in enumerate(prepared.devices):
+        problem = _device_problem(device)
+        if problem is not None:
+            return f"device {number} ({shown(device.device)}) {problem}"
+    return None
+
+
+def _entry(index: int, prepared: PreparedClaim) -> str:
+    return f"entry {index} (claim {shown(prepared.claim)})"
+
+
+def check_entry(index: int, prepared: PreparedClaim) -> None:
+    """Check the checkpoint's entry `index` for what needs no knowledge of the node: a Kubernetes UID, a namespace
+    and a name, and each device's figures within their ranges with a CDI device ID. Raises EntryError naming the
+    entry and the rule it breaks."""
+    problem = _entry_problem(prepared)
+    if problem is not None:
+        raise EntryError(f"{_entry(index, prepared)} {problem}")
+
+
+def _checked(path: Path, claims: tuple[PreparedClaim, ...]) -> tuple[PreparedClaim, ...]:
+    """The claims, every entry checked and no UID twice (two entries of one claim would hold its share twice, and
+    its unprepare release one of them)."""
+    first: dict[str, int] = {}
+    for index, prepared in enumerate(claims):
+        try:
+            check_entry(index, prepared)
+        except EntryError as exc:
+            raise _refused(path, str(exc)) from exc
+        earlier = first.setdefault(prepared.claim.uid, index)
+        if earlier != index:
+            raise _refused(
+                path,
+                f"{_entry(index, prepared)} has claim UID {prepared.claim.uid}, as {_entry(earlier, claims[earlier])} "
+                "has: a claim is prepared once",
+            )
+    return claims
+
+
+def _decoded(path: Path, data: bytes) -> tuple[PreparedClaim, ...]:
+    try:
+        version = msgspec.json.decode(data, type=_Header).version
+    except msgspec.DecodeError as exc:
+        raise _refused(path, f"is not a checkpoint ({shown(exc, 200)})") from exc
+    try:
+        if version == 1:
+            return msgspec.json.decode(data, type=_CheckpointV1).claims
+        if version != VERSION:
+            raise _refused(path, f"has version {version}; this agent reads versions 1 and {VERSION}")
+        document = msgspec.json.decode(data, type=_Checkpoint)
+        if hashlib.sha256(document.claims).hexdigest() != document.sha256:
+            raise _refused(
+                path, "does not match its checksum (sha256): it was changed or damaged after the agent wrote it"
+            )
+        return msgspec.json.decode(document.claims, type=tuple[PreparedClaim, ...])
+    except msgspec.DecodeError as exc:
+        raise _refused(path, f"is not a valid checkpoint ({shown(exc, 200)})") from exc
+
+
 def load(path: Path) -> tuple[PreparedClaim, ...]:
     """The claims saved in `path`; none when there is no such file. Raises HostError naming the file for one that
-    cannot be read, is too large or does not hold a checkpoint of this version."""
+    is not a regular file (a link is not followed), cannot be read, is too large, does not hold a checkpoint of a
+    version this agent reads, does not match its checksum, or has an entry that breaks a rule (`check_entry`, or a
+    claim listed twice)."""
     try:
-        data = read_regular_file(path, max_bytes=MAX_BYTES, what=_WHAT)
+        data = read_regular_file(path, max_bytes=MAX_BYTES, what=_WHAT, follow_symlinks=False)
     except FileNotFoundError:
         return ()
     except FileRefusedError as exc:
         raise _refused(path, exc.problem) from exc
     except OSError as exc:
         raise _refused(path, f"cannot be read ({os_reason(exc)})") from exc
-    try:
-        version = msgspec.json.decode(data, type=_Header).version
-    except msgspec.DecodeError as exc:
-        raise _refused(path, f"is not a checkpoint ({shown(exc, 200)})") from exc
-    if version != VERSION:
-        raise _refused(path, f"has version {version}; this agent reads version {VERSION}")
-    try:
-        return msgspec.json.decode(data, type=_Checkpoint).claims
-    except msgspec.DecodeError as exc:
-        raise _refused(path, f"is not a valid checkpoint ({shown(exc, 200)})") from exc
+    return _checked(path, _decoded(path, data))
 
 
 def encode(claims: Sequence[PreparedClaim]) -> bytes:
-    """The checkpoint's content for these claims."""
-    return msgspec.json.encode(_Checkpoint(version=VERSION, claims=tuple(claims))) + b"\n"
+    """The checkpoint's content for these claims, with the digest of their bytes."""
+    body = msgspec.json.encode(tuple(claims))
+    document = _Checkpoint(version=VERSION, sha256=hashlib.sha256(body).hexdigest(), claims=msgspec.Raw(body))
+    return msgspec.json.encode(document) + b"\n"
 
 
 def save(path: Path, claims: Sequence[PreparedClaim]) -> None:

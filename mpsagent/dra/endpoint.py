@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,15 @@ from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
 from mpsagent.base.host import FileIdentity, file_identity
 from mpsagent.base.logs import get_logger
+from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
 from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService, NodeServiceStatistics
-from mpsagent.dra.registration import RegistrationService, RegistrationStatistics
-from mpsagent.kubelet.wire import bounded_server, start_owner_only
+from mpsagent.dra.registration import (
+    HEALTH_SERVICE_VERSION,
+    NODE_SERVICE_VERSION,
+    RegistrationService,
+    RegistrationStatistics,
+)
+from mpsagent.kubelet.wire import Servable, bounded_server, start_owner_only
 
 log = get_logger(__name__)
 
@@ -40,10 +47,10 @@ class _ServedSocket:
     """One grpclib server on one unix socket file, which it owns: it removes the file when it closes, unless the
     file is no longer the one it created."""
 
-    def __init__(self, path: Path, servable: DraNodeService | RegistrationService, what: str) -> None:
+    def __init__(self, path: Path, servables: Sequence[Servable], what: str) -> None:
         self.path = path
         self.what = what
-        self._servable = servable
+        self._servables = servables
         self._server: Server | None = None
         self._identity: FileIdentity | None = None
 
@@ -59,7 +66,7 @@ class _ServedSocket:
         old, self._server = self._server, None
         if old is not None:
             await _close(old)
-        server = bounded_server([self._servable], RECEIVE_LIMIT)
+        server = bounded_server(self._servables, RECEIVE_LIMIT)
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
             try:
@@ -121,11 +128,13 @@ class DraEndpoint:
         kubelet_dir: Path,
         driver: str,
         handler: ClaimHandler,
+        health: DeviceHealthSource | None = None,
         watch_interval_s: float = WATCH_INTERVAL_S,
     ) -> None:
         """`kubelet_dir`: the kubelet's directory (`/var/lib/kubelet`), at the same path as the kubelet sees it (the
         registration tells the kubelet the DRA socket's absolute path); `driver`: the DRA driver's name, which
-        names the sockets too."""
+        names the sockets too; `health`: the devices' health, served beside the node service on the DRA socket
+        (`v1alpha1.DRAResourceHealth`) when given."""
         if not _DRIVER_NAME.fullmatch(driver) or len(driver) > 63:
             raise ValueError(f"{driver!r} is not a DRA driver name (a DNS subdomain of at most 63 characters)")
         if not kubelet_dir.is_absolute():
@@ -134,7 +143,12 @@ class DraEndpoint:
         self.dra_socket = kubelet_dir / "plugins" / driver / DRA_SOCKET_NAME
         self.registration_socket = kubelet_dir / "plugins_registry" / f"{driver}{REGISTRATION_SOCKET_SUFFIX}"
         self.node_service = DraNodeService(handler)
-        self.registration = RegistrationService(driver=driver, endpoint=self.dra_socket)
+        self.health_service = DraHealthService(health) if health is not None else None
+        self.registration = RegistrationService(
+            driver=driver,
+            endpoint=self.dra_socket,
+            versions=(NODE_SERVICE_VERSION, *((HEALTH_SERVICE_VERSION,) if health is not None else ())),
+        )
         self._watch_interval_s = watch_interval_s
         self._served_again = 0
         self._log = log.bind(driver=driver)
@@ -164,8 +178,11 @@ class DraEndpoint:
         """Serve until cancelled; reports started once both sockets are served (the DRA socket first: the kubelet
         may call it as soon as it has the registration); removes both socket files when it ends. Raises HostError
         when it cannot serve at the start."""
-        dra = _ServedSocket(self.dra_socket, self.node_service, "DRA node service")
-        registry = _ServedSocket(self.registration_socket, self.registration, "DRA plugin registration")
+        services: list[Servable] = [self.node_service]
+        if self.health_service is not None:
+            services.append(self.health_service)
+        dra = _ServedSocket(self.dra_socket, services, "DRA node service")
+        registry = _ServedSocket(self.registration_socket, [self.registration], "DRA plugin registration")
         try:
             await dra.serve()
             await registry.serve()

@@ -23,10 +23,10 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto.k8s.io.kubelet.pkg.apis.dra import v1 as pb
-from mpsagent.base.errors import MpsAgentError, RequestError, shown
+from mpsagent.base.errors import RequestError, shown
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, ClaimRef, PreparedDevice
-from mpsagent.kubelet.wire import WireRefusal, receive_request
+from mpsagent.kubelet.wire import WireRefusal, answering, receive_request
 
 log = get_logger(__name__)
 _Request = TypeVar("_Request", bound=betterproto2.Message)
@@ -220,20 +220,14 @@ class DraNodeService(pb.DraPluginBase):
 
     @contextmanager
     def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:
-        """A request outside the bounds is INVALID_ARGUMENT with the reason; an agent error of the handler as a
-        whole UNAVAILABLE with its message; anything else a bug: INTERNAL with a short message, and the traceback
-        in the log."""
+        """What goes wrong inside the RPC, as its gRPC status (`wire.answering`), counted: a request outside the
+        bounds refused, a failure of the handler as a whole (the node, or a bug) failed."""
         try:
-            yield
-        except RequestError as exc:
-            self._stats.refused += 1
-            log.warning(f"{action} refused", reason=str(exc), **context)
-            raise GRPCError(Status.INVALID_ARGUMENT, f"{rpc}: {exc}") from exc
-        except MpsAgentError as exc:
-            self._stats.failed += 1
-            log.error(f"{action} failed", reason=str(exc), **context)  # noqa: TRY400 (an agent error: no traceback)
-            raise GRPCError(Status.UNAVAILABLE, f"{rpc}: {exc}") from exc
-        except Exception as exc:
-            self._stats.failed += 1
-            log.exception(f"{action} failed unexpectedly", **context)
-            raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc
+            with answering(log.bind(**context), rpc, action, refused=f"{rpc}: ", failed=f"{rpc}: "):
+                yield
+        except GRPCError as exc:
+            if exc.status is Status.INVALID_ARGUMENT:
+                self._stats.refused += 1
+            else:
+                self._stats.failed += 1
+            raise

@@ -4,6 +4,7 @@ in its `plugins_registry` directory, asks it what the plugin is (GetInfo), and s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from mpsagent.base.logs import get_logger
 log = get_logger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
-SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
-"""The gRPC services the DRA endpoint offers, as the kubelet reads them: `v1.DRAPlugin` is
-`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`."""
+NODE_SERVICE_VERSION = "v1.DRAPlugin"
+"""`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`, as the kubelet reads the supported versions."""
+HEALTH_SERVICE_VERSION = "v1alpha1.DRAResourceHealth"
+"""The device health service: kubelet 1.36 watches it whether listed or not, later kubelets only when listed."""
 MAX_ERROR_CHARS = 1000
 
 
@@ -32,12 +34,14 @@ class RegistrationService(pb.RegistrationBase):
     """The Registration servicer (grpclib's IServable, through the generated base): tells the kubelet the driver's
     name and its DRA service's socket, and keeps what the kubelet answered."""
 
-    def __init__(self, *, driver: str, endpoint: Path) -> None:
-        """`endpoint`: the DRA service's socket, an absolute path as the kubelet sees it."""
+    def __init__(self, *, driver: str, endpoint: Path, versions: Sequence[str] = (NODE_SERVICE_VERSION,)) -> None:
+        """`endpoint`: the DRA service's socket, an absolute path as the kubelet sees it; `versions`: the services
+        it serves."""
         if not endpoint.is_absolute():
             raise ValueError(f"the DRA endpoint must be an absolute path, not {endpoint}")
         self.driver = driver
         self.endpoint = endpoint
+        self.versions = tuple(versions)
         self._registered = False
         self._last_error = ""
         self._stats = RegistrationStatistics()
@@ -66,7 +70,7 @@ class RegistrationService(pb.RegistrationBase):
             type=PLUGIN_TYPE,
             name=self.driver,
             endpoint=str(self.endpoint),
-            supported_versions=list(SUPPORTED_VERSIONS),
+            supported_versions=list(self.versions),
         )
 
     async def notify_registration_status(self, message: pb.RegistrationStatus) -> pb.RegistrationStatusResponse:

@@ -80,9 +80,10 @@ class GpuHealthMonitor:
             self._fail(uuid, reason)
 
     def _mark(self, uuid: GpuUuid, unhealthy: bool) -> None:
+        reason = self._tracker.reason(uuid) or ""
         for inventory in self._inventories:
             if inventory.has_gpu(uuid):
-                inventory.set_gpu_problem(uuid, HEALTH_SOURCE, unhealthy)
+                inventory.set_gpu_problem(uuid, HEALTH_SOURCE, unhealthy, reason)
 
     # --- events ---------------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -20,13 +20,13 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
-from mpsagent.base.errors import MpsAgentError, RequestError
+from mpsagent.base.errors import MpsAgentError
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.container import ContainerSetup
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
-from mpsagent.kubelet.wire import WireRefusal, receive_request
+from mpsagent.kubelet.wire import WireRefusal, answering, receive_request
 
 log = get_logger(__name__)
 
@@ -256,22 +256,9 @@ class DevicePluginServicer:
             await self._set_ceilings(verify=True)
         return pb.PreStartContainerResponse()
 
-    @contextmanager
-    def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:
-        """Turn what goes wrong inside an RPC into its gRPC status: a refused request is INVALID_ARGUMENT with the
-        reason, a failure of the node (the daemon) UNAVAILABLE, anything else a bug: INTERNAL with a short message,
-        and the traceback in the log."""
-        try:
-            yield
-        except RequestError as exc:
-            self._log.warning(f"{action} refused", reason=str(exc), **context)
-            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
-        except MpsAgentError as exc:
-            self._log.error(f"{action} failed", reason=str(exc), **context)
-            raise GRPCError(Status.UNAVAILABLE, f"{self._allocator.resource.name}: {exc}") from exc
-        except Exception as exc:
-            self._log.exception(f"{action} failed unexpectedly", **context)
-            raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc
+    def _answering(self, rpc: str, action: str, **context: object) -> AbstractContextManager[None]:
+        """What goes wrong inside the RPC, as its gRPC status (`wire.answering`)."""
+        return answering(self._log.bind(**context), rpc, action, failed=f"{self._allocator.resource.name}: ")
 
     # --- receiving requests ----------------------------------------------------------------------------------
 

@@ -1,27 +1,54 @@
 """The wire of the kubelet-facing gRPC services (the device plugin's and the DRA driver's): their sockets, served
-owner-only with bounded flow-control windows (`bounded_server`, `start_owner_only`), and requests received with a
-size limit, which grpclib 0.4 has none of: `receive_request` reads the message's length prefix first and refuses a
+owner-only with bounded flow-control windows (`bounded_server`, `start_owner_only`), requests received with a
+size limit, which grpclib 0.4 has none of (`receive_request` reads the message's length prefix first and refuses a
 message longer than the service's limit before its body is read; `RequestWire` is the one adapter below grpclib's
-public surface that this needs."""
+public surface that this needs), and the one mapping of what goes wrong inside an RPC to its gRPC status
+(`answering`)."""
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from grpclib import Status
+from grpclib import GRPCError, Status
 from grpclib.config import Configuration
 from grpclib.const import Handler
 from grpclib.server import Server, Stream
+from structlog.typing import FilteringBoundLogger
+
+from mpsagent.base.errors import MpsAgentError, RequestError
 
 MESSAGE_PREFIX = struct.Struct(">?I")
 """gRPC's length prefix: a compressed flag and the message length (big-endian)."""
 
 
 OWNER_ONLY_UMASK = 0o177
+
+
+@contextmanager
+def answering(
+    log: FilteringBoundLogger, rpc: str, action: str, *, refused: str = "", failed: str = ""
+) -> Iterator[None]:
+    """Turn what goes wrong inside an RPC into its gRPC status, the same for every kubelet-facing service: a request
+    the agent refuses (RequestError, a grant or claim the node's accounting refuses included) is INVALID_ARGUMENT with
+    the reason, a failure of the node (an agent error: the daemon, a file) UNAVAILABLE with its message, anything
+    else a bug: INTERNAL with a short message, and the traceback in the log. `refused` and `failed` go before the
+    message of each (`nvidia.com/gpu: `); `log` carries the request's context."""
+    try:
+        yield
+    except RequestError as exc:
+        log.warning(f"{action} refused", reason=str(exc))
+        raise GRPCError(Status.INVALID_ARGUMENT, f"{refused}{exc}") from exc
+    except MpsAgentError as exc:
+        log.error(f"{action} failed", reason=str(exc))  # noqa: TRY400 (an agent error: no traceback)
+        raise GRPCError(Status.UNAVAILABLE, f"{failed}{exc}") from exc
+    except Exception as exc:
+        log.exception(f"{action} failed unexpectedly")
+        raise GRPCError(Status.INTERNAL, f"internal error in {rpc}; the mpsagent log has the details") from exc
 
 
 class Servable(Protocol):

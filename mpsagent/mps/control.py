@@ -203,12 +203,29 @@ class ControlChannel:
 
     async def check_held(self, steps: Sequence[ControlStep]) -> None:
         """Read each step's value back; raises DaemonCommandError naming the first that is not what it set."""
-        for step, held in zip(steps, await self.read([step.read_back for step in steps]), strict=True):
-            if held != step.expected:
-                raise DaemonCommandError(
-                    f"`{step.command}` did not hold: `{step.read_back}` reads "
-                    f"{'nothing' if held is None else repr(held)}, expected {step.expected!r}"
-                )
+        _compare(steps, await self.read([step.read_back for step in steps]))
+
+    async def check_held_with_servers(self, steps: Sequence[ControlStep]) -> list[int]:
+        """`check_held`, and the running servers' PIDs, in one session."""
+        values, servers = await self.read_with_servers([step.read_back for step in steps])
+        _compare(steps, values)
+        return servers
+
+    async def apply_with_servers(self, steps: Sequence[ControlStep]) -> list[int]:
+        """`apply` and the running servers' PIDs, in one session (one front-end process on a prepare's path instead
+        of two): the `set_` commands, their read-backs, then `get_server_list`. A `set_` may or may not print its
+        value (driver builds differ), so the replies are read from the end: the trailing PID lines are the servers,
+        the lines before them the read-backs. Where that does not add up (or a value differs), a session of its own
+        reads them back before anything is called wrong. Raises DaemonBusyError when nothing was sent."""
+        read_backs = [step.read_back for step in steps]
+        lines = (await self.send_all([*(step.command for step in steps), *read_backs, "get_server_list"])).splitlines()
+        listed = len(lines)
+        while listed > 0 and _SERVER_LIST_LINE.fullmatch(lines[listed - 1].strip()):
+            listed -= 1
+        values = [line.strip() for line in lines[listed - len(read_backs) : listed]]
+        if listed >= len(read_backs) and values == [step.expected for step in steps]:
+            return [int(token) for line in lines[listed:] for token in line.split()]
+        return await self.check_held_with_servers(steps)
 
     async def probe(self, attempts: int = 2) -> bool:
         """True when the daemon answers a round trip, or refuses it only because another session is open (it lives);
@@ -224,9 +241,14 @@ class ControlChannel:
             return True
         return False
 
-    async def server_pids(self) -> list[int]:
-        reply = await self.send("get_server_list")
-        return [int(token) for token in reply.split() if token.isdigit()]
+
+def _compare(steps: Sequence[ControlStep], values: Sequence[str | None]) -> None:
+    for step, held in zip(steps, values, strict=True):
+        if held != step.expected:
+            raise DaemonCommandError(
+                f"`{step.command}` did not hold: `{step.read_back}` reads "
+                f"{'nothing' if held is None else repr(held)}, expected {step.expected!r}"
+            )
 
 
 def offers_multi_user(control_bin: str) -> bool | None:

@@ -249,13 +249,11 @@ class DaemonSupervisor:
         self._held = None
         steps = daemon_default_steps(ceilings)
         try:
-            await self._channel.send_all([step.command for step in steps])
+            servers = await self._channel.apply_with_servers(steps)
         except DaemonBusyError:
             self._held = known  # refused before anything was sent: the daemon holds what it held
             raise
         self._busy.works(pid=self._pid)
-        await self._channel.check_held(steps)
-        servers = await self._channel.server_pids()
         if servers:
             await self._channel.send_all(
                 [command for server in servers for command in running_server_commands(ceilings, server)]
@@ -303,13 +301,13 @@ class DaemonSupervisor:
                 else:
                     # Waiting for the daemon host is normal at start: serve, with the replicas unhealthy until then.
                     # (The daemon host forwards the daemon's log.)
-                    self._inventory.set_resource_problem(HEALTH_SOURCE, True)
+                    self._inventory.set_resource_problem(HEALTH_SOURCE, True, "its MPS daemon is not up yet")
                     task_status.started()
                     await self._adopt_from_host()
                 while True:
                     await self._wait_for_failure()
                     self._guard.detach()
-                    self._inventory.set_resource_problem(HEALTH_SOURCE, True)
+                    self._inventory.set_resource_problem(HEALTH_SOURCE, True, "its MPS daemon is down")
                     self._held = None
                     self._up = False
                     self._log.error("mps daemon down; replicas unhealthy", pid=self._pid)

@@ -18,7 +18,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from mpsagent.base.devices import GpuUuid
-from mpsagent.base.errors import MpsAgentError, agent_errors
+from mpsagent.base.errors import HostError, MpsAgentError, agent_errors
 from mpsagent.base.host import node_name
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
@@ -32,7 +32,7 @@ from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarge
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.node.nfd import node_labels, remove_features, write_features
 from mpsagent.node.systemd import SystemdNotifier
-from mpsagent.supervisor.claim_server import ClaimServer
+from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent.supervisor.stop_signals import wait_stop_signal
@@ -106,6 +106,9 @@ def _claim_server(
     settings: Settings, plan: NodePlan, resources: Sequence[ResourceServer], web: WebEndpoint | None
 ) -> ClaimServer | None:
     if settings.dra is not DraMode.ON:
+        refusal = live_claims_without_dra(plan.mps_root / CHECKPOINT_FILE)
+        if refusal is not None:
+            raise HostError(refusal)
         return None
     return ClaimServer(
         plan=plan,
@@ -115,6 +118,7 @@ def _claim_server(
         cdi_dir=settings.cdi_spec_dir,
         kubeconfig=settings.kubeconfig,
         prepare_timer=web.metrics.claim_timer() if web else None,
+        unhealthy_effect=settings.dra_taint_effect,
     )
 
 

@@ -1,12 +1,14 @@
-"""The DRA driver's server (`--dra on`): prepares and unprepares claims for the kubelet, publishes the node's
-ResourceSlice, and owns both as one task.
+"""The DRA driver's server (`--dra on`): prepares and unprepares claims for the kubelet, keeps the node's
+ResourceSlice published as the node's accounting and health say, tells the kubelet each device's health, and owns
+all of it as one task.
 
-A claim's share of a GPU is held in the ledger of the resource whose MPS daemon serves that GPU (`Ledger.hold_claim`),
-so the daemon's ceilings and MPS's client limit count device-plugin grants and claims alike; then the daemon is made
-to hold the ceilings, the claim's CDI spec is written, and the prepared claims are checkpointed, in that order. A
-prepare that fails at any step undoes the earlier ones and answers the claim's error: it holds nothing. Prepare and
-unprepare are idempotent (the kubelet retries): a prepared claim is answered from what it holds, an unknown claim is
-unprepared at once. DRA says when a claim ends, so unprepare releases at once, with no grace period.
+It decides nothing itself: the domain's `ClaimGrants` decides and holds each claim's shares (the same accounting a
+device-plugin Allocate meets), and the server carries it out. A NodePrepareResources call is one batch: its claims
+are read from the API server at once (bounded), decided one by one, then the daemons are made to hold the ceilings
+once, the claims' CDI specs are written, and the checkpoint saved once, in that order. A claim that fails at any
+step holds nothing; the others of its batch stand. Prepare and unprepare are idempotent (the kubelet retries): a
+prepared claim is answered from what it holds, an unknown claim is unprepared at once. DRA says when a claim ends, so
+unprepare releases at once, with no grace period.
 """
 
 from __future__ import annotations
@@ -14,48 +16,42 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.base.backoff import Backoff
-from mpsagent.base.devices import ResourceName
-from mpsagent.base.episodes import FailureEpisodes
+from mpsagent.base.devices import GpuUuid, ResourceName
 from mpsagent.base.errors import DaemonError, HostError, KubeApiError, MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
+from mpsagent.base.values import TaintEffect
+from mpsagent.base.words import counted
 from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus, rounding
-from mpsagent.domain.claim_shares import ClaimShare, claim_shares, node_slice
-from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, NodeSlice, PreparedClaim, PreparedDevice
-from mpsagent.domain.ledger import Grant
+from mpsagent.domain.claim_grants import ClaimGrants, HeldClaim
+from mpsagent.domain.claim_shares import device_name, node_slice
+from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, NodeSlice, PreparedClaim, PreparedDevice
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.api import KubeApi, connect
 from mpsagent.dra.endpoint import DraEndpoint
+from mpsagent.dra.health_service import DeviceHealth
 from mpsagent.dra.node_service import PrepareOutcome
+from mpsagent.dra.slice_publisher import SlicePublisher
 from mpsagent.mps.daemon_status import utc
 from mpsagent.supervisor.resource_server import ResourceServer
 
 log = get_logger("mpsagent.claim_server")
 
 CHECKPOINT_FILE = "dra-claims.json"
-PUBLISH_BACKOFF_S = (1.0, 30.0)
-REPUBLISH_INTERVAL_S = 60.0
-"""How often the slice is applied again, so that one deleted behind the agent comes back."""
-REMOVE_SLICES_TIMEOUT_S = 5.0
-
-
-@dataclass(kw_only=True, slots=True)
-class _Held:
-    """A prepared claim and the ledger grants that hold its shares."""
-
-    prepared: PreparedClaim
-    grants: list[tuple[ResourceServer, Grant]]
+MAX_CONCURRENT_READS = 8
+"""Claims of one call read from the API server at once."""
+FOLLOW_INTERVAL_S = 0.2
+"""How often the node's accounting and health are looked at for a change the slice, the withheld replicas and the
+health streams must show (a look is a few integer comparisons)."""
 
 
 class ClaimServer:
-    """Implements the DRA node service's `ClaimHandler` over the resources' ledgers and daemons."""
+    """Implements the DRA node service's `ClaimHandler` and the health service's `DeviceHealthSource`."""
 
     def __init__(
         self,
@@ -68,54 +64,61 @@ class ClaimServer:
         kubeconfig: Path | None,
         prepare_timer: Callable[[float, str], None] | None = None,
         api: KubeApi | None = None,
+        unhealthy_effect: TaintEffect = TaintEffect.NO_SCHEDULE,
     ) -> None:
         """`prepare_timer`: called with each claim's prepare time in seconds and its outcome (ok, refused); `api`:
         the API server's client (None: `run` connects with `kubeconfig`, or the pod's service account)."""
         self._plan = plan
-        self._resources = {server.plan.name: server for server in resources}
+        self._resources = {ResourceName(server.plan.name): server for server in resources}
+        self._gpu_resource = {gpu.uuid: server for server in resources for gpu in server.plan.gpus}
         self._node = node
         self._cdi_dir = cdi_dir
         self._kubeconfig = kubeconfig
         self._checkpoint = plan.mps_root / CHECKPOINT_FILE
-        self._held: dict[str, _Held] = {}
+        self._grants = ClaimGrants(
+            plan,
+            {name: server.allocator for name, server in self._resources.items()},
+            node,
+            problem=self._problem,
+            unhealthy_effect=unhealthy_effect,
+        )
+        self._held: dict[str, HeldClaim] = {}
         self._lock = anyio.Lock()
         self._api = api
+        self._publisher: SlicePublisher | None = None
         self.slice: NodeSlice = node_slice(plan, node)
-        self.slice_published = False
-        self.publishing = FailureEpisodes(
-            log,
-            failed="resource slice not published",
-            again="resource slice published again",
-            hint="check that the agent's service account may write resourceslices (resource.k8s.io)",
-        )
-        self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self)
+        self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self, health=self)
         self._prepare_timer = prepare_timer
+        self._health: tuple[DeviceHealth, ...] = self._device_health()
+        self._health_generation = 0
+        self._health_changed = anyio.Event()
         self.prepared_total = 0
         self.unprepared_total = 0
         self.refused_total = 0
+
+    def _problem(self, uuid: GpuUuid) -> str | None:
+        server = self._gpu_resource.get(uuid)
+        return None if server is None else server.inventory.problem(uuid)
 
     # --- start: what the checkpoint holds ---------------------------------------------------------------
 
     def restore(self) -> int:
         """Hold the checkpointed claims' shares again (before the daemons start, so that they start at ceilings
-        that cover them) and remove CDI specs of claims no longer prepared. Returns how many claims it holds."""
-        for prepared in checkpoint.load(self._checkpoint):
-            grants = []
-            for device in prepared.devices:
-                server = self._resources.get(ResourceName(device.resource))
-                ordinal = server.plan.shares.ordinal_of(device.gpu) if server is not None else None
-                if server is None or ordinal is None:
-                    log.warning(
-                        "prepared claim's GPU no longer shared",
-                        claim=str(prepared.claim),
-                        device=device.device,
-                        gpu=device.gpu,
-                        resource=device.resource,
-                    )
-                    continue
-                share = server.plan.shares.capacity_share(ordinal, device.memory_mib, device.thread_percentage)
-                grants.append((server, server.allocator.ledger.hold_claim(prepared.claim, device.device, share)))
-            self._held[prepared.claim.uid] = _Held(prepared=prepared, grants=grants)
+        that cover them), each checked as a fresh prepare is, and remove CDI specs of claims no longer prepared.
+        Returns how many claims it holds. Raises HostError naming the file and the entry that breaks a rule."""
+        for index, prepared in enumerate(checkpoint.load(self._checkpoint)):
+            try:
+                held = self._grants.restore(prepared)
+            except RequestError as exc:
+                for earlier in self._held.values():
+                    self._grants.release(earlier)
+                self._held.clear()
+                raise HostError(
+                    f"the DRA checkpoint {self._checkpoint} entry {index} (claim {prepared.claim}) cannot be held "
+                    f"again: {exc}; if the claim's pods are gone, delete the file: the kubelet prepares each claim "
+                    "again on its next try"
+                ) from exc
+            self._held[prepared.claim.uid] = held
         for uid in cdi.claim_spec_uids(self._cdi_dir) - set(self._held):
             cdi.remove_claim_spec(self._cdi_dir, uid)
             log.info("cdi spec of a claim no longer prepared removed", claim_uid=uid)
@@ -124,11 +127,13 @@ class ClaimServer:
         return len(self._held)
 
     def status(self) -> DraStatus:
+        publisher = self._publisher
         return DraStatus(
             driver=DRA_DRIVER,
             node=self._node,
             registered=self.endpoint.registered,
-            slice_published=self.slice_published and not self.publishing.failing,
+            slice_published=publisher is not None and publisher.published and not publisher.publishing.failing,
+            slice_writes=0 if publisher is None else publisher.writes,
             prepared=self.prepared_total,
             refused=self.refused_total,
             unprepared=self.unprepared_total,
@@ -138,67 +143,198 @@ class ClaimServer:
     # --- the task --------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Connect to the API server, serve the kubelet's DRA calls, keep the node's slice published; on the way
-        out, remove the slice (no one prepares claims for it any more) within a bounded time."""
+        """Connect to the API server, serve the kubelet's DRA calls, keep the node's slice published and the
+        withheld replicas and devices' health current; the publisher removes the slice on the way out."""
         if self._api is None:
             self._api = await connect(self._kubeconfig)
+        self._publisher = SlicePublisher(self._api, driver=DRA_DRIVER, node=self._node)
+        self._follow_node()
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.endpoint.run)
-                tg.start_soon(self._keep_slice_published, self._api)
+                await tg.start(self._publisher.run)
+                tg.start_soon(self._keep_following)
                 log.info("dra driver serving", driver=DRA_DRIVER, node=self._node, devices=len(self.slice.devices))
                 task_status.started()
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(REMOVE_SLICES_TIMEOUT_S):
-                try:
-                    removed = await self._api.remove_slices(driver=DRA_DRIVER, node=self._node)
-                    log.info("resource slices removed", slices=removed)
-                except KubeApiError as exc:
-                    log.warning("resource slices not removed", reason=str(exc))
+            with anyio.CancelScope(shield=True):
                 await self._api.close()
 
-    async def _keep_slice_published(self, api: KubeApi) -> None:
-        backoff = Backoff(*PUBLISH_BACKOFF_S)
+    async def _keep_following(self) -> None:
         while True:
-            try:
-                await api.publish_slice(self.slice)
-            except KubeApiError as exc:
-                self.publishing.failed(str(exc))
-                await backoff.wait()
-                continue
-            if not self.slice_published:
-                log.info("resource slice published", node=self._node, devices=len(self.slice.devices))
-            self.publishing.works()
-            self.slice_published = True
-            backoff.reset()
-            await anyio.sleep(REPUBLISH_INTERVAL_S)
+            await anyio.sleep(FOLLOW_INTERVAL_S)
+            self._follow_node()
+
+    def _follow_node(self) -> None:
+        """Show what the node's accounting and health say now: the slice's capacity and taints, the replicas
+        ListAndWatch withholds, the devices' health (each only when it changed)."""
+        self.slice = node_slice(self._plan, self._node, self._grants.room(now=time.time()))
+        if self._publisher is not None:
+            self._publisher.want(self.slice)
+        for server in self._resources.values():
+            before = {held.uuid: held for held in server.inventory.withheld()}
+            if server.inventory.set_withheld(server.allocator.withheld()):
+                now = {held.uuid: held for held in server.inventory.withheld()}
+                for withheld in now.values():
+                    if before.get(withheld.uuid) != withheld:
+                        log.info(
+                            "replicas withheld beside the claims",
+                            resource=server.plan.name,
+                            gpu=withheld.uuid,
+                            replicas=len(withheld.replica_ids),
+                            reason=withheld.reason,
+                        )
+                for uuid in before.keys() - now.keys():
+                    log.info("withheld replicas offered again", resource=server.plan.name, gpu=uuid)
+        health = self._device_health()
+        if health != self._health:
+            self._health = health
+            self._health_generation += 1
+            self._health_changed.set()
+            self._health_changed = anyio.Event()
+
+    # --- the devices' health (DeviceHealthSource) -------------------------------------------------------
+
+    def _device_health(self) -> tuple[DeviceHealth, ...]:
+        return tuple(
+            DeviceHealth(pool=self._node, device=device_name(gpu), problem=self._problem(gpu.uuid))
+            for resource in self._plan.resources
+            for gpu in resource.gpus
+        )
+
+    def device_health(self) -> Sequence[DeviceHealth]:
+        return self._health
+
+    @property
+    def health_generation(self) -> int:
+        return self._health_generation
+
+    async def wait_health_changed(self, since: int) -> int:
+        while self._health_generation == since:
+            await self._health_changed.wait()
+        return self._health_generation
 
     # --- the kubelet's calls ---------------------------------------------------------------------------
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareOutcome]:
-        return {claim.uid: await self._prepare_one(claim) for claim in claims}
-
-    async def _prepare_one(self, ref: ClaimRef) -> PrepareOutcome:
         started = time.monotonic()
-        held = self._held.get(ref.uid)
-        if held is not None:
-            return PrepareOutcome(devices=held.prepared.devices)
+        outcomes: dict[str, PrepareOutcome] = {}
+        for claim in claims:
+            held = self._held.get(claim.uid)
+            if held is not None:
+                outcomes[claim.uid] = PrepareOutcome(devices=held.prepared.devices)
+        to_read = [claim for claim in claims if claim.uid not in outcomes]
+        read = await self._read_claims(to_read)
+        async with self._lock:
+            batch: list[HeldClaim] = []
+            for claim in to_read:
+                found = read[claim.uid]
+                held = self._held.get(claim.uid)  # prepared meanwhile by a concurrent call
+                if held is not None:
+                    outcomes[claim.uid] = PrepareOutcome(devices=held.prepared.devices)
+                elif isinstance(found, MpsAgentError):
+                    outcomes[claim.uid] = self._refused(claim, found, started)
+                else:
+                    try:
+                        batch.append(self._grants.prepare(found, now=time.time()))
+                    except RequestError as exc:
+                        outcomes[claim.uid] = self._refused(claim, exc, started)
+            failures = await self._carry_out(batch)
+            for held in batch:
+                ref = held.prepared.claim
+                failure = failures.get(ref.uid)
+                outcomes[ref.uid] = (
+                    self._refused(ref, failure, started) if failure is not None else self._prepared(held, started)
+                )
+        self._follow_node()
+        return outcomes
+
+    async def _read_claims(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimAllocation | MpsAgentError]:
+        """Each claim's allocation from the API server, or why it could not be read; at most MAX_CONCURRENT_READS
+        at once."""
+        read: dict[str, ClaimAllocation | MpsAgentError] = {}
+        limit = anyio.Semaphore(MAX_CONCURRENT_READS)
+
+        async def one(claim: ClaimRef) -> None:
+            async with limit:
+                try:
+                    if self._api is None:
+                        raise KubeApiError(f"reading claim {claim}", "the agent is not connected to the API server yet")
+                    read[claim.uid] = await self._api.read_claim(claim, driver=DRA_DRIVER, node=self._node)
+                except MpsAgentError as exc:
+                    read[claim.uid] = exc
+
+        async with anyio.create_task_group() as tg:
+            for claim in claims:
+                tg.start_soon(one, claim)
+        return read
+
+    async def _carry_out(self, batch: Sequence[HeldClaim]) -> dict[str, MpsAgentError]:
+        """Make the daemons hold the ceilings (once) while each claim's CDI spec and the checkpoint (once) are
+        written: the front-end sessions wait on the daemons, the writes on the disk, so the prepare waits for the
+        longer of the two, not their sum. The failure of each claim that does not stand, by UID; a claim that fails
+        is released, its spec removed, and the checkpoint holds only the claims that stand."""
+        if not batch:
+            return {}
+        earlier = [held.prepared for held in self._held.values()]
+        daemon_failure: list[DaemonError] = []
+
+        async def hold_ceilings() -> None:
+            try:
+                await self._hold_ceilings(frozenset().union(*(held.resources for held in batch)), raise_errors=True)
+            except DaemonError as exc:
+                daemon_failure.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold_ceilings)
+            failures, saved = await anyio.to_thread.run_sync(self._write_files, batch, earlier)
+        if daemon_failure or saved is not None:
+            # Every claim of the call fails; the checkpoint goes back to what it held before, when it was written.
+            if saved is None:
+                with contextlib.suppress(HostError):  # it lists claims the kubelet retries: answered as prepared
+                    self._save()
+            return await self._undo(batch, daemon_failure[0] if daemon_failure else saved, failures)
+        self._held.update((held.prepared.claim.uid, held) for held in batch if held.prepared.claim.uid not in failures)
+        failed = [held for held in batch if held.prepared.claim.uid in failures]
+        return await self._undo(failed, None, failures) if failed else failures
+
+    def _write_files(
+        self, batch: Sequence[HeldClaim], earlier: Sequence[PreparedClaim]
+    ) -> tuple[dict[str, MpsAgentError], HostError | None]:
+        """Each claim's CDI spec, then the checkpoint of the earlier claims and those whose spec was written (in a
+        worker thread). The failure of each spec by UID, and the checkpoint's (None: written)."""
+        failures: dict[str, MpsAgentError] = {}
+        for held in batch:
+            try:
+                cdi.write_claim_spec(self._cdi_dir, held.prepared.claim.uid, _spec_devices(held))
+            except MpsAgentError as exc:
+                failures[held.prepared.claim.uid] = exc
+        standing = [held.prepared for held in batch if held.prepared.claim.uid not in failures]
         try:
-            if self._api is None:
-                raise KubeApiError(f"reading claim {ref}", "the agent is not connected to the API server yet")
-            allocation = await self._api.read_claim(ref, driver=DRA_DRIVER, node=self._node)
-            async with self._lock:
-                held = self._held.get(ref.uid)
-                if held is None:
-                    shares = claim_shares(self._plan, allocation, self._node)
-                    held = await self._hold(_prepared(ref, shares, allocation.pods), shares)
-        except MpsAgentError as exc:
-            self.refused_total += 1
-            self._time(started, "refused")
-            log.warning("claim not prepared", claim=str(ref), claim_uid=ref.uid, reason=str(exc))
-            return PrepareOutcome(error=str(exc))
+            checkpoint.save(self._checkpoint, [*earlier, *standing])
+        except HostError as exc:
+            return failures, exc
+        return failures, None
+
+    async def _undo(
+        self, failed: Sequence[HeldClaim], failure: MpsAgentError | None, failures: dict[str, MpsAgentError]
+    ) -> dict[str, MpsAgentError]:
+        """Release the failed claims (`failure` for each that has none yet), remove their specs, and bring the
+        daemons back to the ceilings of what is left."""
+        for held in failed:
+            uid = held.prepared.claim.uid
+            if failure is not None:
+                failures.setdefault(uid, failure)
+            self._grants.release(held)
+            with contextlib.suppress(MpsAgentError):  # the failure to report is the one above
+                cdi.remove_claim_spec(self._cdi_dir, uid)
+        await self._hold_ceilings(frozenset().union(*(held.resources for held in failed)), raise_errors=False)
+        return failures
+
+    def _prepared(self, held: HeldClaim, started: float) -> PrepareOutcome:
         self.prepared_total += 1
         self._time(started, "ok")
+        ref = held.prepared.claim
         log.info(
             "claim prepared",
             claim=str(ref),
@@ -207,60 +343,25 @@ class ClaimServer:
         )
         return PrepareOutcome(devices=held.prepared.devices)
 
+    def _refused(self, claim: ClaimRef, failure: MpsAgentError, started: float) -> PrepareOutcome:
+        self.refused_total += 1
+        self._time(started, "refused")
+        log.warning("claim not prepared", claim=str(claim), claim_uid=claim.uid, reason=str(failure))
+        return PrepareOutcome(error=str(failure))
+
     def _time(self, started: float, outcome: str) -> None:
         if self._prepare_timer is not None:
             self._prepare_timer(time.monotonic() - started, outcome)
 
-    async def _hold(self, prepared: PreparedClaim, shares: tuple[ClaimShare, ...]) -> _Held:
-        """Hold the shares, make the daemons hold the ceilings, write the CDI spec, checkpoint; undo all on any
-        failure (raised)."""
-        ref = prepared.claim
-        for server in {self._resources[share.resource.name] for share in shares}:
-            mine = [share.share for share in shares if share.resource.name == server.plan.name]
-            over = server.plan.shares.clients_over_limit(server.allocator.ledger.tally, (), mine)
-            if over:
-                first = over[0]
-                raise RequestError(
-                    f"claim {ref}: GPU {first.uuid} would hold {first.grants} MPS clients (device-plugin grants and "
-                    f"claims), but MPS serves at most {first.limit}; nothing was prepared: the kubelet retries, and "
-                    "the claim is prepared once a container on the GPU ends (the scheduler does not count MPS clients)"
-                )
-        grants = [
-            (server, server.allocator.ledger.hold_claim(ref, share.device.device, share.share))
-            for share in shares
-            for server in (self._resources[share.resource.name],)
-        ]
-        held = _Held(prepared=prepared, grants=grants)
-        try:
-            await self._hold_ceilings({server for server, _ in grants}, raise_errors=True)
-            devices = [
-                cdi.CdiDevice(name=_cdi_name(ref, share), envs=share.edits.envs, mounts=share.edits.mounts)
-                for share in shares
-            ]
-            try:
-                cdi.write_claim_spec(self._cdi_dir, ref.uid, devices)
-                self._held[ref.uid] = held
-                self._save()
-            except MpsAgentError:
-                self._held.pop(ref.uid, None)
-                with contextlib.suppress(MpsAgentError):  # the failure to report is the one above
-                    cdi.remove_claim_spec(self._cdi_dir, ref.uid)
-                raise
-        except BaseException:
-            for server, grant in grants:
-                server.allocator.ledger.release([grant.grant_id])
-            await self._hold_ceilings({server for server, _ in grants}, raise_errors=False)
-            raise
-        return held
-
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
         answers = {}
-        for ref in claims:
-            async with self._lock:
+        async with self._lock:
+            for ref in claims:
                 try:
                     answers[ref.uid] = await self._unprepare_one(ref)
                 except MpsAgentError as exc:  # a claim UID no file can be named by, a spec that cannot go
                     answers[ref.uid] = str(exc)
+        self._follow_node()
         return answers
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
@@ -274,16 +375,16 @@ class ClaimServer:
         except HostError as exc:
             self._held[ref.uid] = held
             return str(exc)
-        for server, grant in held.grants:
-            server.allocator.ledger.release([grant.grant_id])
-        await self._hold_ceilings({server for server, _ in held.grants}, raise_errors=False)
+        self._grants.release(held)
+        await self._hold_ceilings(held.resources, raise_errors=False)
         self.unprepared_total += 1
         log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(held.prepared.devices))
         cdi.remove_claim_spec(self._cdi_dir, ref.uid)  # a failure is the kubelet's retry's: the claim is unknown
         return ""
 
-    async def _hold_ceilings(self, servers: set[ResourceServer], *, raise_errors: bool) -> None:
-        for server in sorted(servers, key=lambda s: s.plan.name):
+    async def _hold_ceilings(self, resources: frozenset[ResourceName], *, raise_errors: bool) -> None:
+        for name in sorted(resources):
+            server = self._resources[name]
             try:
                 await server.set_ceilings()
                 continue
@@ -297,34 +398,26 @@ class ClaimServer:
         checkpoint.save(self._checkpoint, [held.prepared for held in self._held.values()])
 
 
-def _cdi_name(ref: ClaimRef, share: ClaimShare) -> str:
-    """Unique within the claim's spec: two requests of one claim can share a device (each its own share ID)."""
-    share_id = share.device.share_id
-    return f"{ref.uid}-{share.device.device}" + (f"-{share_id}" if share_id else "")
-
-
-def _prepared(ref: ClaimRef, shares: tuple[ClaimShare, ...], pods: tuple[str, ...]) -> PreparedClaim:
-    return PreparedClaim(
-        claim=ref,
-        devices=tuple(
-            PreparedDevice(
-                request=share.device.request,
-                pool=share.device.pool,
-                device=share.device.device,
-                share_id=share.device.share_id,
-                cdi_device_ids=(cdi.cdi_device_id(_cdi_name(ref, share)), *share.edits.cdi_devices),
-                resource=share.resource.name,
-                gpu=share.gpu.uuid,
-                memory_mib=share.share.gpus[0].memory_mib,
-                thread_percentage=share.share.thread_percentage,
-                whole=share.share.full,
-                rounded_off_bytes=share.rounded_off_bytes,
-            )
-            for share in shares
-        ),
-        pods=pods,
-        prepared_at=time.time(),
+def live_claims_without_dra(checkpoint_path: Path) -> str | None:
+    """With `--dra off`: why the agent must not start when the checkpoint still holds prepared claims (their pods may
+    run, and without the claims the daemons' ceilings would drop below their caps), or None. Raises HostError for a
+    checkpoint that cannot be read."""
+    prepared = checkpoint.load(checkpoint_path)
+    if not prepared:
+        return None
+    named = ", ".join(str(p.claim) for p in prepared[:5]) + (
+        f" and {len(prepared) - 5} more" if len(prepared) > 5 else ""
     )
+    return (
+        f"--dra is off, but the DRA checkpoint {checkpoint_path} holds {counted(len(prepared), 'prepared claim')} "
+        f"({named}) whose pods may still run: without them the MPS daemons' "
+        "ceilings would drop below those pods' caps. Start with --dra on until those pods are gone (kubectl delete "
+        "the pods, or drain the node), or, if none runs any more, remove the checkpoint"
+    )
+
+
+def _spec_devices(held: HeldClaim) -> list[cdi.CdiDevice]:
+    return [cdi.CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in held.cdi_devices]
 
 
 def _describe(device: PreparedDevice) -> str:

@@ -44,8 +44,8 @@ class ResourceServer:
     ) -> None:
         """`reconcile_soon`: called after each answered Allocate, to have the kubelet's listing read soon."""
         self.plan = plan
-        self.allocator = ResourceAllocator(plan, shm_directory)
         self.inventory = Inventory(plan)
+        self.allocator = ResourceAllocator(plan, shm_directory, problem=self.inventory.problem)
         self.daemon = DaemonSupervisor(
             resource=plan,
             inventory=self.inventory,

@@ -17,6 +17,7 @@ PROTOS = (
     "podresources/v1/api.proto",
     "dra/v1/api.proto",
     "pluginregistration/v1/api.proto",
+    "dra_health/v1alpha1/api.proto",
 )
 _MODULES = ("api_pb2", "api_pb2_grpc")
 
@@ -55,5 +56,12 @@ def load_dra() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
     return dra, dra_g, reg, reg_g
 
 
+def load_dra_health() -> tuple[ModuleType, ModuleType]:
+    """(DRA health v1alpha1 pb2, DRA health v1alpha1 grpc)"""
+    health, health_g = _modules(PROTOS[4])
+    return health, health_g
+
+
 dp_pb2, dp_grpc, pr_pb2, pr_grpc = load()
 dra_pb2, dra_grpc, reg_pb2, reg_grpc = load_dra()
+health_pb2, health_grpc = load_dra_health()

@@ -1,0 +1,122 @@
+"""The DRA device health service (`v1alpha1.DRAResourceHealth`, KEP-4680, as kubelet 1.36 calls it): the kubelet
+opens one NodeWatchResources stream on the DRA socket and shows each prepared device's health in its pod's
+`status.containerStatuses[].allocatedResourcesStatus`.
+
+A stream gets every device of the node's slice at once, then again on each change and at least every
+RESEND_INTERVAL_S: the kubelet counts a device Unknown when it has not heard of it for `health_check_timeout_seconds`,
+and forgets them all when the stream ends. The devices' health comes from a `DeviceHealthSource` (the claim server:
+a GPU with a critical Xid, or whose MPS daemon is down or hung, is Unhealthy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from grpclib import GRPCError, Status
+from grpclib.const import Cardinality, Handler
+from grpclib.server import Stream
+
+from mpsagent._proto import v1alpha1 as pb
+from mpsagent.base.logs import get_logger
+from mpsagent.kubelet.wire import WireRefusal, receive_request
+
+log = get_logger(__name__)
+
+SERVICE = "v1alpha1.DRAResourceHealth"
+"""The gRPC service, as the registration's supported versions name it."""
+RESEND_INTERVAL_S = 10.0
+"""How often a stream repeats every device's health, changed or not."""
+HEALTH_CHECK_TIMEOUT_S = 30
+"""How long the kubelet keeps a device's last health before it counts it Unknown: three resends."""
+MAX_STREAMS = 8
+"""Streams open at once (the kubelet keeps one): a client that opens more is refused, RESOURCE_EXHAUSTED."""
+RECEIVE_LIMIT = 1024
+"""The request is an empty message."""
+MAX_MESSAGE_CHARS = 1024
+"""The kubelet cuts a message to this."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceHealth:
+    """One device of the node's slice: its pool and name, and whether its GPU serves (`problem` None) or why not."""
+
+    pool: str
+    device: str
+    problem: str | None
+
+
+class DeviceHealthSource(Protocol):
+    def device_health(self) -> Sequence[DeviceHealth]: ...
+
+    async def wait_health_changed(self, since: int) -> int:
+        """Wait until the devices' health differs from generation `since`; the new generation."""
+        ...
+
+    @property
+    def health_generation(self) -> int: ...
+
+
+def health_message(devices: Sequence[DeviceHealth], now: float) -> pb.NodeWatchResourcesResponse:
+    return pb.NodeWatchResourcesResponse(
+        devices=[
+            pb.DeviceHealth(
+                device=pb.DeviceIdentifier(pool_name=device.pool, device_name=device.device),
+                health=pb.HealthStatus.HEALTHY if device.problem is None else pb.HealthStatus.UNHEALTHY,
+                last_updated_time=int(now),
+                health_check_timeout_seconds=HEALTH_CHECK_TIMEOUT_S,
+                message=(device.problem or "")[:MAX_MESSAGE_CHARS],
+            )
+            for device in devices
+        ]
+    )
+
+
+class DraHealthService:
+    """The DRAResourceHealth servicer (grpclib's IServable)."""
+
+    def __init__(self, source: DeviceHealthSource, *, resend_interval_s: float = RESEND_INTERVAL_S) -> None:
+        self._source = source
+        self._resend = resend_interval_s
+        self._streams = 0
+        self.streams_opened = 0
+
+    async def watch(self) -> AsyncIterator[pb.NodeWatchResourcesResponse]:
+        """Every device's health now, then again on each change and every resend interval, until cancelled."""
+        generation = self._source.health_generation
+        while True:
+            yield health_message(self._source.device_health(), time.time())
+            with anyio.move_on_after(self._resend):
+                generation = await self._source.wait_health_changed(generation)
+
+    async def _handle(self, stream: Stream[Any, Any]) -> None:
+        try:
+            body = await receive_request(stream, "NodeWatchResources", RECEIVE_LIMIT)
+        except WireRefusal as refused:
+            raise GRPCError(refused.status, f"NodeWatchResources: {refused.reason}") from None
+        if body is None:
+            return
+        try:
+            pb.NodeWatchResourcesRequest.parse(body)
+        except Exception:  # betterproto2 raises what the bytes make it raise
+            raise GRPCError(Status.INVALID_ARGUMENT, "NodeWatchResources: the request is not a valid message") from None
+        if self._streams >= MAX_STREAMS:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"NodeWatchResources: {MAX_STREAMS} streams are open already")
+        self._streams += 1
+        self.streams_opened += 1
+        log.info("device health watched", streams=self._streams)
+        try:
+            async for message in self.watch():
+                await stream.send_message(message)
+        finally:
+            self._streams -= 1
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            f"/{SERVICE}/NodeWatchResources": Handler(
+                self._handle, Cardinality.UNARY_STREAM, pb.NodeWatchResourcesRequest, pb.NodeWatchResourcesResponse
+            )
+        }
