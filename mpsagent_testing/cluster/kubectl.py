@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,3 +50,18 @@ def apply(manifest: dict[str, Any] | list[dict[str, Any]]) -> None:
 def wait_for(check: Callable[[], T], timeout: float, what: str) -> T:
     """`waiting.wait_for`, asking the API server at most five times a second (each ask is a kubectl process)."""
     return waiting.wait_for(check, timeout, what, interval=API_POLL_S)
+
+
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"})
+_REQUESTS = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.MULTILINE)
+
+
+def api_writes(resource: str) -> int:
+    """How many write requests (create, update, patch, apply, delete) for `resource` the API server has answered
+    since it started, by its own `apiserver_request_total` counter."""
+    total = 0.0
+    for match in _REQUESTS.finditer(run("get", "--raw", "/metrics")):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+        if labels.get("resource") == resource and labels.get("verb") in WRITE_VERBS:
+            total += float(match["value"])
+    return int(total)

@@ -104,10 +104,13 @@ def report(name: str) -> Report:
     return Report(env=env, mounts=_section(text, "MOUNTS"), pipe=_section(text, "PIPE"))
 
 
-def delete(*names: str, wait: bool = True) -> None:
+def delete(*names: str, wait: bool = True, graceful: bool = False) -> None:
+    """Force-delete the pods (gone from the API at once), or `graceful`ly: the kubelet ends them within 1 s and
+    releases what they held (a DRA claim is unprepared) before the pod object goes."""
     if names:
+        how = ["--grace-period=1"] if graceful else ["--grace-period=0", "--force"]
         kubectl.run("delete", "pod", "-n", NAMESPACE, "--ignore-not-found", f"--wait={str(wait).lower()}",
-                    "--grace-period=0", "--force", *names, timeout=90)  # fmt: skip
+                    *how, *names, timeout=90)  # fmt: skip
 
 
 def delete_all() -> None:

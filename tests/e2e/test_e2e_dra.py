@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ CONFIG = f"""\
 version: v1
 sharing:
   mps:
+    failRequestsGreaterThanOne: false
     resources:
     - name: nvidia.com/gpu
       rename: gpu-mps
@@ -65,11 +67,26 @@ def agents(cluster: str) -> Iterator[HostAgents]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+RECOVERY_S = "3"
+"""`--health-recovery-seconds`: a GPU whose Xid is over is healthy again after this quiet time."""
+RECONCILE_S = "10"
+"""`--reconcile-grace-seconds`, its least: a deleted pod's device-plugin grants are freed this long after, so that
+the next scenario finds its GPUs empty sooner."""
+
+
 def start(agents: HostAgents, cluster: str) -> AgentProcess:
     agent = agents.start(
-        CONFIG, "--dra", "on", "--kubeconfig", str(KUBECONFIG), "--node-name", cluster, "--metrics-address", ""
-    )
-    agent.wait_log("resource slice published", timeout=30)
+        CONFIG,
+        "--dra", "on",
+        "--kubeconfig", str(KUBECONFIG),
+        "--node-name", cluster,
+        "--metrics-address", "",
+        "--health-recovery-seconds", RECOVERY_S,
+        "--reconcile-grace-seconds", RECONCILE_S,
+    )  # fmt: skip
+    agent.wait_log("dra driver serving", timeout=30)
+    # A restarted agent may find its slice as it should be, and write nothing.
+    kubectl.wait_for(_listed_slices, 30, "the node's ResourceSlice")
     kubectl.wait_for(lambda: dra_status().get("registered"), 30, "the DRA driver to be registered with the kubelet")
     return agent
 
@@ -86,6 +103,11 @@ def _clean(cluster: str) -> Iterator[None]:
     claims.delete_templates()
     # The kubelet unprepares a deleted pod's claims a moment after the pod is gone.
     kubectl.wait_for(lambda: not dra_status().get("claims"), UNPREPARE_S, "every claim to be unprepared")
+    kubectl.wait_for(
+        lambda: not any(r["grants"] for r in status()["resources"]),
+        float(RECONCILE_S) + UNPREPARE_S,
+        "every device-plugin grant to be freed",
+    )
 
 
 def dra_status() -> dict[str, Any]:
@@ -134,7 +156,9 @@ def test_claims_are_placed_by_capacity_capped_at_their_memory_and_the_ceilings_f
     assert "claim" in reason.lower(), reason
     assert pods.get("c75")["status"].get("phase") == "Pending"
 
-    pods.delete("c30", "c40")
+    # Deleted as a user would: a force-deleted pod frees its claim in the API before the kubelet unprepares it, and
+    # the prepare that races it is refused and retried only at the kubelet's next pod sync (1 to 1.5 min).
+    pods.delete("c30", "c40", graceful=True)
     wait_unprepared("c30")
     wait_unprepared("c40")
     pods.wait_running("c75", timeout=SCHEDULER_S + 30)  # the capacity freed is the next claim's
@@ -164,21 +188,25 @@ def test_a_claim_without_capacity_gets_a_whole_gpu_uncapped(cluster: str, agent:
 def test_device_plugin_grants_and_claims_share_one_ledger_daemon_and_client_limit(
     cluster: str, agent: AgentProcess
 ) -> None:
-    # One pod of 15 containers: 15 device-plugin grants (MPS clients) on the 16-client GPU.
-    many = pods.manifest("dp15", {GPU_OLD: 1})
+    # One pod of 14 containers: 14 device-plugin grants (MPS clients, 1 GiB of the 16 GiB GPU each).
+    many = pods.manifest("dp14", {GPU_OLD: 1})
     app = many["spec"]["containers"][0]
-    many["spec"]["containers"] = [{**app, "name": f"app{i}"} for i in range(OLD_CLIENTS - 1)]
+    many["spec"]["containers"] = [{**app, "name": f"app{i}"} for i in range(OLD_CLIENTS - 2)]
     kubectl.apply(many)
-    pods.wait_phase("dp15", "Running")
-    claims.create_pod("old-share", {"memory": "2Gi"}, selector=ON_OLD_GPU)
-    pods.wait_running("old-share")
+    pods.wait_phase("dp14", "Running")
+    claims.create_pod("old-a", {"memory": "512Mi"}, selector=ON_OLD_GPU)
+    claims.create_pod("old-b", {"memory": "512Mi"}, selector=ON_OLD_GPU)
+    pods.wait_running("old-a")
+    pods.wait_running("old-b")
     old = gpu_status(GPU_OLD, 0)
     assert old["liveGrants"] == OLD_CLIENTS
-    assert old["memoryCeilingMiB"] == 2048, "the claim's 2Gi is the largest cap beside 1/16 of 16Gi (1023 MiB)"
+    assert (old["grantMemoryMiB"], old["claimMemoryMiB"]) == (14336, 1024), "one accounting of the GPU"
+    assert old["memoryCeilingMiB"] == 1024, "the grants' 1/16 of 16Gi is the largest cap beside the claims' 512Mi"
     kinds = [bool(g.get("claim")) for r in status()["resources"] if r["name"] == GPU_OLD for g in r["grants"]]
-    assert sorted(kinds) == [False] * (OLD_CLIENTS - 1) + [True], "one ledger holds both routes' grants"
+    assert sorted(kinds) == [False] * (OLD_CLIENTS - 2) + [True, True], "one ledger holds both routes' grants"
 
-    claims.create_pod("one-too-many", {"memory": "1Gi"}, selector=ON_OLD_GPU)
+    # Memory left (1 GiB of the slice's 2 GiB), no MPS client left: the scheduler places it, the prepare refuses.
+    claims.create_pod("one-too-many", {"memory": "256Mi"}, selector=ON_OLD_GPU)
 
     def refused() -> str | None:
         return next((e for e in claims.events("one-too-many") if "at most 16" in e), None)
@@ -187,6 +215,133 @@ def test_device_plugin_grants_and_claims_share_one_ledger_daemon_and_client_limi
     assert "device-plugin grants and claims" in event, event
     assert "one-too-many" not in prepared()
     assert gpu_status(GPU_OLD, 0)["liveGrants"] == OLD_CLIENTS, "a refused prepare holds nothing"
+
+
+def _on_gpu(index: int) -> str:
+    return f'device.attributes["{claims.DRIVER}"].uuid == "{fake_gpu(index)["uuid"]}"'
+
+
+def _grant_gpu(pod: str) -> int:
+    """The ordinal of the GPU the device-plugin grant of `pod` holds."""
+    grant = kubectl.wait_for(
+        lambda: next((g for g in _grants(GPU_MPS) if (g.get("container") or "").startswith(f"default/{pod}/")), None),
+        30,
+        f"the grant of {pod} listed",
+    )
+    return int(grant["share"].split(" of GPU ")[1].split(",")[0].split(" ")[0])
+
+
+def _grants(resource: str) -> list[dict[str, Any]]:
+    return [g for r in status()["resources"] if r["name"] == resource for g in r["grants"]]
+
+
+def test_a_device_plugin_grant_then_a_claim_never_hold_more_than_the_gpu(cluster: str, agent: AgentProcess) -> None:
+    pods.create("dp-half", {GPU_MPS: 2})
+    pods.wait_running("dp-half")
+    gpu = _grant_gpu("dp-half")
+    offered = kubectl.wait_for(lambda: _slice_memory(gpu) == 40 * GIB and _slice_memory(gpu), 5, "the slice to shrink")
+    assert offered == 40 * GIB, "the slice offers what the device-plugin grant leaves"
+
+    claims.create_pod("too-big", {"memory": "80Gi"}, selector=_on_gpu(gpu))
+    reason = kubectl.wait_for(lambda: claims.unschedulable_reason("too-big"), SCHEDULER_S, "the scheduler's reason")
+    assert "claim" in reason.lower(), reason
+    claims.create_pod("fits", {"memory": "40Gi"}, selector=_on_gpu(gpu))
+    pods.wait_running("fits")
+    assert pods.report("fits").env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M,1=40960M"
+    held = gpu_status(GPU_MPS, gpu)
+    assert held["grantMemoryMiB"] + held["claimMemoryMiB"] == 81920
+    assert pods.get("too-big")["status"].get("phase") == "Pending"
+
+
+def test_claims_then_device_plugin_grants_never_hold_more_than_the_gpus(cluster: str, agent: AgentProcess) -> None:
+    for index in (0, 1):
+        claims.create_pod(f"big-{index}", {"memory": "70Gi"}, selector=_on_gpu(index))
+    for index in (0, 1):
+        pods.wait_running(f"big-{index}")
+    # 10 GiB left on each GPU, and a replica is 20 GiB: every free replica is withheld from the kubelet.
+    kubectl.wait_for(
+        lambda: all(gpu_status(GPU_MPS, i).get("withheld") == 4 for i in (0, 1)), 10, "the replicas withheld"
+    )
+    kubectl.wait_for(lambda: pods.allocatable(cluster, GPU_MPS) == 0, 30, "the node's allocatable to follow")
+    pods.create("dp-after", {GPU_MPS: 1})
+    reason = kubectl.wait_for(lambda: claims.unschedulable_reason("dp-after"), SCHEDULER_S, "the scheduler's reason")
+    assert f"Insufficient {GPU_MPS}" in reason, reason
+    for index in (0, 1):
+        held = gpu_status(GPU_MPS, index)
+        assert held["grantMemoryMiB"] + held["claimMemoryMiB"] <= 81920
+    assert "free replicas WITHHELD from the kubelet" in node_status_text(), "--status says why they are not offered"
+
+    pods.delete("big-0", graceful=True)
+    wait_unprepared("big-0")
+    pods.wait_running("dp-after", timeout=SCHEDULER_S + 30)  # the memory freed is the grant's
+
+
+def test_an_xid_taints_the_device_and_the_claims_pod_shows_it_unhealthy_then_healthy(
+    cluster: str, agents: HostAgents, agent: AgentProcess
+) -> None:
+    claims.create_pod("sick", {"memory": "4Gi"}, selector=_on_gpu(0))
+    pods.wait_running("sick")
+    kubectl.wait_for(lambda: claim_health("sick") == "Healthy", 30, "the device's health in the pod's status")
+
+    agents.driver.emit_xid(fake_gpu(0)["uuid"], 79)
+    began = time.monotonic()
+    kubectl.wait_for(lambda: _taints(0), 10, "the device tainted")
+    tainted_after = time.monotonic() - began
+    kubectl.wait_for(lambda: claim_health("sick") == "Unhealthy", 10, "the pod's status to show the device Unhealthy")
+    unhealthy_after = time.monotonic() - began
+    ((key, effect),) = _taints(0)
+    assert (key, effect) == ("mps.mpsagent.io/unhealthy", "NoSchedule")
+    print(
+        f"Xid 79: device tainted after {tainted_after:.2f} s, the pod's status Unhealthy after {unhealthy_after:.2f} s"
+    )
+    assert tainted_after <= 2.0, tainted_after
+    assert unhealthy_after <= 2.0, unhealthy_after
+
+    claims.create_pod("on-sick", {"memory": "1Gi"}, selector=_on_gpu(0))
+    reason = kubectl.wait_for(lambda: claims.unschedulable_reason("on-sick"), SCHEDULER_S, "the scheduler's reason")
+    assert "taint" in reason.lower() or "claim" in reason.lower(), reason
+
+    # Recovered once the GPU stays quiet (--health-recovery-seconds): untainted, Healthy, and the claim placed.
+    kubectl.wait_for(lambda: not _taints(0), 30, "the taint removed")
+    kubectl.wait_for(lambda: claim_health("sick") == "Healthy", 30, "the pod's status to show the device Healthy")
+    pods.wait_running("on-sick", timeout=SCHEDULER_S + 30)
+
+
+def claim_health(pod: str) -> str | None:
+    """The health the pod's status shows for its claim's device (KEP-4680: `allocatedResourcesStatus`)."""
+    for container in pods.get(pod)["status"].get("containerStatuses", []):
+        for entry in container.get("allocatedResourcesStatus") or []:
+            if entry.get("name", "").startswith(f"claim:{claims.CLAIM}"):
+                for resource in entry.get("resources") or []:
+                    return str(resource.get("health"))
+    return None
+
+
+def _node_slice() -> dict[str, Any]:
+    listed = kubectl.get("resourceslices", "--field-selector", f"spec.driver={claims.DRIVER}")["items"]
+    (found,) = listed
+    slice_: dict[str, Any] = found
+    return slice_
+
+
+def _device(index: int) -> dict[str, Any]:
+    device: dict[str, Any] = next(d for d in _node_slice()["spec"]["devices"] if d["name"] == f"gpu-{index}")
+    return device
+
+
+def _slice_memory(index: int) -> int:
+    value = _device(index)["capacity"]["memory"]["value"]
+    return int(value.removesuffix("Mi")) * 1024 * 1024 if value.endswith("Mi") else int(value)
+
+
+def _taints(index: int) -> list[tuple[str, str]]:
+    return [(t["key"], t["effect"]) for t in _device(index).get("taints") or []]
+
+
+def node_status_text() -> str:
+    from mpsagent_testing.cluster.host_agent import status_text  # noqa: PLC0415
+
+    return status_text()
 
 
 def test_bad_opaque_parameters_and_capacity_outside_the_policy_prepare_nothing(
@@ -218,6 +373,31 @@ def test_bad_opaque_parameters_and_capacity_outside_the_policy_prepare_nothing(
     claims.create_pod("low-priority", {"memory": "1Gi"}, selector=ON_MPS_GPUS, parameters=good)
     pods.wait_running("low-priority")
     assert pods.report("low-priority").env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+
+
+IDLE_S = 20.0
+"""How long the idle node is watched for slice writes here (bench/dra_slice_quiet.py watches 5 minutes)."""
+
+
+def test_an_idle_node_writes_no_slice_and_a_deleted_slice_is_back_within_5_s(cluster: str, agent: AgentProcess) -> None:
+    name = _node_slice()["metadata"]["name"]
+    generation = _node_slice()["spec"]["pool"]["generation"]
+    writes = kubectl.api_writes("resourceslices")
+    time.sleep(IDLE_S)
+    assert kubectl.api_writes("resourceslices") == writes, "an idle node writes no ResourceSlice"
+
+    kubectl.run("delete", "resourceslice", name, "--wait=true")
+    began = time.monotonic()
+    kubectl.wait_for(lambda: _listed_slices() == [name], 10, "the deleted slice to be back")
+    back_after = time.monotonic() - began
+    print(f"deleted slice back after {back_after:.2f} s")
+    assert back_after <= 5.0, back_after
+    assert _node_slice()["spec"]["pool"]["generation"] == generation, "a repair shows the same devices"
+
+
+def _listed_slices() -> list[str]:
+    listed = kubectl.get("resourceslices", "--field-selector", f"spec.driver={claims.DRIVER}")["items"]
+    return [item["metadata"]["name"] for item in listed]
 
 
 def test_an_agent_killed_and_a_kubelet_restarted_lose_nothing_and_prepare_nothing_twice(
