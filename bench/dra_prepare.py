@@ -13,9 +13,11 @@ the run's sum/count delta per driver (the mean) and the bucket the median falls 
 `mpsagent_claim_prepare_duration_seconds` and the kubelet's whole `PrepareResources` operation
 (`dra_operations_duration_seconds`) are taken the same way. The agent does real work in a prepare (reads the claim
 from the API server, holds the share in the ledger, has the MPS daemon hold the new ceilings, writes a CDI spec
-and a checkpoint with fsync); the do-nothing plugin does none: no target, the numbers are printed. Each agent
-prepare is also split in three by its log lines, its own metric and the MPS control daemon's `control.log`: up to
-the daemon's first session that sets ceilings, the daemon's sessions, the CDI spec and checkpoint after them.
+and a checkpoint with fsync); the do-nothing plugin does none. Targets: the prepare at most 5x the do-nothing
+plugin's, the pod's start-up at most 1.1x (the median of the pairs' ratios); each is printed with pass or FAIL. Each
+agent prepare is also split in three by its log lines, its own metric and the MPS control daemon's `control.log`:
+up to the daemon's session that sets ceilings, that session, and what is left after it (the CDI spec and the
+checkpoint are written meanwhile, in a worker thread).
 
     .venv/bin/python bench/dra_prepare.py [--pods 20] [--json bench/results/dra-prepare.json]
 
@@ -47,7 +49,7 @@ from mpsagent_testing import waiting
 from mpsagent_testing.cluster import claims, kubectl, node, noop_dra, pods
 from mpsagent_testing.cluster.host_agent import GIB, MPS_ROOT, HostAgents, fake_gpu, status
 from mpsagent_testing.cluster.layout import KUBECONFIG
-from mpsagent_testing.repo import ROOT
+from mpsagent_testing.repo import ROOT, commit
 
 CONFIG_RESOURCE = "nvidia.com/gpu"
 CONFIG = f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: {CONFIG_RESOURCE}\n      replicas: 4\n"
@@ -71,6 +73,10 @@ SETTLE_S = 1.5
 WARM_UP = 2
 """Pods of each kind first, not counted: they warm up the node's caches."""
 SPLIT_PARTS = ("before_daemon_s", "daemon_s", "after_caps_s")
+PREPARE_TARGET = 5.0
+"""The agent's prepare against the do-nothing plugin's, the median of the pairs' ratios (issue 26)."""
+START_TARGET = 1.1
+"""A pod's start-up with the agent's claim against one with the do-nothing plugin's."""
 
 
 # --- Prometheus text: the pure part -------------------------------------------------------------------------------
@@ -382,7 +388,7 @@ def measure(count: int) -> dict[str, Any]:
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
         agent = agents.start(CONFIG, "--dra", "on", "--kubeconfig", str(KUBECONFIG), "--node-name", name,
                              "--metrics-address", f"127.0.0.1:{port}")  # fmt: skip
-        agent.wait_log("resource slice published", timeout=START_TIMEOUT_S)
+        agent.wait_log("dra driver serving", timeout=START_TIMEOUT_S)
         kubectl.wait_for(lambda: (status().get("dra") or {}).get("registered"), START_TIMEOUT_S, "the agent registered")
         kubectl.wait_for(lambda: "registered" in noop_log.read_text().split(), START_TIMEOUT_S, "the noop registered")
         kubelet = KubeletMetrics(name)
@@ -538,19 +544,16 @@ def _result(
     }
 
 
-def commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    return done.stdout.strip()
-
-
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.2f} ms"
 
 
 def _x(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _verdict(ratio: float | None, target: float) -> str:
+    return "-" if ratio is None else "pass" if ratio <= target else "FAIL"
 
 
 def report(result: Mapping[str, Any], out: Callable[[str], None] = print) -> None:
@@ -563,7 +566,7 @@ def report(result: Mapping[str, Any], out: Callable[[str], None] = print) -> Non
         ("prepare, the agent's own metric", result["prepare_agent_own"]),
         ("  read, ledger, front-end start", result["agent_prepare_split"]["before_daemon_s"]),
         ("  the daemon's sessions", result["agent_prepare_split"]["daemon_s"]),
-        ("  CDI spec and checkpoint", result["agent_prepare_split"]["after_caps_s"]),
+        ("  after it (the files: written meanwhile)", result["agent_prepare_split"]["after_caps_s"]),
         ("pod created -> Running: agent", result["running"][AGENT]),
         ("pod created -> Running: noop", result["running"][NOOP]),
     ]
@@ -576,9 +579,11 @@ def report(result: Mapping[str, Any], out: Callable[[str], None] = print) -> Non
         where = f", median in the bucket ({bucket[0]:g}, {bucket[1]:g}] s" if bucket else ""
         out(f"kubelet's histogram over the run, {kind}: {view['count']:g} prepares, mean {_ms(view['mean_s'])}{where}")
     out(f"prepare agent / noop: median of pairs {_x(result['prepare_ratio_paired_median'], 2)} "
-        f"(of medians {_x(result['prepare_ratio_median'], 2)})")  # fmt: skip
+        f"(of medians {_x(result['prepare_ratio_median'], 2)}); target <= {PREPARE_TARGET:g}: "
+        f"{_verdict(result['prepare_ratio_paired_median'], PREPARE_TARGET)}")  # fmt: skip
     out(f"pod start-up agent / noop: median of pairs {_x(result['running_ratio_paired_median'], 3)} "
-        f"(of medians {_x(result['running_ratio_median'], 3)})")  # fmt: skip
+        f"(of medians {_x(result['running_ratio_median'], 3)}); target <= {START_TARGET:g}: "
+        f"{_verdict(result['running_ratio_paired_median'], START_TARGET)}")  # fmt: skip
     gets = result.get("api_server_claim_get")
     if gets:
         out(f"API server, GET of a claim: {gets['count']:g}, mean {_ms(gets['mean_s'])} (its own time)")

@@ -25,7 +25,7 @@ from typing import Any
 
 from mpsagent_testing.cluster import kubectl, node, pods
 from mpsagent_testing.cluster.host_agent import HostAgents, fake_gpu
-from mpsagent_testing.repo import ROOT
+from mpsagent_testing.repo import ROOT, commit
 
 GPU = "nvidia.com/gpu"
 NOOP = "example.com/noop"
@@ -96,13 +96,6 @@ def measure(count: int) -> dict[str, Any]:
         "samples": samples,
         "commit": commit(),
     }
-
-
-def commit() -> str:
-    done = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    return done.stdout.strip()
 
 
 def main() -> int:
