@@ -36,7 +36,6 @@ printf '%s\\n' "$input" | exec "{real}"
 """
 
 
-
 def flaky_front_end(short_dir: Path) -> tuple[Path, Path]:
     fault = short_dir / "fault"
     front_end = short_dir / "front-end"
