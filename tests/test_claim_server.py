@@ -692,7 +692,7 @@ def test_the_client_limit_counts_device_plugin_grants_and_claims_alike(node: Nod
 # --- an agent restart ------------------------------------------------------------------------------------
 
 
-def test_a_restarted_agent_holds_the_checkpointed_claims_again(node: Node) -> None:
+def test_a_restarted_agent_holds_the_checkpointed_claims_again_and_writes_their_specs_again(node: Node) -> None:
     first = node.agent()
     prepared: dict[str, PrepareOutcome] = {}
 
@@ -707,7 +707,11 @@ def test_a_restarted_agent_holds_the_checkpointed_claims_again(node: Node) -> No
 
     node.run(before)
     assert [o.error for o in prepared.values()] == ["", ""]
-    # Meanwhile: a spec of a claim the checkpoint does not list (its unprepare was lost), and another driver's.
+    envs = {uid: node.spec_env(uid) for uid in (UID_A, UID_B)}
+    # Meanwhile: the specs as a power cut may leave them (written without fsync): one gone, one empty.
+    cdi.spec_path(node.cdi_dir, UID_A).unlink()
+    cdi.spec_path(node.cdi_dir, UID_B).write_text("")
+    # And a spec of a claim the checkpoint does not list (its unprepare was lost), and another driver's.
     cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [cdi.CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
     (node.cdi_dir / "nvidia.com-gpu.yaml").write_text("cdiVersion: 0.6.0\n")
     node.api.claims.clear()  # the restarted agent must not need the API server for claims it prepared
@@ -717,6 +721,7 @@ def test_a_restarted_agent_holds_the_checkpointed_claims_again(node: Node) -> No
     assert sorted(second.claim_grants()) == [(UID_A, "gpu-0", 30720, 37), (UID_B, "gpu-1", 20480, 50)]
     assert second.resource.allocator.ceilings() == Ceilings(thread_percentage=50, memory_mib=(30720, 20480))
     assert node.spec_uids() == {UID_A, UID_B}
+    assert {uid: node.spec_env(uid) for uid in (UID_A, UID_B)} == envs, "each held claim's spec written again"
     assert (node.cdi_dir / "nvidia.com-gpu.yaml").exists()
     status = second.claims.status()
     assert [(c.uid, c.pods) for c in status.claims] == [(UID_A, ("ml/trainer-0", "ml/trainer-1")), (UID_B, ())]

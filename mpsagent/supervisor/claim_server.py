@@ -104,8 +104,10 @@ class ClaimServer:
 
     def restore(self) -> int:
         """Hold the checkpointed claims' shares again (before the daemons start, so that they start at ceilings
-        that cover them), each checked as a fresh prepare is, and remove CDI specs of claims no longer prepared.
-        Returns how many claims it holds. Raises HostError naming the file and the entry that breaks a rule."""
+        that cover them), each checked as a fresh prepare is, write their CDI specs again (written without fsync:
+        one lost with a power cut is whole again), and remove CDI specs of claims no longer prepared. Returns how
+        many claims it holds. Raises HostError naming the file and the entry that breaks a rule, or the spec that
+        cannot be written."""
         for index, prepared in enumerate(checkpoint.load(self._checkpoint)):
             try:
                 held = self._grants.restore(prepared)
@@ -119,6 +121,8 @@ class ClaimServer:
                     "again on its next try"
                 ) from exc
             self._held[prepared.claim.uid] = held
+        for held in self._held.values():
+            cdi.write_claim_spec(self._cdi_dir, held.prepared.claim.uid, _spec_devices(held))
         for uid in cdi.claim_spec_uids(self._cdi_dir) - set(self._held):
             cdi.remove_claim_spec(self._cdi_dir, uid)
             log.info("cdi spec of a claim no longer prepared removed", claim_uid=uid)
