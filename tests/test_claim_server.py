@@ -854,36 +854,6 @@ def test_one_prepare_call_is_one_batch_the_daemon_told_once(node: Node) -> None:
     node.run(main)
 
 
-def test_the_daemons_session_is_opened_while_the_claims_are_read_and_carries_the_ceilings(node: Node) -> None:
-    """The front-end for the ceilings starts while the claims are read from the API server (its start off the
-    prepare's path): the daemon's log shows the session opened before the read ends, and the ceilings set in it."""
-    agent = node.agent()
-    log = node.plan.resources[0].log_directory / "control.log"
-    read_may_end = anyio.Event()
-    reading = node.api.read_claim
-
-    async def slow_read(ref: ClaimRef, *, driver: str, node: str) -> ClaimAllocation:
-        await read_may_end.wait()
-        return await reading(ref, driver=driver, node=node)
-
-    async def main() -> None:
-        async with agent.running():
-            node.api.allocate(allocation(CLAIM_A, memory_bytes=30 * GIB))
-            node.api.read_claim = slow_read  # type: ignore[method-assign]
-            opened = log.read_text().count("] NEW UI")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(prepare_one, agent, CLAIM_A)
-                with anyio.fail_after(5):
-                    while log.read_text().count("] NEW UI") == opened:
-                        await anyio.sleep(0.005)
-                read_may_end.set()
-            assert log.read_text().count("] NEW UI") == opened + 1, "no session but the one opened ahead"
-            assert "Cmd:set_default_device_pinned_mem_limit 0 30720M" in log.read_text().rpartition("] NEW UI")[2]
-            assert agent.ceilings() == THIRTY_GIB_ON_GPU0
-
-    node.run(main)
-
-
 def test_a_claim_of_a_batch_that_fails_holds_nothing_and_the_others_stand(node: Node) -> None:
     agent = node.agent()
 

@@ -21,7 +21,7 @@ import pytest
 
 from mpsagent.base.errors import DaemonBusyError, DaemonCommandError
 from mpsagent.base.settings import DEFAULT_PROBE_INTERVAL_S
-from mpsagent.mps.control import AHEAD_S, BUSY_WAIT_S, ControlChannel
+from mpsagent.mps.control import BUSY_WAIT_S, ControlChannel
 from mpsagent.mps.liveness import (
     GREETING_TIMEOUT_S,
     HUNG_AFTER_MISSES,
@@ -42,7 +42,6 @@ from mpsagent_testing.mps.daemon import (
     held_session,
     pipe_of,
     plain_daemon,
-    refused,
     require_real_control,
 )
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, ids, small_node, write_config
@@ -158,79 +157,6 @@ def test_a_daemon_busy_beyond_the_bound_fails_as_busy_and_not_as_a_failed_daemon
                 assert time.monotonic() - began < 1.0
                 assert await channel.probe() is True  # busy is an answer: the daemon lives
             assert await channel.send("get_default_active_thread_percentage") == "100.0"
-
-        anyio.run(main)
-
-
-def sessions(log: Path) -> list[list[str]]:
-    """The commands of each control session the daemon's log shows (`NEW UI` ... `UI closed`; a refused session
-    is never opened), the last one perhaps still open."""
-    found: list[list[str]] = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.endswith("] NEW UI"):
-            found.append([])
-        elif "] Cmd:" in line and found:
-            found[-1].append(line.partition("] Cmd:")[2])
-    return found
-
-
-def test_a_front_end_started_ahead_carries_the_next_session_and_one_not_taken_is_ended(short_dir: Path) -> None:
-    """A DRA prepare has the front-end started while it reads its claims: the session that follows goes through it
-    (no second session opened); one the prepare did not take is ended as the prepare ends, and one whose block never
-    ended within AHEAD_S, so that other processes' sessions are refused no longer than that."""
-    with plain_daemon(short_dir) as (pipe, _):
-        log = short_dir / "log" / "control.log"
-        channel = ControlChannel(str(REAL_BIN), pipe)
-
-        async def opened_ahead(count: int) -> None:
-            channel.start_ahead()
-            with anyio.fail_after(5):
-                while len(sessions(log)) == count:
-                    await anyio.sleep(0.005)
-
-        async def main() -> None:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(channel.keep_ahead)
-                before = len(sessions(log))
-                await opened_ahead(before)
-                assert await channel.send("get_default_active_thread_percentage") == "100.0"
-                await channel.end_ahead()
-                assert sessions(log)[before:] == [["get_default_active_thread_percentage"] * 2]  # and the check
-
-                await opened_ahead(before + 1)
-                await channel.end_ahead()  # nothing was sent
-                assert not await anyio.to_thread.run_sync(refused, pipe)  # its session: get_server_list
-                assert sessions(log)[before + 1 :] == [[], ["get_server_list"]]
-
-                await opened_ahead(before + 3)  # and its block never ends
-                began = time.monotonic()
-                while await anyio.to_thread.run_sync(refused, pipe):
-                    assert time.monotonic() - began < AHEAD_S + SLACK_S
-                assert sessions(log)[before + 3] == []
-                tg.cancel_scope.cancel()
-
-        anyio.run(main)
-
-
-def test_a_front_end_started_ahead_that_the_daemon_refused_is_not_taken_for_an_answer(short_dir: Path) -> None:
-    """Started while another session was open, the front-end started ahead was refused (it exits): the session
-    that follows is sent anew once the other closes, and answered."""
-    with plain_daemon(short_dir) as (pipe, _):
-        channel = ControlChannel(str(REAL_BIN), pipe)
-
-        async def main() -> None:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(channel.keep_ahead)
-                with held_session(pipe) as session:
-                    channel.start_ahead()
-                    await anyio.sleep(0.1)  # it started, and was refused
-                    assert session.stdin is not None
-                    closing = threading.Timer(0.3, session.stdin.close)
-                    closing.start()
-                    assert await channel.send("get_default_active_thread_percentage") == "100.0"
-                    await channel.end_ahead()
-                    closing.join()
-                tg.cancel_scope.cancel()
 
         anyio.run(main)
 

@@ -14,11 +14,6 @@ ends with a command that always prints a line, so that an unanswered session sho
 still greets a connection (mps.liveness) is busy, not failed: the session is asked again, with backoff, until
 BUSY_WAIT_S after the episode's first refusal, then DaemonBusyError.
 
-A session may use a front-end started ahead (`start_ahead`): a DRA prepare has one started while it reads its claims
-from the API server, so that the process's start (about 1.5 ms) is off the prepare's path. The front-end opens its
-session with the daemon as it starts, so the daemon refuses every other process's session while it waits: one the
-session did not take is ended as the prepare ends (or after AHEAD_S at most), and only one waits at a time.
-
 Failing to run the front-end at all (ControlRunError) is the agent's failure; a front-end that runs but gets no
 answer or a refusal (DaemonCommandError) is the daemon's; a busy daemon (DaemonBusyError) is nobody's."""
 
@@ -33,7 +28,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
-from anyio.abc import Process
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError
@@ -62,9 +56,6 @@ begun later in the episode is asked once. An RPC that needs the daemon waits at 
 _BUSY_RETRY_INITIAL_S = 0.02
 _BUSY_RETRY_MAX_S = 0.5
 _BUSY_GREETING_TIMEOUT_S = 1.0
-AHEAD_S = 0.2
-"""How long a front-end started ahead waits at most before it is ended unused (a block that expected a session and
-never said it ended: cancelled): far above a claim's read from a healthy API server (a few ms)."""
 
 
 def check_command(command: str) -> str:
@@ -103,77 +94,6 @@ class ControlChannel:
         self._lock = anyio.Lock()
         self._busy_since: float | None = None
         """When (monotonic) the daemon first refused a session as busy, none answered since; None: not busy."""
-        self._ahead: Process | None = None
-        """A front-end started ahead that no session has taken yet (`keep_ahead` owns it until one does)."""
-        self._expecting = 0
-        """Blocks between `start_ahead` and `end_ahead`: while there are none, no front-end is started ahead."""
-        self._ahead_wanted = anyio.Event()
-        self._ahead_gone = anyio.Event()
-
-    def start_ahead(self) -> None:
-        """A session is expected within moments: have its front-end started now (`keep_ahead` starts it). Pair
-        with `end_ahead`."""
-        self._expecting += 1
-        self._ahead_wanted.set()
-
-    async def end_ahead(self) -> None:
-        """The session expected since `start_ahead` was sent, or will not be: when nothing else expects one, end a
-        front-end started ahead that no session took (its session closes with no command)."""
-        self._expecting -= 1
-        if self._expecting == 0:
-            async with self._lock:
-                await self._end_ahead()
-
-    async def keep_ahead(self) -> None:
-        """Start the front-ends `start_ahead` asks for, one at a time, and end one that no session took within
-        AHEAD_S (a block that never ended); run by the channel's owner until cancelled (which ends one waiting)."""
-        try:
-            while True:
-                await self._ahead_wanted.wait()
-                self._ahead_wanted = anyio.Event()
-                async with self._lock:
-                    if self._expecting == 0 or self._ahead is not None:
-                        continue
-                    try:
-                        process = self._ahead = await self._open_front_end()
-                    except OSError:
-                        continue  # the session itself tries again, and says why it cannot
-                    gone = self._ahead_gone = anyio.Event()
-                with anyio.move_on_after(AHEAD_S):
-                    await gone.wait()
-                async with self._lock:
-                    if self._ahead is process:
-                        await self._end_ahead()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._end_ahead()
-
-    async def _end_ahead(self) -> None:
-        """End the front-end started ahead, if no session took it: its session closes with no command."""
-        process, self._ahead = self._ahead, None
-        if process is not None:
-            self._ahead_gone.set()
-            async with process:
-                assert process.stdin is not None
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await process.stdin.aclose()
-
-    async def _take_ahead(self) -> Process | None:
-        """The front-end started ahead, for the session about to be sent; None when there is none, or when it has
-        exited already (the daemon refused it: another session was open, or the daemon is gone)."""
-        process, self._ahead = self._ahead, None
-        if process is None:
-            return None
-        self._ahead_gone.set()
-        if process.returncode is not None:
-            await process.aclose()
-            return None
-        return process
-
-    async def _open_front_end(self) -> Process:
-        return await anyio.open_process(
-            [self._bin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env
-        )
 
     async def send(self, command: str) -> str:
         """Send one command; returns the daemon's reply (stripped), raises DaemonCommandError on any failure."""
@@ -244,10 +164,11 @@ class ControlChannel:
         return returncode, output.decode(errors="replace").strip()
 
     async def _exchange(self, commands: Sequence[str]) -> tuple[int, bytes]:
-        """One front-end session (on the front-end started ahead, if one waits): the commands on stdin, then EOF;
-        the replies are whatever it prints until it exits (on a pipe it holds them until EOF)."""
-        process = await self._take_ahead() or await self._open_front_end()
-        async with process:
+        """One front-end session: the commands on stdin, then EOF; the replies are whatever it prints until it
+        exits (on a pipe it holds them until EOF)."""
+        async with await anyio.open_process(
+            [self._bin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env
+        ) as process:
             assert process.stdin is not None and process.stdout is not None
             # A front-end that finds no daemon exits before reading: its closed stdin is an answer, not an error.
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):

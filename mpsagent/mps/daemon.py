@@ -17,7 +17,7 @@ retried with backoff, and the daemon is kept, never killed for the agent's own f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 
 import anyio
 from anyio.abc import Process, TaskStatus
@@ -222,21 +222,6 @@ class DaemonSupervisor:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
         await self._hold(verify=verify)
 
-    @contextlib.asynccontextmanager
-    async def ceilings_expected(self) -> AsyncIterator[None]:
-        """A block that may change the ceilings within moments (a DRA prepare reading its claims): the front-end
-        for the change starts as the block begins, so that its start is off the change's path, and one the change
-        did not take is ended as the block ends."""
-        if not self._up:
-            yield
-            return
-        self._channel.start_ahead()
-        try:
-            yield
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._channel.end_ahead()
-
     async def _hold(self, *, verify: bool = False, restore: bool = False) -> None:
         """Bring the daemon to the latest wanted ceilings; concurrent callers queue, the last wish wins. A daemon
         that another session keeps busy raises DaemonBusyError (reported once per episode). `restore`: set every
@@ -310,7 +295,6 @@ class DaemonSupervisor:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._guard.run)
-                tg.start_soon(self._channel.keep_ahead)
                 if self._owns_daemon:
                     await self._bring_up(first=True)
                     task_status.started()

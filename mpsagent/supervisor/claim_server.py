@@ -228,18 +228,6 @@ class ClaimServer:
             if held is not None:
                 outcomes[claim.uid] = PrepareOutcome(devices=held.prepared.devices)
         to_read = [claim for claim in claims if claim.uid not in outcomes]
-        async with contextlib.AsyncExitStack() as expecting:
-            if to_read:
-                for server in self._resources.values():  # the daemons' front-ends start while the claims are read
-                    await expecting.enter_async_context(server.daemon.ceilings_expected())
-            await self._prepare_read(to_read, outcomes, started)
-        self._follow_node()
-        return outcomes
-
-    async def _prepare_read(
-        self, to_read: Sequence[ClaimRef], outcomes: dict[str, PrepareOutcome], started: float
-    ) -> None:
-        """Read the claims, decide each, carry out the batch; each claim's outcome into `outcomes`."""
         read = await self._read_claims(to_read)
         async with self._lock:
             batch: list[HeldClaim] = []
@@ -262,6 +250,8 @@ class ClaimServer:
                 outcomes[ref.uid] = (
                     self._refused(ref, failure, started) if failure is not None else self._prepared(held, started)
                 )
+        self._follow_node()
+        return outcomes
 
     async def _read_claims(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimAllocation | MpsAgentError]:
         """Each claim's allocation from the API server, or why it could not be read; at most MAX_CONCURRENT_READS
