@@ -12,12 +12,12 @@ and `method_name`), read from its `/metrics` before and after each pod, so that 
 the run's sum/count delta per driver (the mean) and the bucket the median falls in are given too. The agent's own
 `mpsagent_claim_prepare_duration_seconds` and the kubelet's whole `PrepareResources` operation
 (`dra_operations_duration_seconds`) are taken the same way. The agent does real work in a prepare (reads the claim
-from the API server, holds the share in the ledger, has the MPS daemon hold the new ceilings, writes a CDI spec
-and a checkpoint, the checkpoint with fsync); the do-nothing plugin does none. Targets: the prepare at most 5x the do-nothing
-plugin's, the pod's start-up at most 1.1x (the median of the pairs' ratios); each is printed with pass or FAIL. Each
-agent prepare is also split in three by its log lines, its own metric and the MPS control daemon's `control.log`:
-up to the daemon's session that sets ceilings, that session, and what is left after it (the CDI spec and the
-checkpoint are written meanwhile, in a worker thread).
+from the API server, holds the share in the ledger, has the MPS daemon hold the new ceilings, writes a CDI spec and
+a checkpoint, the checkpoint with fsync); the do-nothing plugin does none. Targets: the prepare at most 5x the
+do-nothing plugin's, the pod's start-up at most 1.1x (the median of the pairs' ratios); each is printed with pass
+or FAIL. Each agent prepare is also split in three by its log lines, its own metric and the MPS control daemon's
+`control.log`: up to the daemon's session that sets ceilings, that session, and what is left after it (the CDI
+spec and the checkpoint are written meanwhile, in a worker thread).
 
     .venv/bin/python bench/dra_prepare.py [--pods 20] [--json bench/results/dra-prepare.json]
 
