@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mpsagent.base.settings import SETTINGS
+from mpsagent_testing.metrics import documented_labels
 from mpsagent_testing.repo import ROOT
 
 DOCS = ROOT / "docs"
@@ -243,13 +244,6 @@ def test_the_e2e_page_names_every_real_node_scenario_and_the_node_s_pins() -> No
     pins = (layout.KUBERNETES_VERSION, layout.HELM_VERSION, layout.BUSYBOX_IMAGE, layout.SERVICE_CIDR)
     paths = (layout.CACHE, layout.BIN, layout.IMAGES, layout.STATE, layout.RUN, layout.KUBECONFIG, layout.KUBELET_ROOT)
     assert sorted(str(value) for value in (*pins, *paths) if str(value) not in text) == []
-
-
-def documented_labels() -> dict[str, tuple[str, ...]]:
-    """Each metric of docs/metrics.md's table with the label names its labels column gives, in order."""
-    rows = re.findall(r"^\| `(mpsagent_\w+)` \| \w* \|([^|]*)\|", (DOCS / "metrics.md").read_text(), re.MULTILINE)
-    # A label's values follow it in parentheses: `health` (`Healthy`, `Unhealthy`).
-    return {name: tuple(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", labels))) for name, labels in rows}
 
 
 def test_the_metrics_table_gives_each_status_metric_its_labels() -> None:

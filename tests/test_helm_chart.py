@@ -137,11 +137,16 @@ def kustomize_with(directory: Path, components: list[Path]) -> list[dict[str, An
 
 
 def key(obj: dict[str, Any]) -> str:
-    """Kind and name; a ConfigMap's name without its hash suffix."""
+    """Kind and name; the config's ConfigMap's name without its hash suffix."""
     name = obj["metadata"]["name"]
-    if obj["kind"] == "ConfigMap":
+    if is_config(obj):
         name = name.rsplit("-", 1)[0]
     return f"{obj['kind']}/{name}"
+
+
+def is_config(obj: dict[str, Any]) -> bool:
+    """The ConfigMap of the agent's config (named with its hash; the other, the dashboard's, is not)."""
+    return bool(obj["kind"] == "ConfigMap" and obj["metadata"]["name"].startswith("mpsagent-config-"))
 
 
 def by_key(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -151,8 +156,8 @@ def by_key(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def without_hash(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The objects with the ConfigMap's hashed name, wherever it occurs, replaced by one placeholder."""
-    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    """The objects with the config's ConfigMap's hashed name, wherever it occurs, replaced by one placeholder."""
+    (config_map,) = [o for o in objects if is_config(o)]
     hashed = config_map["metadata"]["name"]
 
     def replace(value: Any) -> Any:
@@ -462,6 +467,15 @@ def test_a_changed_value_shows_up_where_it_should_and_nowhere_else(
     for obj in rendered:
         if obj["kind"] not in CUSTOM_RESOURCES:
             kubernetes_validate.validate(obj, NEWEST_KUBERNETES, strict=True)
+
+
+def test_the_dashboard_comes_with_monitoring_unless_turned_off() -> None:
+    def dashboards(*values: str) -> list[str]:
+        return [o["metadata"]["name"] for o in render(*values) if o["metadata"]["name"] == "mpsagent-dashboard"]
+
+    assert dashboards() == []
+    assert dashboards("--set", "monitoring.enabled=true") == ["mpsagent-dashboard"]
+    assert dashboards("--set", "monitoring.enabled=true", "--set", "monitoring.dashboard=false") == []
 
 
 def test_the_metrics_port_is_in_the_alert_that_names_it(tmp_path: Path) -> None:

@@ -97,6 +97,11 @@ def _held(gpu: GpuStatus, route: str, memory: bool) -> int:
 
 GPU_HELD_METRICS: tuple[MetricRow[GpuStatus], ...] = (
     gauge(
+        "mpsagent_gpu_memory_bytes",
+        "The GPU's memory, as its shares are computed from (the ceiling with no live share)",
+        one(lambda gpu: None if gpu.memory_mib is None else gpu.memory_mib * MIB),
+    ),
+    gauge(
         "mpsagent_gpu_held_memory_bytes",
         "Memory of the GPU the live shares hold, by route: device-plugin grants (k/N per replica), DRA claims",
         each(ROUTES, lambda gpu, route: _held(gpu, route, memory=True)),
