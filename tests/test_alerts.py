@@ -50,6 +50,36 @@ UNIT_TESTS = {
                 },
                 {"series": 'mpsagent_cap_tamper_total{node="n2",resource="nvidia.com/gpu"}', "values": "0 0 0 1 1 1"},
                 {"series": 'up{job="mpsagent/mpsagent",node="n3"}', "values": "0x20"},
+                # n4: 24 replicas Unhealthy because they are withheld beside DRA claims (a busy GPU, not a failing
+                # one); n5: 4 Unhealthy, none withheld (a failing GPU).
+                {
+                    "series": 'mpsagent_replicas{node="n4",resource="nvidia.com/gpu",gpu="GPU-a",health="Unhealthy"}',
+                    "values": "24x20",
+                },
+                {
+                    "series": 'mpsagent_replicas_withheld{node="n4",resource="nvidia.com/gpu",gpu="GPU-a"}',
+                    "values": "24x20",
+                },
+                {
+                    "series": 'mpsagent_replicas{node="n5",resource="nvidia.com/gpu",gpu="GPU-b",health="Unhealthy"}',
+                    "values": "4x20",
+                },
+                {
+                    "series": 'mpsagent_replicas_withheld{node="n5",resource="nvidia.com/gpu",gpu="GPU-b"}',
+                    "values": "0x20",
+                },
+                # n6: GPU-c at 45 live grants (MPS serves 48), GPU-d at 40.
+                {
+                    "series": 'mpsagent_gpu_live_grants{node="n6",resource="nvidia.com/gpu",gpu="GPU-c"}',
+                    "values": "45x20",
+                },
+                {
+                    "series": 'mpsagent_gpu_live_grants{node="n6",resource="nvidia.com/gpu",gpu="GPU-d"}',
+                    "values": "40x20",
+                },
+                # n7: a claim prepare refused at the third minute.
+                {"series": 'mpsagent_dra_prepares_total{node="n7",outcome="refused"}', "values": "0 0 0 0 0 0 1 1 1 1"},
+                {"series": 'mpsagent_dra_prepares_total{node="n7",outcome="ok"}', "values": "0 1 2 3 4 5 6 7 8 9"},
             ],
             "alert_rule_test": [
                 {
@@ -83,6 +113,40 @@ UNIT_TESTS = {
                     "alertname": "MpsagentDown",
                     "exp_alerts": [{"exp_labels": {"severity": "warning", "node": "n3", "job": "mpsagent/mpsagent"}}],
                 },
+                {
+                    "eval_time": "6m",
+                    "alertname": "MpsagentReplicasUnhealthy",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {
+                                "severity": "warning",
+                                "node": "n5",
+                                "resource": "nvidia.com/gpu",
+                                "gpu": "GPU-b",
+                            }
+                        }
+                    ],
+                },
+                {
+                    "eval_time": "6m",
+                    "alertname": "MpsagentGpuNearClientLimit",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {
+                                "severity": "warning",
+                                "node": "n6",
+                                "resource": "nvidia.com/gpu",
+                                "gpu": "GPU-c",
+                            }
+                        }
+                    ],
+                },
+                {
+                    "eval_time": "4m",
+                    "alertname": "MpsagentClaimPreparesRefused",
+                    "exp_alerts": [{"exp_labels": {"severity": "warning", "node": "n7", "outcome": "refused"}}],
+                },
+                {"eval_time": "2m", "alertname": "MpsagentClaimPreparesRefused", "exp_alerts": []},
                 # Not before its `for`: a daemon down for a minute is a restart in progress.
                 {"eval_time": "1m", "alertname": "MpsagentDaemonDown", "exp_alerts": []},
             ],
