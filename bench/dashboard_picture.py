@@ -32,6 +32,7 @@ from mpsagent_testing import waiting
 from mpsagent_testing.cluster import claims, kubectl, node, pods
 from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, pipe_directory, status
 from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.processes import end_group
 from mpsagent_testing.repo import ROOT
 
 sys.path.insert(0, str(ROOT / "packaging"))
@@ -88,18 +89,14 @@ def prometheus(directory: Path, target_port: int, node_name: str) -> Iterator[st
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         waiting.wait_for(lambda: _ready(url), START_TIMEOUT_S, "Prometheus ready")
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        end_group(process, timeout_s=15)
         log.close()
 
 
