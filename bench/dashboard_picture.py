@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from mpsagent_testing.repo import ROOT
 
 sys.path.insert(0, str(ROOT / "packaging"))
 import dashboard  # the dashboard's panels, from the checkout
+from dra_prepare import free_port  # a sibling, as the bench's modules import each other
 
 RESOURCE = "nvidia.com/gpu"
 CONFIG = f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: {RESOURCE}\n      replicas: 4\n"
@@ -51,13 +51,6 @@ START_TIMEOUT_S = 60.0
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 INSTALL_HINT = "the picture needs matplotlib: .venv/bin/pip install matplotlib (it is not a dependency of mpsagent)"
 UNITS = {"bytes": (GIB, "GiB"), "s": (1e-3, "ms"), "percent": (1, "%"), "short": (1, "")}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -143,11 +136,7 @@ def load(minutes: float) -> None:
 
 
 def query_range(url: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-    for variable, value in {
-        **dict.fromkeys(("$node", "$resource", "$gpu"), ".*"),
-        "$__rate_interval": RATE_INTERVAL,
-    }.items():
-        expr = expr.replace(variable, value)
+    expr = dashboard.as_prometheus_sees_it(expr, RATE_INTERVAL)
     query = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": SCRAPE_S})
     with urllib.request.urlopen(f"{url}/api/v1/query_range?{query}", timeout=30) as answer:
         found: list[dict[str, Any]] = json.load(answer)["data"]["result"]

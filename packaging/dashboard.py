@@ -50,6 +50,8 @@ NODE = 'node=~"$node"'
 RESOURCE = f'{NODE}, resource=~"$resource"'
 GPU = f'{RESOURCE}, gpu=~"$gpu"'
 WINDOW = "$__rate_interval"
+ALL = ".*"
+"""What a variable set to All stands for in a query (its `allValue`)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ def _variable(name: str, label: str, query: str) -> builders.QueryVariable:
         .sort(VariableSort.ALPHABETICAL_ASC)
         .multi(True)
         .include_all(True)
-        .all_value(".*")
+        .all_value(ALL)
     )
 
 
@@ -326,6 +328,13 @@ def dashboard() -> builders.Dashboard:
         for spec in panels:
             board = board.with_panel(_panel(spec))
     return board
+
+
+def as_prometheus_sees_it(expr: str, rate_interval: str) -> str:
+    """A panel's query as Grafana sends it to Prometheus with every variable at All, at `rate_interval`."""
+    for variable in ("$node", "$resource", "$gpu"):
+        expr = expr.replace(variable, ALL)
+    return expr.replace(WINDOW, rate_interval)
 
 
 def dashboard_json() -> str:

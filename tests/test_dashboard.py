@@ -26,8 +26,7 @@ sys.path.insert(0, str(ROOT / "packaging"))
 import dashboard  # the script, from the checkout
 
 PROMTOOL = shutil.which("promtool")
-# What Grafana puts in a query before Prometheus sees it.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$node": ".*", "$resource": ".*", "$gpu": ".*"}
+RATE_INTERVAL = "1m"
 # Labels every scraped series carries beside the agent's own: the PodMonitor's `node`, Prometheus's target labels.
 SCRAPE_LABELS = {"node", "job", "instance", "namespace", "pod", "container"}
 HISTOGRAM_PARTS = ("_bucket", "_count", "_sum")
@@ -54,12 +53,6 @@ def variable_queries(doc: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
             yield variable["name"], match[1], match[2]
 
 
-def as_prometheus_sees_it(expr: str) -> str:
-    for variable, value in GRAFANA_VARIABLES.items():
-        expr = expr.replace(variable, value)
-    return expr
-
-
 def named(expr: str) -> tuple[list[tuple[str, set[str]]], set[str]]:
     """The series selectors of `expr` (metric name, the labels it matches on), and every label it groups or
     matches by (`by`, `on`, `ignoring`)."""
@@ -82,7 +75,7 @@ def named(expr: str) -> tuple[list[tuple[str, set[str]]], set[str]]:
                 if each is not None and type(each).__module__ == "promql_parser":
                     walk(each)
 
-    walk(promql_parser.parse(as_prometheus_sees_it(expr)))
+    walk(promql_parser.parse(dashboard.as_prometheus_sees_it(expr, RATE_INTERVAL)))
     return selectors, grouping
 
 
@@ -149,7 +142,10 @@ def test_every_query_parses_as_prometheus_parses_it(tmp_path: Path) -> None:
     doc = board()
     exprs = [expr for _, expr, _ in panel_queries(doc)]
     exprs += [f"count by ({label}) ({selector})" for _, selector, label in variable_queries(doc)]
-    rules = [{"record": f"dashboard:query{index}", "expr": as_prometheus_sees_it(e)} for index, e in enumerate(exprs)]
+    rules = [
+        {"record": f"dashboard:query{index}", "expr": dashboard.as_prometheus_sees_it(expr, RATE_INTERVAL)}
+        for index, expr in enumerate(exprs)
+    ]
     path = tmp_path / "queries.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     done = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, check=False)
