@@ -26,11 +26,11 @@ from params import BASE, SCALE
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.config import check_config, parse_config
+from mpsagent.deviceplugin.servicer import DevicePluginServicer
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.kubelet.servicer import DevicePluginServicer
 
 SHUFFLED_REQUESTS = 64
 

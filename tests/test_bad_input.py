@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import NodeGpus
 from mpsagent.base.errors import RequestError
+from mpsagent.deviceplugin.servicer import DevicePluginServicer
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.kubelet.servicer import DevicePluginServicer
 from mpsagent_testing.agents import AgentLauncher, start_agent
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin
 from mpsagent_testing.kubelet.stubs import dp_grpc, dp_pb2

@@ -25,11 +25,11 @@ from grpclib.testing import ChannelFor
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.errors import DaemonCommandError
+from mpsagent.deviceplugin.servicer import SERVICE, DevicePluginServicer
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
-from mpsagent.kubelet.servicer import SERVICE, DevicePluginServicer
 from mpsagent.kubelet.wire import EndedInsideMessage, RequestWire
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 

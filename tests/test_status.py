@@ -30,7 +30,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import Holding
-from mpsagent.kubelet.plugin import Registration
+from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
     CeilingsStatus,

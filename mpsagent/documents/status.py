@@ -36,7 +36,7 @@ from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
-from mpsagent.kubelet.plugin import Registration
+from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import DaemonStatus, utc
 
 STATUS_FILE = "status.json"

@@ -6,29 +6,22 @@ directory: the kubelet would not find the plugin again), and removes both files 
 from __future__ import annotations
 
 import re
-import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
-from grpclib.server import Server
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
-from mpsagent.base.host import FileIdentity, file_identity
 from mpsagent.base.logs import get_logger
 from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
 from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService, NodeServiceStatistics
-from mpsagent.dra.registration import (
-    HEALTH_SERVICE_VERSION,
-    NODE_SERVICE_VERSION,
-    RegistrationService,
-    RegistrationStatistics,
-)
-from mpsagent.kubelet.wire import Servable, bounded_server, start_owner_only
+from mpsagent.dra.registration import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
+from mpsagent.kubelet.registration import Registration
+from mpsagent.kubelet.served_socket import ServedSocket
+from mpsagent.kubelet.wire import Servable
 
 log = get_logger(__name__)
 
@@ -38,80 +31,12 @@ WATCH_INTERVAL_S = 2.0
 """How often the socket files are looked at."""
 SERVE_AGAIN_BACKOFF_MAX_S = 30.0
 """The longest wait between tries to serve a removed socket again, while serving fails."""
-CLOSE_GRACE_S = 1.0
-"""How long a closing server's running requests get to end, per socket."""
 _DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-
-
-class _ServedSocket:
-    """One grpclib server on one unix socket file, which it owns: it removes the file when it closes, unless the
-    file is no longer the one it created."""
-
-    def __init__(self, path: Path, servables: Sequence[Servable], what: str) -> None:
-        self.path = path
-        self.what = what
-        self._servables = servables
-        self._server: Server | None = None
-        self._identity: FileIdentity | None = None
-
-    @property
-    def gone(self) -> bool:
-        """Not served: the file is not the socket this serves (removed, or replaced), or serving it again failed."""
-        return self._server is None or file_identity(self.path, follow_symlinks=False) != self._identity
-
-    async def serve(self) -> None:
-        """Serve on the socket file (removing a stale socket there first). Serving again closes the server it
-        replaces first, with its connections (a client connects again through the new file): that server's file is
-        gone, and closing it must not remove the new one. Raises HostError when it cannot."""
-        old, self._server = self._server, None
-        if old is not None:
-            await _close(old)
-        server = bounded_server(self._servables, RECEIVE_LIMIT)
-        try:
-            self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            try:
-                if not stat.S_ISSOCK(self.path.lstat().st_mode):
-                    raise HostError(
-                        f"cannot serve the {self.what} socket {self.path}: something else than a socket is there; "
-                        "remove it"
-                    )
-                self.path.unlink()
-                log.info("stale socket removed", socket=str(self.path))
-            except FileNotFoundError:
-                pass
-            await start_owner_only(server, self.path)
-        except OSError as exc:
-            raise HostError(
-                f"cannot serve the {self.what} socket {self.path} ({exc.strerror or exc}); the agent must be able to "
-                "write the kubelet's directory (the DRA endpoint's kubelet directory names it)"
-            ) from exc
-        self._server, self._identity = server, file_identity(self.path, follow_symlinks=False)
-        log.info("serving", socket=str(self.path), service=self.what)
-
-    async def close(self) -> None:
-        """Stop serving (the running requests get CLOSE_GRACE_S to end), and remove the socket file if it is still
-        the one served. Shielded: it also finishes when cancelled."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        with anyio.CancelScope(shield=True):
-            await _close(server)
-        if file_identity(self.path, follow_symlinks=False) == self._identity:
-            try:
-                self.path.unlink()
-            except OSError as exc:
-                log.warning("socket not removed", socket=str(self.path), reason=str(exc))
-
-
-async def _close(server: Server) -> None:
-    server.close()
-    with anyio.move_on_after(CLOSE_GRACE_S, shield=True):
-        await server.wait_closed()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DraEndpointStatistics:
-    registration: RegistrationStatistics
+    registration: Registration
     service: NodeServiceStatistics
     sockets_served_again: int
     """Socket files served again after they were removed."""
@@ -181,8 +106,8 @@ class DraEndpoint:
         services: list[Servable] = [self.node_service]
         if self.health_service is not None:
             services.append(self.health_service)
-        dra = _ServedSocket(self.dra_socket, services, "DRA node service")
-        registry = _ServedSocket(self.registration_socket, [self.registration], "DRA plugin registration")
+        dra = self._served(self.dra_socket, services, "DRA node service")
+        registry = self._served(self.registration_socket, [self.registration], "DRA plugin registration")
         try:
             await dra.serve()
             await registry.serve()
@@ -195,7 +120,18 @@ class DraEndpoint:
             self.registration.forget()
             self._log.info("DRA endpoint closed")
 
-    async def _keep_serving(self, *sockets: _ServedSocket) -> None:
+    @staticmethod
+    def _served(path: Path, services: list[Servable], what: str) -> ServedSocket:
+        return ServedSocket(
+            path,
+            services,
+            what=what,
+            receive_limit=RECEIVE_LIMIT,
+            directory_hint="the DRA endpoint's kubelet directory names it",
+            make_directory=True,
+        )
+
+    async def _keep_serving(self, *sockets: ServedSocket) -> None:
         """Serve a socket again when its file is removed; while that fails, try again with a growing wait."""
         retry = Backoff(self._watch_interval_s, max(self._watch_interval_s, SERVE_AGAIN_BACKOFF_MAX_S))
         failing = self._serving_again

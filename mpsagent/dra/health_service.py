@@ -22,7 +22,7 @@ from grpclib.server import Stream
 
 from mpsagent._proto import v1alpha1 as pb
 from mpsagent.base.logs import get_logger
-from mpsagent.kubelet.wire import WireRefusal, receive_request
+from mpsagent.kubelet.wire import receive_message
 
 log = get_logger(__name__)
 
@@ -93,16 +93,16 @@ class DraHealthService:
                 generation = await self._source.wait_health_changed(generation)
 
     async def _handle(self, stream: Stream[Any, Any]) -> None:
-        try:
-            body = await receive_request(stream, "NodeWatchResources", RECEIVE_LIMIT)
-        except WireRefusal as refused:
-            raise GRPCError(refused.status, f"NodeWatchResources: {refused.reason}") from None
-        if body is None:
-            return
-        try:
-            pb.NodeWatchResourcesRequest.parse(body)
-        except Exception:  # betterproto2 raises what the bytes make it raise
-            raise GRPCError(Status.INVALID_ARGUMENT, "NodeWatchResources: the request is not a valid message") from None
+        rpc = "NodeWatchResources"
+        request = await receive_message(
+            stream,
+            rpc,
+            RECEIVE_LIMIT,
+            pb.NodeWatchResourcesRequest.parse,
+            lambda status, reason: GRPCError(status, f"{rpc}: {reason}"),
+        )
+        if request is None:
+            return  # the kubelet went away before asking
         if self._streams >= MAX_STREAMS:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"NodeWatchResources: {MAX_STREAMS} streams are open already")
         self._streams += 1

@@ -14,19 +14,18 @@ import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import betterproto2
 import msgspec
 from grpclib import GRPCError, Status
-from grpclib.const import Cardinality, Handler
-from grpclib.server import Stream
+from grpclib.const import Handler
 
 from mpsagent._proto.k8s.io.kubelet.pkg.apis.dra import v1 as pb
 from mpsagent.base.errors import RequestError, shown
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, ClaimRef, PreparedDevice
-from mpsagent.kubelet.wire import WireRefusal, answering, receive_request
+from mpsagent.kubelet.wire import answering, unary_handler
 
 log = get_logger(__name__)
 _Request = TypeVar("_Request", bound=betterproto2.Message)
@@ -198,25 +197,14 @@ class DraNodeService(pb.DraPluginBase):
         reply_type: type[betterproto2.Message],
         method: Callable[[_Request], Awaitable[betterproto2.Message]],
     ) -> Handler:
-        async def handle(stream: Stream[Any, Any]) -> None:
-            try:
-                body = await receive_request(stream, rpc, RECEIVE_LIMIT)
-            except WireRefusal as refused:
-                self._stats.refused += 1
-                log.warning("request refused", rpc=rpc, reason=refused.reason)
-                raise GRPCError(refused.status, f"{rpc}: {refused.reason}") from None
-            if body is None:
-                return  # the kubelet went away before asking
-            try:
-                request = request_type.parse(body)
-            except Exception:  # betterproto2 raises what the bytes make it raise
-                self._stats.refused += 1
-                raise GRPCError(
-                    Status.INVALID_ARGUMENT, f"{rpc}: the request is not a valid protobuf message"
-                ) from None
-            await stream.send_message(await method(request))
+        def refuse(status: Status, reason: str) -> GRPCError:
+            self._stats.refused += 1
+            log.warning("request refused", rpc=rpc, reason=reason)
+            return GRPCError(status, f"{rpc}: {reason}")
 
-        return Handler(handle, Cardinality.UNARY_UNARY, request_type, reply_type)
+        return unary_handler(
+            rpc, (request_type, reply_type), request_type.parse, method, limit=RECEIVE_LIMIT, refuse=refuse
+        )
 
     @contextmanager
     def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:

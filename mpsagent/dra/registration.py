@@ -5,12 +5,12 @@ in its `plugins_registry` directory, asks it what the plugin is (GetInfo), and s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mpsagent._proto import pluginregistration as pb
 from mpsagent.base.errors import shown
 from mpsagent.base.logs import get_logger
+from mpsagent.kubelet.registration import Registration, RegistrationRecord
 
 log = get_logger(__name__)
 
@@ -20,14 +20,6 @@ NODE_SERVICE_VERSION = "v1.DRAPlugin"
 HEALTH_SERVICE_VERSION = "v1alpha1.DRAResourceHealth"
 """The device health service: kubelet 1.36 watches it whether listed or not, later kubelets only when listed."""
 MAX_ERROR_CHARS = 1000
-
-
-@dataclass(kw_only=True, slots=True)
-class RegistrationStatistics:
-    registrations: int = 0
-    """Registrations the kubelet accepted."""
-    registration_failures: int = 0
-    """Registrations the kubelet refused."""
 
 
 class RegistrationService(pb.RegistrationBase):
@@ -42,27 +34,25 @@ class RegistrationService(pb.RegistrationBase):
         self.driver = driver
         self.endpoint = endpoint
         self.versions = tuple(versions)
-        self._registered = False
-        self._last_error = ""
-        self._stats = RegistrationStatistics()
+        self._record = RegistrationRecord()
         self._log = log.bind(driver=driver)
 
     @property
     def registered(self) -> bool:
         """The kubelet accepted the plugin, and its registration socket has not been created again since."""
-        return self._registered
+        return self._record.registered
 
     @property
     def last_error(self) -> str:
         """Why the kubelet last refused the plugin; "" when it never did, or accepted it since."""
-        return self._last_error
+        return self._record.last_error
 
-    def statistics(self) -> RegistrationStatistics:
-        return replace(self._stats)
+    def statistics(self) -> Registration:
+        return self._record.snapshot()
 
     def forget(self) -> None:
         """The registration socket was created again: the kubelet registers the plugin anew (or not)."""
-        self._registered = False
+        self._record.forget()
 
     async def get_info(self, message: pb.InfoRequest) -> pb.PluginInfo:
         self._log.debug("kubelet asked for the plugin's info")
@@ -75,13 +65,9 @@ class RegistrationService(pb.RegistrationBase):
 
     async def notify_registration_status(self, message: pb.RegistrationStatus) -> pb.RegistrationStatusResponse:
         if message.plugin_registered:
-            self._registered = True
-            self._last_error = ""
-            self._stats.registrations += 1
+            self._record.accepted()
             self._log.info("registered with kubelet", endpoint=str(self.endpoint))
         else:
-            self._registered = False
-            self._last_error = shown(message.error or "no reason given", MAX_ERROR_CHARS)
-            self._stats.registration_failures += 1
-            self._log.error("kubelet refused the plugin", reason=self._last_error, endpoint=str(self.endpoint))
+            self._record.refused(shown(message.error or "no reason given", MAX_ERROR_CHARS))
+            self._log.error("kubelet refused the plugin", reason=self._record.last_error, endpoint=str(self.endpoint))
         return pb.RegistrationStatusResponse()

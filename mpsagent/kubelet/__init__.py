@@ -1,3 +1,5 @@
-"""The kubelet adapter: the device-plugin servicer and its endpoint (serve, register, follow the kubelet's
-restarts), the pod-resources client that reconciles the ledgers, and the node guard (one agent per resource and GPU
-of a node)."""
+"""The floor both kubelet plugins stand on: the gRPC wire (`wire`: requests received within bounds, the one mapping
+of a refusal or failure to a gRPC status), one served socket (`served_socket`), what the kubelet answered a
+plugin's registration (`registration`), the pod-resources client that reconciles the ledgers (`podresources`), and
+the node guard (one agent per resource and GPU of a node). The two plugins are its siblings: `deviceplugin/` and
+`dra/`."""

@@ -1,38 +1,50 @@
-"""Registration with the kubelet: one Register call over the kubelet's unix socket."""
+"""What the kubelet answered a plugin's registration, kept the same way for both plugins: the device plugin calls
+the kubelet's Register, the kubelet's plugin watcher calls the DRA driver's registration service. Plain data, so
+that the status document reads it without the gRPC runtime."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from grpclib.client import Channel
-
-from mpsagent._proto import v1beta1 as pb
-
-API_VERSION = "v1beta1"
-REGISTER_TIMEOUT_S = 10.0
+from dataclasses import dataclass, replace
 
 
-async def register(
-    kubelet_socket: Path,
-    *,
-    endpoint: str,
-    resource_name: str,
-    pre_start_required: bool,
-    timeout_s: float = REGISTER_TIMEOUT_S,
-) -> None:
-    """Register one plugin endpoint; raises OSError, GRPCError or StreamTerminatedError when the kubelet refuses."""
-    channel = Channel(path=str(kubelet_socket))
-    try:
-        await pb.RegistrationStub(channel).register(
-            pb.RegisterRequest(
-                version=API_VERSION,
-                endpoint=endpoint,
-                resource_name=resource_name,
-                options=pb.DevicePluginOptions(
-                    pre_start_required=pre_start_required, get_preferred_allocation_available=True
-                ),
-            ),
-            timeout=timeout_s,
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Registration:
+    """A plugin's registration as the status document shows it: whether it is registered now, how often registering
+    worked and failed, and why it last failed ("" when it never did, or worked since)."""
+
+    registered: bool = False
+    registrations: int = 0
+    registration_failures: int = 0
+    last_error: str = ""
+
+
+class RegistrationRecord:
+    """The running count behind `Registration`, kept by the plugin's endpoint or service."""
+
+    def __init__(self) -> None:
+        self._now = Registration()
+
+    @property
+    def registered(self) -> bool:
+        return self._now.registered
+
+    @property
+    def last_error(self) -> str:
+        return self._now.last_error
+
+    def snapshot(self) -> Registration:
+        return self._now
+
+    def accepted(self) -> None:
+        now = self._now
+        self._now = replace(now, registered=True, registrations=now.registrations + 1, last_error="")
+
+    def refused(self, reason: str) -> None:
+        now = self._now
+        self._now = replace(
+            now, registered=False, registration_failures=now.registration_failures + 1, last_error=reason
         )
-    finally:
-        channel.close()
+
+    def forget(self) -> None:
+        """The kubelet no longer has the plugin (it restarted, or the socket went): not registered, counts kept."""
+        self._now = replace(self._now, registered=False)

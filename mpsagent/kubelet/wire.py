@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from grpclib import GRPCError, Status
 from grpclib.config import Configuration
-from grpclib.const import Handler
+from grpclib.const import Cardinality, Handler
 from grpclib.server import Server, Stream
 from structlog.typing import FilteringBoundLogger
 
@@ -27,6 +27,11 @@ MESSAGE_PREFIX = struct.Struct(">?I")
 
 
 OWNER_ONLY_UMASK = 0o177
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
+Refuse = Callable[[Status, str], GRPCError]
+"""How a service refuses a request: the error to raise for a status and a reason (it adds its prefix, logs and
+counts)."""
 
 
 @contextmanager
@@ -105,6 +110,44 @@ async def receive_request(stream: Stream[Any, Any], rpc: str, limit: int) -> byt
         return await wire.read_exactly(length)
     except EndedInsideMessage:
         raise WireRefusal(Status.INVALID_ARGUMENT, f"the {rpc} request ended inside its message") from None
+
+
+async def receive_message(
+    stream: Stream[Any, Any], rpc: str, limit: int, decode: Callable[[bytes], _Request], refuse: Refuse
+) -> _Request | None:
+    """The request message, decoded; None when the client went away before sending one. A request refused on the
+    wire (`receive_request`), or one that does not decode, is raised as `refuse`'s error."""
+    try:
+        body = await receive_request(stream, rpc, limit)
+    except WireRefusal as refused:
+        raise refuse(refused.status, refused.reason) from None
+    if body is None:
+        return None
+    try:
+        return decode(body)
+    except Exception:  # each protobuf runtime raises what the bytes make it raise
+        raise refuse(
+            Status.INVALID_ARGUMENT, f"the {rpc} request is not a valid protobuf message; was it sent by a kubelet?"
+        ) from None
+
+
+def unary_handler(
+    rpc: str,
+    types: tuple[type[_Request], type[_Reply]],
+    decode: Callable[[bytes], _Request],
+    method: Callable[[_Request], Awaitable[_Reply]],
+    *,
+    limit: int,
+    refuse: Refuse,
+) -> Handler:
+    """grpclib's handler of a unary RPC whose request is received within `limit` bytes (`receive_message`)."""
+
+    async def handle(stream: Stream[Any, Any]) -> None:
+        request = await receive_message(stream, rpc, limit, decode, refuse)
+        if request is not None:  # None: the client went away before asking
+            await stream.send_message(await method(request))
+
+    return Handler(handle, Cardinality.UNARY_UNARY, *types)
 
 
 class EndedInsideMessage(Exception):

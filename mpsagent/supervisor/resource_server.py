@@ -17,13 +17,13 @@ from anyio.abc import TaskStatus
 from mpsagent.base.errors import DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.settings import Settings
+from mpsagent.deviceplugin.endpoint import PluginEndpoint
+from mpsagent.deviceplugin.servicer import DevicePluginServicer, RpcTimer
 from mpsagent.documents.status import ResourceView
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.gpu.port import GpuSource
-from mpsagent.kubelet.plugin import PluginEndpoint
-from mpsagent.kubelet.servicer import DevicePluginServicer, RpcTimer
 from mpsagent.mps.daemon import DaemonSupervisor
 
 log = get_logger("mpsagent.resource_server")

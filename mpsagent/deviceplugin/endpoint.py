@@ -6,29 +6,26 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.server import Server
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
-from mpsagent.base.errors import HostError
 from mpsagent.base.host import FileIdentity, file_identity, pid_alive
 from mpsagent.base.logs import get_logger
-from mpsagent.kubelet.registration import register
-from mpsagent.kubelet.servicer import DevicePluginServicer
-from mpsagent.kubelet.wire import bounded_server, start_owner_only
+from mpsagent.deviceplugin.registration import register
+from mpsagent.deviceplugin.servicer import DevicePluginServicer
+from mpsagent.kubelet.registration import Registration, RegistrationRecord
+from mpsagent.kubelet.served_socket import ServedSocket
 
 log = get_logger(__name__)
 
 WATCH_INTERVAL_S = 0.2
 REGISTER_BACKOFF_INITIAL_S = 0.1
 REGISTER_BACKOFF_MAX_S = 5.0
-CLOSE_GRACE_S = 1.0
 
 
 def socket_name(resource_name: str, pid: int) -> str:
@@ -61,16 +58,6 @@ def _remove_stale_sockets(directory: Path, resource_name: str) -> None:
             log.warning("stale plugin socket not removed", resource=resource_name, socket=str(path), reason=str(exc))
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Registration:
-    """The plugin's registration with the kubelet, as the status document shows it: whether it is registered now,
-    and how often registering worked and failed."""
-
-    registered: bool = False
-    registrations: int = 0
-    registration_failures: int = 0
-
-
 class PluginEndpoint:
     """Owns the gRPC server of one resource and its registration; `run` is its long-lived task."""
 
@@ -87,17 +74,18 @@ class PluginEndpoint:
         self._kubelet_socket = kubelet_socket
         self._pre_start_required = pre_start_required
         self.socket_path = kubelet_socket.parent / socket_name(resource_name, os.getpid())
-        self._registered = False
-        self._registrations = 0
-        self._registration_failures = 0
+        self._socket = ServedSocket(
+            self.socket_path,
+            [servicer],
+            what="device plugin",
+            receive_limit=servicer.receive_limit,
+            directory_hint="the device-plugins directory, where --kubelet-socket is",
+        )
+        self._registration = RegistrationRecord()
         self._log = log.bind(resource=resource_name)
 
     def registration(self) -> Registration:
-        return Registration(
-            registered=self._registered,
-            registrations=self._registrations,
-            registration_failures=self._registration_failures,
-        )
+        return self._registration.snapshot()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve and register until cancelled; reports started once the socket is first served."""
@@ -108,7 +96,7 @@ class PluginEndpoint:
                 # The kubelet empties its directory when it starts, then creates its socket: a socket served
                 # before that would be deleted under us.
                 await self._wait_for_kubelet_socket()
-            server = await self._serve()
+            await self._socket.serve()
             try:
                 if not started:
                     task_status.started()
@@ -117,29 +105,10 @@ class PluginEndpoint:
                 if kubelet is not None:
                     await self._wait_for_kubelet_restart(kubelet)
             finally:
-                self._registered = False
-                await self._close(server)
-
-    async def _serve(self) -> Server:
-        server = bounded_server([self._servicer], self._servicer.receive_limit)
-        try:
-            self.socket_path.unlink(missing_ok=True)
-            await start_owner_only(server, self.socket_path)
-        except OSError as exc:
-            raise HostError(
-                f"cannot serve the device plugin socket {self.socket_path} ({exc.strerror}); the agent must be able "
-                "to write the kubelet's device-plugins directory (--kubelet-socket names it)"
-            ) from exc
-        self._log.info("plugin serving", socket=str(self.socket_path))
-        return server
-
-    async def _close(self, server: Server) -> None:
-        self._servicer.close()
-        server.close()
-        with anyio.move_on_after(CLOSE_GRACE_S, shield=True):
-            await server.wait_closed()
-        self.socket_path.unlink(missing_ok=True)
-        self._servicer.reopen()
+                self._registration.forget()
+                self._servicer.close()  # ends the kubelet's ListAndWatch streams, so that the server closes at once
+                await self._socket.close()
+                self._servicer.reopen()
 
     async def _wait_for_kubelet_socket(self) -> None:
         while True:
@@ -159,7 +128,6 @@ class PluginEndpoint:
     async def _register_with_backoff(self) -> FileIdentity | None:
         """Register, retrying with backoff; the kubelet socket's identity when registered, None when our own socket
         was deleted meanwhile (the kubelet restarted while we retried: serve again first)."""
-        own = file_identity(self.socket_path)
         retry = Backoff(REGISTER_BACKOFF_INITIAL_S, REGISTER_BACKOFF_MAX_S)
         # The first failure is news; the retries that follow are not.
         failing = FailureEpisodes(
@@ -170,7 +138,7 @@ class PluginEndpoint:
             again=None,
         )
         while True:
-            if file_identity(self.socket_path) != own:
+            if self._socket.gone:
                 self._log.warning("plugin socket removed while registering; serving again")
                 return None
             kubelet = file_identity(self._kubelet_socket)
@@ -182,7 +150,7 @@ class PluginEndpoint:
                     pre_start_required=self._pre_start_required,
                 )
             except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as exc:
-                self._registration_failures += 1
+                self._registration.refused(str(exc) or type(exc).__name__)
                 failing.failed(
                     str(exc) or type(exc).__name__,
                     kubelet_socket=str(self._kubelet_socket),
@@ -191,17 +159,15 @@ class PluginEndpoint:
                 await self._backoff(retry.delay, kubelet)
                 retry.grow()
                 continue
-            self._registered = True
-            self._registrations += 1
+            self._registration.accepted()
             self._log.info("registered with kubelet", endpoint=self.socket_path.name)
             return kubelet
 
     async def _wait_for_kubelet_restart(self, kubelet: FileIdentity | None) -> None:
         """Return when our socket is gone or the kubelet's socket was re-created: the kubelet restarted."""
-        own = file_identity(self.socket_path)
         while True:
             await anyio.sleep(WATCH_INTERVAL_S)
-            if file_identity(self.socket_path) != own or own is None:
+            if self._socket.gone:
                 self._log.warning("plugin socket removed; kubelet restarted, registering again")
                 return
             if file_identity(self._kubelet_socket) != kubelet:

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
 import anyio
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from grpclib import GRPCError, Status
 from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
@@ -26,7 +26,7 @@ from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.container import ContainerSetup
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
-from mpsagent.kubelet.wire import WireRefusal, answering, receive_request
+from mpsagent.kubelet.wire import Refuse, answering, receive_message, unary_handler
 
 log = get_logger(__name__)
 
@@ -267,24 +267,13 @@ class DevicePluginServicer:
 
         grpclib has no receive limit: it reads a message whole, whatever length its prefix declares, and keeps what
         it read until the connection's handler is collected (an aborted 4 GiB message grew the agent by the 200 MiB
-        sent, every time). So the prefix is read first (`wire.receive_request`, the one adapter below grpclib's
+        sent, every time). So the prefix is read first (`wire.receive_message`, the one adapter below grpclib's
         public surface), and a longer message than a kubelet ever sends is refused before its body is read; the
         endpoint's flow-control windows bound what a client can push beyond that."""
-        try:
-            body = await receive_request(stream, rpc, self.receive_limit)
-        except WireRefusal as refused:
-            raise self._refusal(refused.status, rpc, refused.reason) from None
-        if body is None:
-            return None
-        try:
-            message: _Request = message_type.FromString(body)
-        except DecodeError:
-            raise self._refusal(
-                Status.INVALID_ARGUMENT,
-                rpc,
-                f"the {rpc} request is not a valid protobuf message; was it sent by a kubelet?",
-            ) from None
-        return message
+        return await receive_message(stream, rpc, self.receive_limit, message_type.FromString, self._refuser(rpc))
+
+    def _refuser(self, rpc: str) -> Refuse:
+        return lambda status, reason: self._refusal(status, rpc, reason)
 
     def _refusal(self, status: Status, rpc: str, reason: str) -> GRPCError:
         self._log.warning("request refused", rpc=rpc, reason=reason)
@@ -319,12 +308,14 @@ class DevicePluginServicer:
         reply_type: type[Message],
         method: Callable[[_Request], Awaitable[Message]],
     ) -> Handler:
-        async def handle(stream: Stream[Any, Any]) -> None:
-            request = await self._receive(stream, rpc, request_type)
-            if request is not None:  # None: the kubelet went away before asking
-                await stream.send_message(await method(request))
-
-        return Handler(handle, Cardinality.UNARY_UNARY, request_type, reply_type)
+        return unary_handler(
+            rpc,
+            (request_type, reply_type),
+            request_type.FromString,
+            method,
+            limit=self.receive_limit,
+            refuse=self._refuser(rpc),
+        )
 
     async def _list_and_watch_stream(self, stream: Stream[Any, Any]) -> None:
         request = await self._receive(stream, "ListAndWatch", pb.Empty)
