@@ -25,16 +25,8 @@ from mpsagent.domain.claims import (
     OpaqueConfig,
     SliceDevice,
 )
-from mpsagent.dra.api import (
-    CONTENT_ANNOTATION,
-    MAX_CONFIGS,
-    MAX_RESULTS,
-    claim_allocation,
-    next_generation,
-    resource_slice,
-    slice_digest,
-    slice_name,
-)
+from mpsagent.dra.claim_object import MAX_CONFIGS, MAX_RESULTS, claim_allocation
+from mpsagent.dra.slice_object import CONTENT_ANNOTATION, next_generation, resource_slice, slice_digest, slice_name
 
 UID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
 NODE = "node-1"
@@ -296,7 +288,7 @@ NODE_SLICE = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_d
 
 
 def test_the_slice_shows_each_gpu_with_its_attributes_and_consumable_capacity() -> None:
-    document = resource_slice(NODE_SLICE, generation=3, node_uid="4f6e3d2c-node").to_dict()
+    document = resource_slice(NODE_SLICE, generation=3, node_uid="4f6e3d2c-node")
     assert document["apiVersion"] == "resource.k8s.io/v1"
     assert document["kind"] == "ResourceSlice"
     assert document["metadata"] == {
@@ -337,13 +329,13 @@ def test_the_slice_shows_each_gpu_with_its_attributes_and_consumable_capacity() 
 
 
 def test_the_slice_is_valid_for_the_api_server() -> None:
-    document = resource_slice(NODE_SLICE, generation=1, node_uid="4f6e3d2c-node").to_dict()
+    document = resource_slice(NODE_SLICE, generation=1, node_uid="4f6e3d2c-node")
     kubernetes_validate.validate(document, "1.34", strict=True)
 
 
 def test_a_long_product_name_is_cut_to_what_an_attribute_holds() -> None:
     node_slice = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0, "N" * 100),))
-    device = resource_slice(node_slice, generation=1, node_uid="u").to_dict()["spec"]["devices"][0]
+    device = resource_slice(node_slice, generation=1, node_uid="u")["spec"]["devices"][0]
     assert device["attributes"]["productName"] == {"string": "N" * 64}
 
 
@@ -359,14 +351,16 @@ def test_the_slice_name_is_the_node_and_the_driver_within_253_characters() -> No
     assert len(long) == 253 and long.endswith("a-mps-mpsagent-io")
 
 
-def published(node_slice: NodeSlice, generation: int) -> ResourceSlice:
-    """The slice as the API server returns it: quantities in canonical form, fields it adds."""
-    document = resource_slice(node_slice, generation=generation, node_uid="u").to_dict()
+def published(node_slice: NodeSlice, generation: int) -> dict[str, Any]:
+    """The slice as the API server returns it (quantities in canonical form, fields it adds), as the API client
+    gives it to the publisher: read into its object, then `to_dict()`."""
+    document = resource_slice(node_slice, generation=generation, node_uid="u")
     document["metadata"] |= {"uid": "9d8c7b6a", "resourceVersion": "77", "generation": 5}
     for device in document["spec"]["devices"]:
         device["capacity"]["memory"]["value"] = "141Gi"
         device["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] = "1Mi"
-    return ResourceSlice.from_dict(document)
+    served: dict[str, Any] = ResourceSlice.from_dict(document).to_dict()
+    return served
 
 
 def test_the_pool_generation_moves_only_when_the_slice_changes() -> None:
@@ -378,13 +372,11 @@ def test_the_pool_generation_moves_only_when_the_slice_changes() -> None:
 
 def test_a_slice_without_the_digest_or_of_another_pool_gets_a_new_generation() -> None:
     unmarked = published(NODE_SLICE, 2)
-    assert unmarked.metadata is not None and unmarked.metadata.annotations is not None
-    unmarked.metadata.annotations.clear()
+    unmarked["metadata"]["annotations"].clear()
     assert next_generation(unmarked, NODE_SLICE) == 3
     moved = NodeSlice(driver=DRA_DRIVER, node=NODE, pool="another-pool", devices=NODE_SLICE.devices)
     existing = published(NODE_SLICE, 2)
-    assert existing.metadata is not None and existing.metadata.annotations is not None
-    existing.metadata.annotations[CONTENT_ANNOTATION] = slice_digest(moved)
+    existing["metadata"]["annotations"][CONTENT_ANNOTATION] = slice_digest(moved)
     assert next_generation(existing, moved) == 3
 
 
@@ -423,7 +415,7 @@ def test_a_device_with_less_than_a_step_left_offers_its_value_without_a_policy_a
         taints=(DeviceTaint(key="mps.mpsagent.io/no-memory-left", value="x", effect="NoSchedule", added=1764864026.7),),
     )
     node_slice = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(full,))
-    document = resource_slice(node_slice, generation=1, node_uid="u").to_dict()
+    document = resource_slice(node_slice, generation=1, node_uid="u")
     (device,) = document["spec"]["devices"]
     assert device["capacity"]["memory"] == {"value": "0"}
     assert device["taints"] == [

@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 
 from mpsagent.domain.claims import DRA_DRIVER, NodeSlice
 from mpsagent.dra import slice_publisher
-from mpsagent.dra.api import CONTENT_ANNOTATION, resource_slice, slice_matches
+from mpsagent.dra.slice_object import CONTENT_ANNOTATION, resource_slice, slice_matches
 from mpsagent.dra.slice_publisher import SlicePublisher
 from tests.test_dra_api_client import NODE_OBJECT, SLICE, SLICE_PATH, kube_api, status
 from tests.test_dra_api_convert import NODE, NODE_SLICE
@@ -207,8 +207,7 @@ def as_slice(document: dict[str, Any]) -> ResourceSlice:
 
 
 def published(node_slice: NodeSlice, generation: int) -> dict[str, Any]:
-    body: dict[str, Any] = resource_slice(node_slice, generation=generation, node_uid="4f6e3d2c-node").to_dict()
-    return body
+    return resource_slice(node_slice, generation=generation, node_uid="4f6e3d2c-node")
 
 
 # --- quiet ---------------------------------------------------------------------------------------------------
@@ -317,7 +316,7 @@ async def test_a_slice_edited_by_someone_else_is_applied_again(
         await until(lambda: publisher.writes == 2, within=5.0)
         await until(lambda: publisher.published)
         restored = as_slice(server.slices[NAME])
-        assert slice_matches(restored, resource_slice(NODE_SLICE, generation=generation, node_uid=""))
+        assert slice_matches(restored.to_dict(), resource_slice(NODE_SLICE, generation=generation, node_uid=""))
         assert server.generation() == generation
 
 
@@ -578,12 +577,12 @@ async def test_cancelled_with_the_api_server_silent_it_gives_up_in_bounded_time(
 
 def test_a_slice_matches_what_the_agent_writes_by_amount_and_not_by_fields_the_server_adds() -> None:
     desired = resource_slice(NODE_SLICE, generation=3, node_uid="")
-    served = copy.deepcopy(desired.to_dict())
+    served = copy.deepcopy(desired)
     served["metadata"] |= {"resourceVersion": "9", "uid": "u", "managedFields": []}
     served["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"]["default"] = "1Gi"
     served["spec"]["devices"][0]["capacity"]["compute"]["value"] = "100000m"
     served["spec"]["devices"][0]["consumesCounters"] = []
-    assert slice_matches(as_slice(served), desired)
+    assert slice_matches(as_slice(served).to_dict(), desired)
     for path, value in [
         (("spec", "pool", "generation"), 2),
         (("spec", "devices", 0, "capacity", "compute", "value"), "99"),
@@ -595,4 +594,4 @@ def test_a_slice_matches_what_the_agent_writes_by_amount_and_not_by_fields_the_s
         for step in path[:-1]:
             where = where[step]
         where[path[-1]] = value
-        assert not slice_matches(as_slice(changed), desired), path
+        assert not slice_matches(as_slice(changed).to_dict(), desired), path

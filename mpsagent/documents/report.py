@@ -29,7 +29,7 @@ from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import claim_shares, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.plan import NodePlan, ResourcePlan
-from mpsagent.dra.api import resource_slice
+from mpsagent.dra.slice_object import resource_slice
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
 from mpsagent.node.nfd import node_labels
 
@@ -155,9 +155,8 @@ def dra_report(plan: NodePlan, node: str) -> DraReport:
                 ceilings=share.resource.shares.ceilings([share.share]).describe(),
             )
         )
-    manifest = resource_slice(published, generation=1, node_uid=NODE_UID_PLACEHOLDER).to_dict()
-    ordered = {key: manifest[key] for key in ("apiVersion", "kind", "metadata", "spec") if key in manifest}
-    return DraReport(resource_slice=ordered, examples=tuple(examples))
+    manifest = resource_slice(published, generation=1, node_uid=NODE_UID_PLACEHOLDER)
+    return DraReport(resource_slice=manifest, examples=tuple(examples))
 
 
 def plan_report(

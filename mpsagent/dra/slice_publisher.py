@@ -29,10 +29,10 @@ from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import KubeApiError
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import NodeSlice
-from mpsagent.dra.api import (
-    MAX_LISTED_SLICES,
-    KubeApi,
+from mpsagent.dra.api import MAX_LISTED_SLICES, KubeApi
+from mpsagent.dra.slice_object import (
     next_generation,
+    pool_of,
     resource_slice,
     same_pool,
     slice_digest,
@@ -263,7 +263,9 @@ class SlicePublisher:
         others = {name: seen.item for name, seen in self._view.items() if name != self._name and seen.item}
         generation = self._generation_for(existing, wanted, list(others.values()))
         digest = slice_digest(wanted)
-        if existing is None or not slice_matches(existing, resource_slice(wanted, generation=generation, node_uid="")):
+        if existing is None or not slice_matches(
+            existing.to_dict(), resource_slice(wanted, generation=generation, node_uid="")
+        ):
             repair = digest == self._digest  # what this run published or found before: the server lost it
             wait = self._repair_wait() if repair else 0.0
             if wait > 0:
@@ -293,7 +295,9 @@ class SlicePublisher:
         self, wanted: NodeSlice, existing: ResourceSlice | None, generation: int, *, repair: bool
     ) -> None:
         node_uid = await self._api.node_uid(self._node)  # each time: a Node re-created has another UID
-        if existing is not None and not same_pool(existing, wanted):  # driver, node and pool cannot be changed
+        if existing is not None and not same_pool(
+            existing.to_dict(), wanted
+        ):  # driver, node and pool cannot be changed
             self.writes += 1
             await self._api.delete_slice(self._name)
         self.writes += 1
@@ -311,10 +315,11 @@ class SlicePublisher:
     def _generation_for(self, existing: ResourceSlice | None, wanted: NodeSlice, others: list[ResourceSlice]) -> int:
         """`next_generation`, but never below what this run published (one more for other contents), and above
         any other live slice of the pool."""
-        generation = next_generation(existing, wanted)
+        generation = next_generation(None if existing is None else existing.to_dict(), wanted)
         if self._generation:
             generation = max(generation, self._generation + (0 if self._digest == slice_digest(wanted) else 1))
-        rivals = [other.spec.pool.generation for other in others if other.spec.pool.name == wanted.pool]
+        pools = [pool_of(other.to_dict()) for other in others]
+        rivals = [rival for pool, rival in pools if pool == wanted.pool]
         return max([generation, *(rival + 1 for rival in rivals)])
 
     def _repair_wait(self) -> float:
