@@ -12,9 +12,10 @@ from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import ContainerRef, ReplicaId
 from mpsagent.base.errors import RequestError
 from mpsagent.domain.allocation import ResourceAllocator, describe_ids
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import Holding
-from mpsagent.domain.shares import Ceilings, GrantKind
+from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 

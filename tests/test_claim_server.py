@@ -763,7 +763,7 @@ def test_a_corrupt_checkpoint_makes_restore_fail_naming_the_file(node: Node) -> 
         (lambda d: {**d, "thread_percentage": 1000}, "has thread_percentage 1000; it must be 1 to 100"),
         (lambda d: {**d, "device": "gpu-0"}, "is not GPU"),
         (lambda d: {**d, "resource": "nvidia.com/other"}, "resource nvidia.com/other is not configured"),
-        (lambda d: {**d, "whole": True}, "marked whole, but its figures say not"),
+        (lambda d: {**d, "whole": True}, "marked full, but its figures make it capped"),
     ],
 )
 def test_a_checkpoint_entry_a_fresh_prepare_would_refuse_is_refused_naming_the_file_and_entry(

@@ -38,9 +38,10 @@ from mpsagent.domain.container import (
     ENV_VISIBLE_DEVICES,
     container_setup,
 )
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
-from mpsagent.domain.shares import GrantKind, Share
+from mpsagent.domain.shares import Share
 
 GIB = 1024**3
 WHOLE_MIB = 81920

@@ -8,8 +8,9 @@ import pytest
 from mpsagent.base.config import GrantRule
 from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
 from mpsagent.domain.claims import ClaimRef
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
-from mpsagent.domain.shares import GpuSlots, GrantKind, Share, ShareModel
+from mpsagent.domain.shares import GpuSlots, Share, ShareModel
 
 A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
 SHARES = ShareModel(

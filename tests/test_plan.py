@@ -19,8 +19,9 @@ from mpsagent.domain.container import (
     container_pipe_directory,
     container_setup,
 )
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
-from mpsagent.domain.shares import Ceilings, GrantKind
+from mpsagent.domain.shares import Ceilings
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch
 from mpsagent.node.nfd import node_labels
 

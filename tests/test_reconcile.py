@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from mpsagent.base.config import GrantRule
 from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
 from mpsagent.domain.claims import ClaimRef
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import Holding, ListedDevices, holdings, reconcile
-from mpsagent.domain.shares import Ceilings, GpuSlots, GrantKind, Share, ShareModel
+from mpsagent.domain.shares import Ceilings, GpuSlots, Share, ShareModel
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
 SHARES = ShareModel(

@@ -19,8 +19,9 @@ from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import claim_shares
 from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import ResourcePlan, build_plan
-from mpsagent.domain.shares import Ceilings, GrantKind
+from mpsagent.domain.shares import Ceilings
 from mpsagent.mps.commands import daemon_default_commands
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
 

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from mpsagent import cli
+from mpsagent.base.clock import utc
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
 from mpsagent.documents.status import (
@@ -40,7 +41,6 @@ from mpsagent.mps.daemon_status import (
     FrontEndFailure,
     RecordDamage,
     ceiling_mode,
-    utc,
 )
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -28,6 +28,7 @@ from mpsagent.documents.report_document import (
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import claim_shares, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef
+from mpsagent.domain.grant_kind import describe_share
 from mpsagent.domain.plan import NodePlan, ResourcePlan
 from mpsagent.dra.slice_object import resource_slice
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch, multi_user_server
@@ -206,7 +207,7 @@ def render_json(report: PlanReport) -> str:
 
 
 def _example_lines(example: ExampleReport) -> list[str]:
-    lines = [f"  a container granted {example.title} ({'full' if example.full_grant else 'capped'} grant):"]
+    lines = [f"  a container granted {example.title} ({example.kind} grant):"]
     if example.error is not None:
         return [*lines, f"    refused: {example.error}"]
     lines.append(f"    share: {example.share}")
@@ -280,11 +281,7 @@ def _dra_lines(dra: DraReport) -> list[str]:
         *(f"  {line}" for line in manifest.splitlines()),
     ]
     for example in dra.examples:
-        got = (
-            "whole GPU, no caps"
-            if example.whole
-            else (f"{example.memory_mib} MiB, threads {example.thread_percentage}%")
-        )
+        got = describe_share(example.kind, memory_mib=example.memory_mib, thread_percentage=example.thread_percentage)
         lines.append(f"  a claim for {example.title} on {example.device}: {got}")
         lines += [f"    {k}={v}" for k, v in example.envs.items()]
         lines.append(f"    daemon ceilings while it is the only live share: {example.ceilings}")

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from mpsagent.domain.grant_kind import GrantKind
+
 
 class GpuReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     uuid: str
@@ -61,6 +63,7 @@ class ExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel", o
     request: int
     title: str
     full_grant: bool
+    """Its kind as the JSON says it (`kind`: full when a full grant)."""
     error: str | None = None
     share: str | None = None
     envs: dict[str, str] | None = None
@@ -68,6 +71,10 @@ class ExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel", o
     cdi_devices: tuple[str, ...] | None = None
     ceilings: str
     """The daemon's ceilings while this is the only live grant."""
+
+    @property
+    def kind(self) -> GrantKind:
+        return GrantKind.of(self.full_grant)
 
 
 class ResourceReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -97,9 +104,14 @@ class ClaimExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="came
     memory_mib: int = msgspec.field(name="memoryMiB")
     thread_percentage: int
     whole: bool
+    """Its kind as the JSON says it (`kind`: full when whole)."""
     envs: dict[str, str]
     ceilings: str
     """The daemon's ceilings while this is the only live share of its resource."""
+
+    @property
+    def kind(self) -> GrantKind:
+        return GrantKind.of(self.whole)
 
 
 class DraReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -6,7 +6,6 @@ reads it, so it needs no connection to the agent and works the same on a node an
 
 from __future__ import annotations
 
-import calendar
 import json
 import os
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from mpsagent import __version__
+from mpsagent.base.clock import ago, parse_utc, utc, utc_of_monotonic
 from mpsagent.base.devices import GpuUuid, Health, gpu_of
 from mpsagent.base.errors import FileRefusedError, UsageError
 from mpsagent.base.host import pid_alive, process_started, read_regular_file, write_atomically
@@ -29,7 +29,6 @@ from mpsagent.documents.status_document import (
     PodResourcesStatus,
     ResourceStatus,
     StatusDocument,
-    rounding,
 )
 from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
@@ -37,7 +36,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
 from mpsagent.kubelet.registration import Registration
-from mpsagent.mps.daemon_status import DaemonStatus, utc
+from mpsagent.mps.daemon_status import DaemonStatus
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
@@ -59,31 +58,9 @@ class ResourceView:
     registration: Registration
 
 
-def _parse_utc(when: str | None) -> float | None:
-    """A time `utc` wrote, as wall clock; None for none, or one edited by hand."""
-    try:
-        return None if when is None else float(calendar.timegm(time.strptime(when, "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
-
-
-def _ago(when: str, now: float) -> str:
-    """How long before `now` (wall clock) a time `utc` wrote was, for people: `45 s ago`, `3 min ago`, `2 d ago`."""
-    wall = _parse_utc(when)
-    if wall is None:  # a file edited by hand
-        return when
-    seconds = max(0, int(now - wall))
-    for unit, size, shown_below in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
-        if seconds < size * shown_below:
-            return f"{seconds // size} {unit} ago"
-    return f"{seconds // 86400} d ago"
-
-
 def _wall(monotonic: float | None) -> str | None:
     """A monotonic time (the ledger's grace clock) as the UTC time it was."""
-    if monotonic is None:
-        return None
-    return utc(time.time() - (time.monotonic() - monotonic))
+    return None if monotonic is None else utc_of_monotonic(monotonic)
 
 
 def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuStatus]:
@@ -249,7 +226,7 @@ def agent_running(document: StatusDocument) -> bool:
         return True
     if not pid_alive(document.pid):
         return False
-    started, written = process_started(document.pid), _parse_utc(document.written_at)
+    started, written = process_started(document.pid), parse_utc(document.written_at)
     return started is None or written is None or started <= written + START_TIME_SLACK_S
 
 
@@ -367,7 +344,7 @@ def _holder(grant: GrantStatus, now: float) -> str:
     if grant.claim is not None:
         return f"claim {grant.claim}"
     if grant.container is None:
-        return f"waiting for the kubelet to list its container (granted {_ago(grant.granted_at, now)})"
+        return f"waiting for the kubelet to list its container (granted {ago(grant.granted_at, now)})"
     holder = grant.container + (" (adopted)" if grant.adopted else "")
     if grant.unlisted_since:
         holder += f" (not listed by the kubelet since {grant.unlisted_since})"
@@ -392,15 +369,7 @@ def _dra_lines(dra: DraStatus) -> list[str]:
     for claim in dra.claims:
         pods = ", ".join(claim.pods) or "no pod reserved"
         lines.append(f"    {claim.claim} (uid {claim.uid}, prepared {claim.prepared_at}) for {pods}")
-        lines += [
-            f"      {d.device} ({d.gpu}, {d.resource}): "
-            + (
-                "whole GPU"
-                if d.whole
-                else f"{d.memory_mib} MiB{rounding(d.rounded_off_bytes)}, threads {d.thread_percentage}%"
-            )
-            for d in claim.devices
-        ]
+        lines += [f"      {d.device} ({d.gpu}, {d.resource}): {d.describe()}" for d in claim.devices]
     return lines
 
 

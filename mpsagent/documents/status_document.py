@@ -17,8 +17,8 @@ import msgspec
 from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
 from mpsagent.base.values import MIB
-from mpsagent.base.words import counted
-from mpsagent.mps.daemon_status import CEILING_MODES, DAEMON_METRICS, DaemonStatus
+from mpsagent.domain.grant_kind import GrantKind, describe_share
+from mpsagent.mps.daemon_status import DAEMON_METRICS, DaemonStatus
 
 
 class GpuBound(NamedTuple):
@@ -143,9 +143,13 @@ GPU_BOUND_METRICS: tuple[MetricRow[GpuStatus], ...] = (
 )
 
 
+GRANT_KINDS = tuple(kind.value for kind in GrantKind)
+"""The metrics' `kind` label of a grant: every kind, so that a kind with no grant yet is a 0."""
+
+
 class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     allocated: dict[str, Count] = {}
-    """Grants made by Allocate, by kind (full, capped)."""
+    """Grants made by Allocate, by kind (`GrantKind`'s values: text, so that an older reader takes a newer kind)."""
     adopted: Count = 0
     superseded: Count = 0
     released: Count = 0
@@ -156,7 +160,7 @@ LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     counter(
         "mpsagent_grants",
         "Grants made by Allocate, by kind (full, capped)",
-        each(CEILING_MODES, lambda ledger, kind: ledger.allocated.get(kind, 0)),
+        each(GRANT_KINDS, lambda ledger, kind: ledger.allocated.get(kind, 0)),
         labels=("kind",),
     ),
     counter(
@@ -172,7 +176,7 @@ LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     gauge(
         "mpsagent_active_grants",
         "Live grants in the ledger",
-        each(CEILING_MODES, lambda ledger, kind: ledger.live.get(kind, 0)),
+        each(GRANT_KINDS, lambda ledger, kind: ledger.live.get(kind, 0)),
         labels=("kind",),
     ),
 )
@@ -255,13 +259,6 @@ POD_RESOURCES_METRICS: tuple[MetricRow[PodResourcesStatus], ...] = (
 )
 
 
-def rounding(rounded_off_bytes: int) -> str:
-    """A cap's rounding in words (MPS limits are whole MiB): empty when the allocation was whole MiB."""
-    if not rounded_off_bytes:
-        return ""
-    return f" (the allocation rounded down to whole MiB: {counted(rounded_off_bytes, 'byte')} left out)"
-
-
 class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     device: str
     gpu: str
@@ -269,8 +266,21 @@ class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel
     memory_mib: Count = msgspec.field(name="memoryMiB")
     thread_percentage: Count
     whole: bool
+    """Its kind as the file says it (`kind`: full when whole)."""
     rounded_off_bytes: Count = 0
     """The allocated memory below a whole MiB, which the cap leaves out."""
+
+    @property
+    def kind(self) -> GrantKind:
+        return GrantKind.of(self.whole)
+
+    def describe(self) -> str:
+        return describe_share(
+            self.kind,
+            memory_mib=self.memory_mib,
+            thread_percentage=self.thread_percentage,
+            rounded_off_bytes=self.rounded_off_bytes,
+        )
 
 
 class ClaimStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

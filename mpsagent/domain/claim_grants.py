@@ -178,8 +178,8 @@ class ClaimGrants:
         share = allocator.resource.shares.capacity_share(
             ordinal, device.memory_mib, device.thread_percentage, compute=device.compute
         )
-        if share.full != device.whole:
-            raise RequestError(f"{where}: marked {'whole' if device.whole else 'capped'}, but its figures say not")
+        if share.kind is not device.kind:
+            raise RequestError(f"{where}: marked {device.kind}, but its figures make it {share.kind}")
         # The environment without the claim's opaque parameters (the checkpoint has none): its CDI spec, written at
         # its prepare, is kept as it is.
         edits = share_edits(allocator.resource, share, self._plan.shm_directory)

@@ -14,6 +14,7 @@ import re
 import msgspec
 
 from mpsagent.base.values import TaintEffect
+from mpsagent.domain.grant_kind import GrantKind, describe_share
 
 DRA_DRIVER = "mps.mpsagent.io"
 """The DRA driver's name: its DeviceClass selects devices of this driver, and the kubelet registers it so."""
@@ -162,11 +163,24 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     """Its memory cap; the GPU's whole memory for a whole-GPU share."""
     thread_percentage: int
     whole: bool
+    """Its kind as the checkpoint stores it (`kind`: full when whole)."""
     rounded_off_bytes: int = 0
     """The allocated memory below a whole MiB, which its cap leaves out (MPS limits are whole MiB)."""
     compute: int = 0
     """The compute (per cent of the SMs) it consumed, which the GPU's accounting holds for it; 0: none asked (its
     threads follow its memory). A checkpoint of an older agent has none."""
+
+    @property
+    def kind(self) -> GrantKind:
+        return GrantKind.of(self.whole)
+
+    def describe(self) -> str:
+        return describe_share(
+            self.kind,
+            memory_mib=self.memory_mib,
+            thread_percentage=self.thread_percentage,
+            rounded_off_bytes=self.rounded_off_bytes,
+        )
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):

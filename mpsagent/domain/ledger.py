@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from mpsagent.base.devices import ContainerRef, ReplicaId
 from mpsagent.domain.claims import ClaimRef
-from mpsagent.domain.shares import GrantKind, Share, ShareTally
+from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.domain.shares import Share, ShareTally
 
 
 @dataclass(kw_only=True, slots=True)

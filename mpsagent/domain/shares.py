@@ -27,18 +27,12 @@ from dataclasses import dataclass, field
 
 from mpsagent.base.devices import REPLICA_SEPARATOR, GpuUuid, ReplicaId
 from mpsagent.base.values import MAX_CLIENTS_PER_GPU, MIB, GrantRule
+from mpsagent.domain.grant_kind import GrantKind
 
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
 MAX_INDEX_DIGITS = 4
 """A GPU has at most 256 IDs (memory units; replicas 48): a longer index is none of the resource's."""
-
-
-class GrantKind(enum.StrEnum):
-    """Full: whole GPUs, no cap variables. Capped: anything less."""
-
-    FULL = "full"
-    CAPPED = "capped"
 
 
 class Route(enum.StrEnum):
@@ -398,7 +392,7 @@ class ShareModel:
         smallest = min(memory.values())
         return Share(
             gpus=tuple(held[ordinal] for ordinal in sorted(held)),
-            kind=GrantKind.FULL if full else GrantKind.CAPPED,
+            kind=GrantKind.of(full),
             thread_percentage=max(share.thread_percentage for share in shares),
             env_memory_mib=() if full else tuple(memory.get(gpu.ordinal, smallest) for gpu in self.gpus),
             bounds=tuple(sorted(memory.items())),

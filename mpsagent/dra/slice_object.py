@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 
+from mpsagent.base.clock import utc
 from mpsagent.base.config import quantity_value
 from mpsagent.base.errors import KubeApiError
 from mpsagent.domain.claims import COMPUTE, MEMORY, CapacityPolicy, DeviceTaint, NodeSlice, SliceDevice
@@ -52,8 +52,7 @@ def _capacity(policy: CapacityPolicy) -> dict[str, Any]:
 
 
 def _taint(taint: DeviceTaint) -> dict[str, Any]:
-    added = datetime.fromtimestamp(int(taint.added), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"key": taint.key, "value": taint.value, "effect": taint.effect, "timeAdded": added}
+    return {"key": taint.key, "value": taint.value, "effect": taint.effect, "timeAdded": utc(int(taint.added))}
 
 
 def _device(device: SliceDevice) -> dict[str, Any]:

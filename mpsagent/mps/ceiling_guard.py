@@ -16,12 +16,13 @@ from pathlib import Path
 
 from structlog.typing import FilteringBoundLogger
 
+from mpsagent.base.clock import utc
 from mpsagent.domain.shares import Ceilings, GpuSlots
 from mpsagent.mps.ceiling_watch import CeilingChange, CeilingWatch, NotUnderstood, SentCommands
 from mpsagent.mps.commands import CapDifference
 from mpsagent.mps.control_log import ControlLogReader, UnknownLine, Verdict
 from mpsagent.mps.daemon_log import Chunk, DaemonLog
-from mpsagent.mps.daemon_status import CapTamperEvent, ControlLogStatus, SeenBy, utc
+from mpsagent.mps.daemon_status import CapTamperEvent, ControlLogStatus, SeenBy
 
 TAMPER_EVENT = "mps daemon ceiling changed behind the agent; restoring it"
 CONTROL_LOG: SeenBy = "control_log"

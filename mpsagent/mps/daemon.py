@@ -23,6 +23,7 @@ import anyio
 from anyio.abc import Process, TaskStatus
 
 from mpsagent.base.backoff import Backoff
+from mpsagent.base.clock import utc
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import (
     ControlRunError,
@@ -54,7 +55,6 @@ from mpsagent.mps.daemon_status import (
     FrontEndFailure,
     RecordDamage,
     ceiling_mode,
-    utc,
 )
 from mpsagent.mps.launch import (
     CONTROL_LOG,

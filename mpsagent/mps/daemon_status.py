@@ -9,7 +9,6 @@ row of `DAEMON_METRICS` if it is a metric.
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 import msgspec
@@ -23,11 +22,6 @@ CeilingMode = Literal["full", "capped"]
 `capMode` and `daemon.json`'s `mode`, kept for older readers. Not a grant's kind (`shares.GrantKind`), which says
 whether one container holds every ID of its GPUs."""
 CEILING_MODES: tuple[CeilingMode, ...] = ("full", "capped")
-
-
-def utc(wall: float) -> str:
-    """A wall-clock time as the documents write it."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
 def ceiling_mode(held: Ceilings | None, full: Ceilings) -> CeilingMode | None:

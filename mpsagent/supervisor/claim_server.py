@@ -21,15 +21,16 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from mpsagent.base.clock import utc
 from mpsagent.base.devices import GpuUuid, ResourceName
 from mpsagent.base.errors import DaemonError, HostError, KubeApiError, MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.values import TaintEffect
 from mpsagent.base.words import counted
-from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus, rounding
+from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus
 from mpsagent.domain.claim_grants import ClaimGrants, HeldClaim
 from mpsagent.domain.claim_shares import device_name, node_slice
-from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, NodeSlice, PreparedClaim, PreparedDevice
+from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, NodeSlice, PreparedClaim
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.api import KubeApi, connect
@@ -37,7 +38,6 @@ from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import DeviceHealth
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.dra.slice_publisher import SlicePublisher
-from mpsagent.mps.daemon_status import utc
 from mpsagent.supervisor.resource_server import ResourceServer
 
 log = get_logger("mpsagent.claim_server")
@@ -343,7 +343,7 @@ class ClaimServer:
             "claim prepared",
             claim=str(ref),
             claim_uid=ref.uid,
-            devices=[f"{d.device}: {_describe(d)}" for d in held.prepared.devices],
+            devices=[f"{d.device}: {d.describe()}" for d in held.prepared.devices],
         )
         return PrepareOutcome(devices=held.prepared.devices)
 
@@ -422,12 +422,6 @@ def live_claims_without_dra(checkpoint_path: Path) -> str | None:
 
 def _spec_devices(held: HeldClaim) -> list[cdi.CdiDevice]:
     return [cdi.CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in held.cdi_devices]
-
-
-def _describe(device: PreparedDevice) -> str:
-    if device.whole:
-        return "whole GPU"
-    return f"{device.memory_mib} MiB{rounding(device.rounded_off_bytes)}, threads {device.thread_percentage}%"
 
 
 def _claim_status(prepared: PreparedClaim) -> ClaimStatus:

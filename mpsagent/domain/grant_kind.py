@@ -1,0 +1,38 @@
+"""A grant's kind, the one word for it on both routes, and a GPU's share in words."""
+
+from __future__ import annotations
+
+import enum
+from typing import assert_never
+
+from mpsagent.base.words import counted
+
+
+class GrantKind(enum.StrEnum):
+    """Full: whole GPUs, no cap variables. Capped: anything less. The one word for this fact on both routes: the
+    ledger's grants, a claim's devices, the metrics' `kind` label, `--status` and the `--once` report (the wire's
+    older `whole` and `fullGrant` flags are read from it)."""
+
+    FULL = "full"
+    CAPPED = "capped"
+
+    @classmethod
+    def of(cls, full: bool) -> GrantKind:
+        return cls.FULL if full else cls.CAPPED
+
+
+def describe_share(kind: GrantKind, *, memory_mib: int, thread_percentage: int, rounded_off_bytes: int = 0) -> str:
+    """One GPU's share in words, as the logs, `--status` and `--once` say it: `whole GPU`, or its caps (with the
+    allocation's rounding to whole MiB, which MPS limits are, when there was any)."""
+    match kind:
+        case GrantKind.FULL:
+            return "whole GPU"
+        case GrantKind.CAPPED:
+            rounded = (
+                f" (the allocation rounded down to whole MiB: {counted(rounded_off_bytes, 'byte')} left out)"
+                if rounded_off_bytes
+                else ""
+            )
+            return f"{memory_mib} MiB{rounded}, threads {thread_percentage}%"
+        case _:
+            assert_never(kind)
