@@ -16,11 +16,10 @@ retried with backoff, and the daemon is kept, never killed for the agent's own f
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 import anyio
-from anyio.abc import Process, TaskStatus
+from anyio.abc import TaskStatus
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.clock import utc
@@ -56,22 +55,13 @@ from mpsagent.mps.daemon_status import (
     RecordDamage,
     ceiling_mode,
 )
-from mpsagent.mps.launch import (
-    CONTROL_LOG,
-    decide_multi_user,
-    end_daemon,
-    launch_daemon,
-    recorded_daemon,
-    wait_answering,
-    wait_daemon_exit,
-)
-from mpsagent.mps.liveness import busy_episodes, hung_reason
+from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user
+from mpsagent.mps.lifecycle import RESTART_BACKOFF_S, DaemonLifecycle
+from mpsagent.mps.liveness import busy_episodes
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 
 log = get_logger(__name__)
 
-RESTART_BACKOFF_INITIAL_S = 0.5
-RESTART_BACKOFF_MAX_S = 30.0
 HOST_WAIT_MAX_S = 5.0
 FRONT_END_BACKOFF_MAX_S = 30.0
 FRONT_END_HINT = (
@@ -103,13 +93,10 @@ class DaemonSupervisor:
         self._on_exit = on_exit
         self._probe_interval = probe_interval_s
         self._owns_daemon = owner is MpsDaemonOwner.AGENT
-        self._state_file = StateFile(resource.directory)
         self._wanted = resource.shares.unreconciled_ceilings()
         self._ceilings_known = False
         self._held: Ceilings | None = None
         self._up = False
-        self._process: Process | None = None
-        self._pid: int | None = None
         self._multi_user = False
         """Whether a daemon this agent starts gets `-M` (decided once, from the config and the binary)."""
         self._running_multi_user: bool | None = None
@@ -128,7 +115,16 @@ class DaemonSupervisor:
             wanted=lambda: self._wanted,
             wake=self._wake_round,
         )
-        self._channel = ControlChannel(control_bin, resource.pipe_directory, sent=self._guard.sent)
+        self._daemon = DaemonLifecycle(
+            resource,
+            ControlChannel(control_bin, resource.pipe_directory, sent=self._guard.sent),
+            StateFile(resource.directory),
+            self._log,
+            control_bin=control_bin,
+            probe_interval_s=probe_interval_s,
+        )
+        self._channel = self._daemon.channel
+        self._state_file = self._daemon.state_file
         self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
         self._busy = busy_episodes(self._log)
         self._front_end = FailureEpisodes(
@@ -141,47 +137,16 @@ class DaemonSupervisor:
         )
 
     @property
-    def pid(self) -> int | None:
-        return self._pid
-
-    @property
-    def up(self) -> bool:
-        return self._up
-
-    @property
     def ceilings(self) -> Ceilings | None:
         """The ceilings the daemon is known to hold; None while they are being set, or after a change failed."""
         return self._held
 
-    @property
-    def multi_user(self) -> bool | None:
-        return self._running_multi_user
-
-    @property
-    def busy(self) -> tuple[float, str] | None:
-        """Since when (wall clock) and why another session keeps the daemon busy; None while it answers."""
-        return self._busy.current
-
-    @property
-    def busy_episodes(self) -> int:
-        return self._busy.episodes
-
-    @property
-    def front_end_failure(self) -> tuple[float, str] | None:
-        """Since when (wall clock) and why the agent cannot run the control front-end; None while it can."""
-        return self._front_end.current
-
-    @property
-    def record_damage(self) -> tuple[float, str, str] | None:
-        """Since when (wall clock) the daemon's record is damaged, its path and what is wrong; None while it reads."""
-        damage = self._state_file.damage
-        return None if damage is None else (damage[0], str(self._state_file.path), damage[1])
-
     def status(self) -> DaemonStatus:
         """What is known about the daemon now: the snapshot the status document embeds and the metrics read."""
-        failure, damage, busy = self.front_end_failure, self.record_damage, self.busy
+        failure, busy = self._front_end.current, self._busy.current
+        damage = self._state_file.damage
         return DaemonStatus(
-            pid=self._pid,
+            pid=self._daemon.pid,
             up=self._up,
             cap_mode=ceiling_mode(self._held, self._resource.shares.full_hardware()),
             ceilings=CeilingsStatus.of(self._held),
@@ -195,9 +160,9 @@ class DaemonSupervisor:
             front_end_failure=None if failure is None else FrontEndFailure(at=utc(failure[0]), reason=failure[1]),
             record_damage=None
             if damage is None
-            else RecordDamage(at=utc(damage[0]), path=damage[1], problem=damage[2]),
+            else RecordDamage(at=utc(damage[0]), path=str(self._state_file.path), problem=damage[1]),
             busy=None if busy is None else DaemonBusy(at=utc(busy[0]), reason=busy[1]),
-            busy_episodes=self.busy_episodes,
+            busy_episodes=self._busy.episodes,
         )
 
     # --- ceilings -------------------------------------------------------------------------------------------
@@ -218,7 +183,7 @@ class DaemonSupervisor:
         self._ceilings_known = True
         if self._held == ceilings and not verify:
             return
-        if self._pid is None:
+        if self._daemon.pid is None:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
         await self._hold(verify=verify)
 
@@ -232,7 +197,7 @@ class DaemonSupervisor:
             try:
                 await self._hold_wanted(verify=verify)
             except DaemonBusyError as exc:
-                self._busy.failed(str(exc), pid=self._pid)
+                self._busy.failed(str(exc), pid=self._daemon.pid)
                 raise
 
     async def _hold_wanted(self, *, verify: bool) -> None:
@@ -241,7 +206,7 @@ class DaemonSupervisor:
             if not verify:
                 return
             differences = await self._differences(ceilings)
-            self._busy.works(pid=self._pid)
+            self._busy.works(pid=self._daemon.pid)
             if not differences:
                 return
             self._guard.read_back(ceilings, differences)
@@ -253,19 +218,19 @@ class DaemonSupervisor:
         except DaemonBusyError:
             self._held = known  # refused before anything was sent: the daemon holds what it held
             raise
-        self._busy.works(pid=self._pid)
+        self._busy.works(pid=self._daemon.pid)
         if servers:
             await self._channel.send_all(
                 [command for server in servers for command in running_server_commands(ceilings, server)]
             )
         self._held = ceilings
         self._save_state()
-        self._log.info("mps daemon caps set", ceilings=ceilings.describe(), pid=self._pid)
+        self._log.info("mps daemon caps set", ceilings=ceilings.describe(), pid=self._daemon.pid)
 
     async def _hold_through_busy(self) -> None:
         """`_hold`, asked again with backoff while another session keeps the daemon busy: a busy daemon is neither
         killed nor given up on."""
-        retry = Backoff(RESTART_BACKOFF_INITIAL_S, self._probe_interval)
+        retry = Backoff(RESTART_BACKOFF_S[0], self._probe_interval)
         while True:
             try:
                 await self._hold()
@@ -305,30 +270,34 @@ class DaemonSupervisor:
                     task_status.started()
                     await self._adopt_from_host()
                 while True:
-                    await self._wait_for_failure()
+                    failure = await self._daemon.wait_for_failure(beside=self._watch_rounds)
+                    if failure.exited:
+                        self._log.error("mps daemon exited", pid=self._daemon.pid, reason=failure.reason)
+                    else:
+                        self._log.error("mps daemon does not answer", pid=self._daemon.pid, reason=failure.reason)
                     self._guard.detach()
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True, "its MPS daemon is down")
                     self._held = None
                     self._up = False
-                    self._log.error("mps daemon down; replicas unhealthy", pid=self._pid)
+                    self._log.error("mps daemon down; replicas unhealthy", pid=self._daemon.pid)
                     self.restarts += 1
                     if self._owns_daemon:
-                        await self._kill_child()
+                        await self._daemon.end()
                         await self._bring_up(first=False)
                     else:
-                        self._pid = None
+                        self._daemon.pid = None
                         await self._adopt_from_host()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop()
 
     async def _bring_up(self, *, first: bool) -> None:
-        retry = Backoff(RESTART_BACKOFF_INITIAL_S, RESTART_BACKOFF_MAX_S)
+        retry = Backoff(*RESTART_BACKOFF_S)
         while True:
             try:
                 if first and await self._adopt():
                     pass
-                elif self._process is not None and self._process.returncode is None:
+                elif self._daemon.own_child_runs:
                     await self._wait_answering()  # ours, kept through the agent's own failure to ask it
                 else:
                     if not first:
@@ -336,23 +305,23 @@ class DaemonSupervisor:
                     await self._start()
                 await self._hold_through_busy()
             except DaemonError as exc:
-                if first and self._process is not None:
-                    await self._kill_child()
+                if first and self._daemon.process is not None:
+                    await self._daemon.end()
                 if first:
                     raise  # a daemon that cannot start, or hold its defaults, at start-up is a loud failure
                 self._log.error("mps daemon start failed", reason=str(exc), retry_in_s=retry.delay)
                 if not isinstance(exc, ControlRunError):
-                    await self._kill_child()
+                    await self._daemon.end()
                 await retry.wait()
                 continue
             self._up = True
             self._inventory.set_resource_problem(HEALTH_SOURCE, False)
-            self._log.info("mps daemon healthy", pid=self._pid, ceilings=self._wanted.describe())
+            self._log.info("mps daemon healthy", pid=self._daemon.pid, ceilings=self._wanted.describe())
             return
 
     async def _adopt_from_host(self) -> None:
         """Wait until the daemon host's daemon answers, adopt it and make it hold the wanted ceilings."""
-        retry = Backoff(RESTART_BACKOFF_INITIAL_S, HOST_WAIT_MAX_S)
+        retry = Backoff(RESTART_BACKOFF_S[0], HOST_WAIT_MAX_S)
         waiting = FailureEpisodes(
             self._log,
             failed="waiting for the mps daemon host",
@@ -366,7 +335,7 @@ class DaemonSupervisor:
                     await self._hold_through_busy()
                     self._up = True
                     self._inventory.set_resource_problem(HEALTH_SOURCE, False)
-                    self._log.info("mps daemon healthy", pid=self._pid, ceilings=self._wanted.describe())
+                    self._log.info("mps daemon healthy", pid=self._daemon.pid, ceilings=self._wanted.describe())
                     return
                 reason = f"no MPS daemon with a live PID answers on {self._resource.pipe_directory}"
             except DaemonError as exc:
@@ -376,7 +345,7 @@ class DaemonSupervisor:
 
     async def _adopt(self) -> bool:
         try:
-            state = await recorded_daemon(self._resource, self._channel, self._state_file, restart="the agent")
+            state = await self._daemon.adopt(restart="the agent")
         except UnrecordedDaemonError:
             if self._owns_daemon:
                 raise
@@ -388,7 +357,6 @@ class DaemonSupervisor:
                 "adopted mps daemon serves other GPUs than configured; restart it to change them",
                 daemon_gpus=state.visible_devices,
             )
-        self._pid = state.pid
         self._follow_log(since=None)
         self._running_multi_user = state.multi_user
         self._compute_modes.adopt(state.original_compute_modes)
@@ -411,8 +379,7 @@ class DaemonSupervisor:
         return True
 
     async def _start(self) -> None:
-        self._process, written = await launch_daemon(self._resource, self._control_bin, multi_user=self._multi_user)
-        self._pid = self._process.pid
+        _, written = await self._daemon.launch(multi_user=self._multi_user)
         self._follow_log(since=written)
         self._running_multi_user = self._multi_user
         self._save_state()
@@ -420,50 +387,16 @@ class DaemonSupervisor:
 
     def _follow_log(self, *, since: int | None) -> None:
         """Follow the log of the daemon just started or adopted (from `since`, else its end), and judge it."""
-        assert self._pid is not None
-        self._guard.attach(self._pid, since=since)
+        assert self._daemon.pid is not None
+        self._guard.attach(self._daemon.pid, since=since)
 
     async def _wait_answering(self) -> None:
-        assert self._process is not None
-        await wait_answering(self._process, self._resource, self._channel)
-        self._log.info("mps daemon started", pid=self._pid, multi_user=self._multi_user)
-
-    async def _wait_for_failure(self) -> None:
-        """Return when the daemon exits (noticed at once) or is hung (mps.liveness); meanwhile the rounds read
-        its caps back and restore what changed."""
-        async with anyio.create_task_group() as tg:
-
-            async def exited() -> None:
-                await self._wait_exit()
-                self._log.error("mps daemon exited", pid=self._pid)
-                tg.cancel_scope.cancel()
-
-            async def hung() -> None:
-                reason = await self._watch_liveness()
-                self._log.error("mps daemon does not answer", pid=self._pid, reason=reason)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(exited)
-            tg.start_soon(hung)
-            tg.start_soon(self._watch_rounds)
+        await self._daemon.wait_answering()
+        self._log.info("mps daemon started", pid=self._daemon.pid, multi_user=self._multi_user)
 
     def _wake_round(self) -> None:
         """Run the next round now (the event is replaced after each wake: the round's own)."""
         self._wake.set()
-
-    async def _watch_liveness(self) -> str:
-        """Why the daemon counts as hung, once it does: checked every probe interval without a front-end session
-        or any lock, so never behind queued RPC work, and never fooled by another session keeping it busy."""
-        assert self._pid is not None
-        while True:
-            await anyio.sleep(self._probe_interval)
-            try:
-                reason = await hung_reason(self._resource.pipe_directory, self._pid)
-            except ControlRunError as exc:  # the agent's own failure: no answer about the daemon
-                self._log.debug("mps daemon liveness not checked", reason=str(exc))
-                continue
-            if reason is not None:
-                return reason
 
     async def _watch_rounds(self) -> None:
         """A round every probe interval, and at once when the daemon's log shows a ceiling changed behind the agent
@@ -479,44 +412,26 @@ class DaemonSupervisor:
                 await self._hold(verify=True, restore=self._guard.take_explained())
             except ControlRunError as exc:
                 rounds.grow()
-                self._front_end.failed(str(exc), pid=self._pid, retry_in_s=rounds.delay)
+                self._front_end.failed(str(exc), pid=self._daemon.pid, retry_in_s=rounds.delay)
                 continue
             except DaemonBusyError:
                 pass  # reported by _hold: the next round asks again
             except DaemonCommandError as exc:
-                self._log.error("mps daemon caps not verified", pid=self._pid, reason=str(exc))
+                self._log.error("mps daemon caps not verified", pid=self._daemon.pid, reason=str(exc))
             self._front_end.works()
             self._state_file.retry()
             rounds.reset()
 
-    async def _wait_exit(self) -> None:
-        assert self._pid is not None
-        await wait_daemon_exit(self._process, self._pid)
-
-    async def _kill_child(self) -> None:
-        """A hung or failed daemon of ours is killed and reaped before another is started."""
-        await end_daemon(self._process, self._pid)
-        self._process = None
-        self._pid = None
-
     async def _stop(self) -> None:
         if not self._owns_daemon:
-            if self._pid is not None:
-                self._log.info("mps daemon left to the daemon host", pid=self._pid)
+            if self._daemon.pid is not None:
+                self._log.info("mps daemon left to the daemon host", pid=self._daemon.pid)
             return
         if self._on_exit is MpsOnExit.KEEP:
-            if self._pid is not None:
-                self._log.info("mps daemon left running", pid=self._pid)
+            if self._daemon.pid is not None:
+                self._log.info("mps daemon left running", pid=self._daemon.pid)
             return
-        with contextlib.suppress(DaemonError):
-            await self._channel.quit(QUIT_TIMEOUT_S)
-        with anyio.move_on_after(QUIT_TIMEOUT_S + 1):
-            if self._process is not None:
-                await self._process.wait()
-            elif self._pid is not None:
-                await self._wait_exit()
-        await self._kill_child()
-        self._state_file.remove()
+        await self._daemon.quit(QUIT_TIMEOUT_S)
         await self._compute_modes.restore()
         self._log.info("mps daemon quit")
 
@@ -527,11 +442,11 @@ class DaemonSupervisor:
         return state.original_compute_modes if state else None
 
     def _save_state(self) -> None:
-        if self._pid is None:
+        if self._daemon.pid is None:
             return
         self._state_file.write(
             daemon_state(
-                pid=self._pid,
+                pid=self._daemon.pid,
                 visible_devices=self._resource.visible_devices,
                 ceilings=self._held or self._wanted,
                 shares=self._resource.shares,
