@@ -27,7 +27,6 @@ from mpsagent.mps.liveness import (
     HUNG_AFTER_MISSES,
     Liveness,
     greeting,
-    hung_bound_s,
     hung_reason,
 )
 from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, start
@@ -35,6 +34,7 @@ from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 from mpsagent_testing.kubelet.stubs import dp_pb2
 from mpsagent_testing.metrics import get, value
+from mpsagent_testing.mps import hung_bound_s
 from mpsagent_testing.mps.daemon import (
     REAL_BIN,
     control,

@@ -199,13 +199,13 @@ def test_get_info_names_the_driver_and_its_dra_socket(running: Running, kubelet_
 
 def test_the_kubelets_registration_status_is_kept(running: Running) -> None:
     notify(running, True)
-    assert (running.endpoint.registered, running.endpoint.registration_error) == (True, "")
+    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (True, "")
     notify(running, False, "boom")
-    assert (running.endpoint.registered, running.endpoint.registration_error) == (False, "boom")
+    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (False, "boom")
     stats = running.endpoint.statistics().registration
     assert (stats.registrations, stats.registration_failures) == (1, 1)
     notify(running, True)
-    assert (running.endpoint.registered, running.endpoint.registration_error) == (True, "")
+    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (True, "")
 
 
 # --- prepare and unprepare -------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from http import HTTPStatus
 import pytest
 from anyio.from_thread import start_blocking_portal
 
-from mpsagent.web.server import BadRequest, Blocking, HttpLimits, HttpServer, Request, Response, listen, parse_head
+from mpsagent.web.server import BadRequest, Blocking, HttpLimits, HttpServer, Request, Response, listen
 from mpsagent_testing.http_clients import closed_by_peer, connect
 from mpsagent_testing.kubelet.fake import wait_for
+from mpsagent_testing.web import parse_head
 
 OK = Response.text(HTTPStatus.OK, "ok\n")
 

@@ -86,11 +86,6 @@ class DraEndpoint:
         """The kubelet accepted the plugin (and its registration socket was not created again since)."""
         return self.registration.registered
 
-    @property
-    def registration_error(self) -> str:
-        """Why the kubelet last refused the plugin; "" when it did not."""
-        return self.registration.last_error
-
     def statistics(self) -> DraEndpointStatistics:
         return DraEndpointStatistics(
             registration=self.registration.statistics(),

@@ -60,12 +60,6 @@ class Liveness(enum.Enum):
     """No socket, nobody listening on it, or a connection closed without a greeting."""
 
 
-def hung_bound_s(probe_interval_s: float) -> float:
-    """The longest a hung daemon goes unnoticed: a check every probe interval, and HUNG_AFTER_MISSES greetings
-    that do not come (whatever the RPC load: the check waits for no lock)."""
-    return probe_interval_s + HUNG_AFTER_MISSES * GREETING_TIMEOUT_S
-
-
 def process_gone(pid: int) -> bool:
     """Whether the process has exited: no such PID, or a zombie that nobody has reaped yet (where /proc shows it)."""
     try:

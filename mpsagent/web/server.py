@@ -177,17 +177,6 @@ class _Exchange:
         return self._http.send_with_data_passthrough(event) or []  # None only for ConnectionClosed
 
 
-def parse_head(head: bytes) -> Request:
-    """A request head (without the blank line that ends it), or BadRequest."""
-    whole = head + b"\r\n\r\n"
-    exchange = _Exchange(len(whole))
-    exchange.receive(whole)
-    request = exchange.request()
-    if request is None:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, MALFORMED)
-    return request
-
-
 def _request(event: h11.Request) -> Request:
     """What the routes see of h11's request; only letters in a method, and HTTP/1.0 or 1.1."""
     method = event.method.decode("ascii")

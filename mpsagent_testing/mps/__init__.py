@@ -5,4 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpsagent.mps.liveness import GREETING_TIMEOUT_S, HUNG_AFTER_MISSES
+
 FAKE_CONTROL_BIN = Path(__file__).with_name("nvidia-cuda-mps-control")
+
+
+def hung_bound_s(probe_interval_s: float) -> float:
+    """The longest a hung daemon goes unnoticed, as the docs promise it: a check every probe interval, and
+    HUNG_AFTER_MISSES greetings that do not come (whatever the RPC load: the check waits for no lock)."""
+    return probe_interval_s + HUNG_AFTER_MISSES * GREETING_TIMEOUT_S
