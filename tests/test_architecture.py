@@ -1,0 +1,73 @@
+"""docs/architecture.md tells the story of the tree as it is: every path and module it names exists (and every
+attribute it names of one), and every module of the agent is named in it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+
+from mpsagent_testing.repo import ROOT
+
+DOC = ROOT / "docs" / "architecture.md"
+AGENT = ROOT / "mpsagent"
+TESTING = ROOT / "mpsagent_testing"
+FILE_NAME = re.compile(r".*\.(sock|json|yaml|md|py)")
+"""A file's name, which looks like a module."""
+API_GROUP = re.compile(r"[a-z.]+\.k8s\.io/.*")
+"""An API group and version, which looks like a path."""
+PACKAGES = sorted(p.name for p in AGENT.iterdir() if (p / "__init__.py").exists() and not p.name.startswith("_"))
+QUOTED = re.compile(r"`([^`\s]+)`")
+PATH = re.compile(r"(?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]*")
+DOTTED = re.compile(r"(?:mpsagent\.)?([a-z_]+)\.([a-z_]+)((?:\.[A-Za-z_]+)*)(?:\(\))?")
+
+
+def quoted() -> list[str]:
+    return QUOTED.findall(DOC.read_text())
+
+
+def test_every_path_it_names_exists() -> None:
+    missing = []
+    for token in quoted():
+        if not PATH.fullmatch(token) or "<" in token or token.startswith("/") or API_GROUP.fullmatch(token):
+            continue
+        path = token.rstrip("/")
+        if not any((base / path).exists() for base in (AGENT, TESTING, ROOT)):
+            missing.append(token)
+    assert missing == [], f"docs/architecture.md names paths that are not in the tree: {missing}"
+
+
+def test_every_module_and_attribute_it_names_exists() -> None:
+    missing = []
+    for token in quoted():
+        match = DOTTED.fullmatch(token)
+        if match is None or match[1] not in PACKAGES or FILE_NAME.fullmatch(token):
+            continue
+        package, module, rest = match[1], match[2], match[3]
+        name = f"mpsagent.{package}.{module}"
+        try:
+            found: object = importlib.import_module(name)
+        except ModuleNotFoundError:
+            missing.append(token)
+            continue
+        for part in rest.split(".")[1:]:
+            if not hasattr(found, part):
+                missing.append(token)
+                break
+            found = getattr(found, part)
+    assert missing == [], f"docs/architecture.md names modules or attributes that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_of_the_agent_is_named(package: str) -> None:
+    text = DOC.read_text()
+    names = set(quoted())
+    unnamed = [
+        module.stem
+        for module in sorted((AGENT / package).glob("*.py"))
+        if module.stem != "__init__"
+        and not {module.stem, f"{package}/{module.name}", f"{package}.{module.stem}"} & names
+        and not re.search(rf"`{package}\.{module.stem}[.`(]", text)
+    ]
+    assert unnamed == [], f"docs/architecture.md does not name these modules of {package}/: {unnamed}"
