@@ -32,6 +32,7 @@ from mpsagent.documents.status_document import (
 )
 from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
@@ -369,7 +370,7 @@ def _dra_lines(dra: DraStatus) -> list[str]:
     for claim in dra.claims:
         pods = ", ".join(claim.pods) or "no pod reserved"
         lines.append(f"    {claim.claim} (uid {claim.uid}, prepared {claim.prepared_at}) for {pods}")
-        lines += [f"      {d.device} ({d.gpu}, {d.resource}): {d.describe()}" for d in claim.devices]
+        lines += [f"      {d.device} ({d.gpu}, {d.resource}): {describe_claim_share(d)}" for d in claim.devices]
     return lines
 
 

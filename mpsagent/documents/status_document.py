@@ -17,7 +17,7 @@ import msgspec
 from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
 from mpsagent.base.values import MIB
-from mpsagent.domain.grant_kind import GrantKind, describe_share
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.mps.daemon_status import DAEMON_METRICS, DaemonStatus
 
 
@@ -266,21 +266,9 @@ class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel
     memory_mib: Count = msgspec.field(name="memoryMiB")
     thread_percentage: Count
     whole: bool
-    """Its kind as the file says it (`kind`: full when whole)."""
+    """Its kind as the file says it: full when whole (`GrantKind.of`)."""
     rounded_off_bytes: Count = 0
     """The allocated memory below a whole MiB, which the cap leaves out."""
-
-    @property
-    def kind(self) -> GrantKind:
-        return GrantKind.of(self.whole)
-
-    def describe(self) -> str:
-        return describe_share(
-            self.kind,
-            memory_mib=self.memory_mib,
-            thread_percentage=self.thread_percentage,
-            rounded_off_bytes=self.rounded_off_bytes,
-        )
 
 
 class ClaimStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

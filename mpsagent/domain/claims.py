@@ -14,7 +14,7 @@ import re
 import msgspec
 
 from mpsagent.base.values import TaintEffect
-from mpsagent.domain.grant_kind import GrantKind, describe_share
+from mpsagent.domain.grant_kind import GrantKind
 
 DRA_DRIVER = "mps.mpsagent.io"
 """The DRA driver's name: its DeviceClass selects devices of this driver, and the kubelet registers it so."""
@@ -173,14 +173,6 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kind(self) -> GrantKind:
         return GrantKind.of(self.whole)
-
-    def describe(self) -> str:
-        return describe_share(
-            self.kind,
-            memory_mib=self.memory_mib,
-            thread_percentage=self.thread_percentage,
-            rounded_off_bytes=self.rounded_off_bytes,
-        )
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):

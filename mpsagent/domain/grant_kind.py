@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import assert_never
+from typing import Protocol, assert_never
 
 from mpsagent.base.words import counted
 
@@ -19,6 +19,32 @@ class GrantKind(enum.StrEnum):
     @classmethod
     def of(cls, full: bool) -> GrantKind:
         return cls.FULL if full else cls.CAPPED
+
+
+class ClaimShareFigures(Protocol):
+    """What a prepared claim's device says of its share, wherever it is kept (the checkpoint, the status file)."""
+
+    @property
+    def whole(self) -> bool: ...
+
+    @property
+    def memory_mib(self) -> int: ...
+
+    @property
+    def thread_percentage(self) -> int: ...
+
+    @property
+    def rounded_off_bytes(self) -> int: ...
+
+
+def describe_claim_share(device: ClaimShareFigures) -> str:
+    """A prepared claim's device's share in words (`describe_share`)."""
+    return describe_share(
+        GrantKind.of(device.whole),
+        memory_mib=device.memory_mib,
+        thread_percentage=device.thread_percentage,
+        rounded_off_bytes=device.rounded_off_bytes,
+    )
 
 
 def describe_share(kind: GrantKind, *, memory_mib: int, thread_percentage: int, rounded_off_bytes: int = 0) -> str:

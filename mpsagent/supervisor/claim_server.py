@@ -31,6 +31,7 @@ from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, D
 from mpsagent.domain.claim_grants import ClaimGrants, HeldClaim
 from mpsagent.domain.claim_shares import device_name, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, NodeSlice, PreparedClaim
+from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.api import KubeApi, connect
@@ -343,7 +344,7 @@ class ClaimServer:
             "claim prepared",
             claim=str(ref),
             claim_uid=ref.uid,
-            devices=[f"{d.device}: {d.describe()}" for d in held.prepared.devices],
+            devices=[f"{d.device}: {describe_claim_share(d)}" for d in held.prepared.devices],
         )
         return PrepareOutcome(devices=held.prepared.devices)
 
