@@ -82,6 +82,20 @@ def test_an_unlisted_grant_is_released_only_after_the_grace_period() -> None:
     assert ledger.holder(IDS[0]) is None
 
 
+def test_a_reconciliation_says_when_the_first_unlisted_grant_can_be_released() -> None:
+    """The reconciler looks again then: a release is never a whole lookup period late."""
+    ledger = new_ledger()
+    ledger.record((IDS[0],), CAPPED)
+    later = ledger.record((IDS[1],), share_of((IDS[1],))).grant
+    assert run(ledger, [], now=100).next_release_at == 160
+    # Listed again: its clock stops, and starts anew when it goes again.
+    assert run(ledger, [Holding(container=ref("b"), replica_ids=(IDS[1],))], now=130).next_release_at == 160
+    result = run(ledger, [], now=160)
+    assert (len(result.released), result.next_release_at) == (1, 220)
+    assert run(ledger, [], now=220).released == (later,)
+    assert run(ledger, [], now=221).next_release_at is None
+
+
 def test_a_grant_gets_a_full_grace_period_even_from_a_listing_older_than_itself() -> None:
     # The reconciler took the listing (and its `now`) at 100; the Allocate came in while it was at work, at 105.
     clock = [105.0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -72,6 +73,25 @@ def test_a_gone_container_is_released_after_the_grace_period_and_the_daemon_retu
     wait_threads(short_dir, FULL)
 
 
+def test_a_gone_container_is_released_within_one_and_a_half_grace_periods_of_leaving_the_listing(
+    agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
+) -> None:
+    """The docs' promise, at its hardest: the container leaves the listing just after a lookup, so that the next
+    lookup is a whole period away. By the release's own log time, not the test's polling."""
+    agent = start(agents, kubelet, short_dir, "--reconcile-grace-seconds", str(GRACE_S))
+    plugin = kubelet.wait_registered(RESOURCE)
+    allocate(plugin, ids(GPU1, 1))
+    pod_resources.set_containers(listed("web", ids(GPU1, 1)))
+    agent.wait_log("grant identified", timeout=GRACE_S)
+    calls = pod_resources.calls
+    wait_for(lambda: pod_resources.calls > calls, GRACE_S, "a lookup")
+    pod_resources.set_containers()
+    gone_at = time.time()
+    released = agent.wait_log("grant released: its container is gone", timeout=3 * GRACE_S)
+    after_s = datetime.fromisoformat(str(released["timestamp"])).timestamp() - gone_at
+    assert GRACE_S - 0.1 <= after_s <= 1.5 * GRACE_S, f"released {after_s:.2f} s after leaving the listing"
+
+
 def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
     agents: AgentLauncher, kubelet: FakeKubelet, pod_resources: FakePodResources, short_dir: Path
 ) -> None:
@@ -79,7 +99,7 @@ def test_a_new_grant_not_yet_listed_keeps_its_caps_through_the_grace_period(
     plugin = kubelet.wait_registered(RESOURCE)
     calls = pod_resources.calls
     allocate(plugin, ids(GPU0, 0))
-    # Reconciliation runs soon after the Allocate, then twice per grace period.
+    # Reconciliation runs soon after the Allocate, then every 0.4 grace periods.
     wait_for(lambda: pod_resources.calls >= calls + 2, GRACE_S * 0.9, "two reconciliations after the Allocate")
     assert threads(short_dir) == CAPPED
     assert events(agent, "grant released: its container is gone") == []

@@ -63,6 +63,8 @@ class ReconcileResult:
     """Adopted grants naming IDs the resource does not advertise (an older configuration's): the smallest share."""
     missing: int = 0
     """Grants not listed, still inside the grace period."""
+    next_release_at: float | None = None
+    """When (monotonic) the first of those reaches the end of its grace period: the lookup that can release it."""
 
     @property
     def ledger_changed(self) -> bool:
@@ -150,13 +152,16 @@ def reconcile(
 
     expired: list[int] = []
     missing = 0
+    next_release_at: float | None = None
     for grant in ledger.listed_route():
         if grant.grant_id in seen:
             continue
-        if now - ledger.mark_unlisted(grant, now) >= grace_s:
+        release_at = ledger.mark_unlisted(grant, now) + grace_s
+        if now >= release_at:
             expired.append(grant.grant_id)
         else:
             missing += 1
+            next_release_at = release_at if next_release_at is None else min(next_release_at, release_at)
     return ReconcileResult(
         identified=tuple(identified),
         adopted=tuple(adopted),
@@ -164,4 +169,5 @@ def reconcile(
         released=ledger.release(expired),
         unplaced=tuple(unplaced),
         missing=missing,
+        next_release_at=next_release_at,
     )

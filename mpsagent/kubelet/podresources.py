@@ -42,6 +42,9 @@ a kubelet busy admitting other pods. At most 5 lookups per Allocate, fewer when 
 the spacing (they share them). A grant still unlisted after 4 s is most likely of a pod that failed admission after
 its Allocate: the periodic lookup and the grace period settle it."""
 
+PERIOD_OF_GRACE = 0.4
+"""The periodic lookup's spacing, as a part of the grace period."""
+
 PodResourcesFailure = (OSError, TimeoutError, GRPCError, StreamTerminatedError, ProtocolError)
 
 
@@ -84,8 +87,12 @@ class PodResourcesReconciler:
         self._socket = socket
         self._targets: list[ReconcileTarget] = []
         self._grace_s = grace_s
-        # Twice per grace period, so that a gone container is released within 1.5 grace periods.
-        self._period_s = min(PERIOD_MAX_S, max(MIN_SPACING_S, grace_s / 2))
+        # A gone container is seen gone within a period (and the lookup's own time), and released by the lookup due
+        # at the end of its grace period (`_release_due`): within 1.5 grace periods of leaving the listing, with a
+        # tenth of one to spare for lookups that a busy node delays.
+        self._period_s = min(PERIOD_MAX_S, max(MIN_SPACING_S, PERIOD_OF_GRACE * grace_s))
+        self._release_due: float | None = None
+        """The clock time at which the first unlisted grant's grace period ends; None while no grant is unlisted."""
         self._clock = clock
         self._wanted = anyio.Event()
         self._waiting_until = math.inf
@@ -130,8 +137,10 @@ class PodResourcesReconciler:
         """The clock time of the next lookup, for a loop that rests since `rested`."""
         if self._unavailable.failing:
             return rested + retry.delay
-        periodic = rested + self._period_s
-        return min(periodic, self._follow_ups[0]) if self._follow_ups else periodic
+        due: list[float] = [rested + self._period_s, *self._follow_ups[:1]]
+        if self._release_due is not None:
+            due.append(max(self._release_due, rested))
+        return min(due)
 
     def _settle_follow_ups(self) -> None:
         """After a lookup: the follow-ups it made are done, and none is needed while every grant has been listed."""
@@ -151,10 +160,13 @@ class PodResourcesReconciler:
         self._unavailable.works(socket=str(self._socket))
         self.successes += 1
         now = self._clock()
+        self._release_due = None
         for target in self._targets:
             resource = target.allocator.resource.name
             result = target.allocator.reconcile(holdings(listing.get(resource, [])), now=now, grace_s=self._grace_s)
             _log_result(resource, result)
+            if result.next_release_at is not None:
+                self._release_due = min(result.next_release_at, self._release_due or math.inf)
             # The first answer also settles the mode a daemon took while the grants were unknown.
             if result.ledger_changed or self.successes == 1:
                 await target.on_ledger_changed()

@@ -38,7 +38,8 @@ sharing:
 """
 """Three fake 16 GiB GPUs: two of four replicas each, one of eight 2 GiB memory units."""
 RELEASE_S = 1.5 * GRACE_S + 10
-"""A grant no listing names is released within 1.5 grace periods (the lookup runs every half period)."""
+"""A grant no listing names is released within 1.5 grace periods (seen gone within 0.4 of one, released by the
+lookup due at the end of its grace period), and the test's own polling on top."""
 ALLOCATABLE_S = 30.0
 """Registration reaches node allocatable at the kubelet's next status update (2 s on this node)."""
 
@@ -190,7 +191,7 @@ def test_a_deleted_pods_grant_is_released_after_the_grace_period(cluster: str, a
     grant_of("default/leaving/app")
     assert ceilings(GPU, 2)[0] == "50.0"
     pods.delete("leaving")
-    # Released within 1.5 grace periods of leaving the kubelet's listing (the lookup runs every half period).
+    # Released within 1.5 grace periods of leaving the kubelet's listing (test_e2e_release_under_load times it).
     kubectl.wait_for(lambda: not grants(GPU), RELEASE_S, "the grant to be released")
     assert released(agent, "default/leaving/app")
     assert ceilings(GPU, 2) == ("100.0", ["16G", "16G"])
