@@ -9,6 +9,9 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,3 +144,18 @@ def threads(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     raise AssertionError("no Threads line")
+
+
+@contextmanager
+def busy_cpus(count: int | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`count` processes (one per CPU by default) that spin until the block ends: a busy node for the code under
+    test to compete with. Each is ended when the block ends, however it ends."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(count or os.cpu_count() or 1)
+    ]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            end_group(spinner)

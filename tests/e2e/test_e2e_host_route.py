@@ -7,16 +7,22 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from mpsagent_testing.agents import AgentProcess
 from mpsagent_testing.cluster import kubectl, node, pods
 from mpsagent_testing.cluster.host_agent import HostAgents, fake_gpu, grants, pipe_directory, status, status_text
+from mpsagent_testing.cluster.layout import POD_RESOURCES_SOCKET
+from mpsagent_testing.kubelet.stubs import pr_grpc, pr_pb2
 from mpsagent_testing.mps.daemon import control, require_real_control
+from mpsagent_testing.processes import busy_cpus
 
 require_real_control()
 
@@ -40,6 +46,8 @@ sharing:
 RELEASE_S = 1.5 * GRACE_S + 10
 """A grant no listing names is released within 1.5 grace periods (seen gone within 0.4 of one, released by the
 lookup due at the end of its grace period), and the test's own polling on top."""
+POD_DELETE_S = 60.0
+"""A pod's deletion reaches the kubelet and its containers are stopped (busybox ends at SIGTERM)."""
 ALLOCATABLE_S = 30.0
 """Registration reaches node allocatable at the kubelet's next status update (2 s on this node)."""
 
@@ -195,6 +203,43 @@ def test_a_deleted_pods_grant_is_released_after_the_grace_period(cluster: str, a
     kubectl.wait_for(lambda: not grants(GPU), RELEASE_S, "the grant to be released")
     assert released(agent, "default/leaving/app")
     assert ceilings(GPU, 2) == ("100.0", ["16G", "16G"])
+
+
+def listed_at_pod_resources(container: str) -> bool:
+    """Whether the node's kubelet lists `namespace/pod/container` with a device in its pod-resources API."""
+    with grpc.insecure_channel(f"unix://{POD_RESOURCES_SOCKET}") as channel:
+        answer = pr_grpc.PodResourcesListerStub(channel).List(pr_pb2.ListPodResourcesRequest(), timeout=5)
+    return any(
+        f"{pod.namespace}/{pod.name}/{listed.name}" == container and listed.devices
+        for pod in answer.pod_resources
+        for listed in pod.containers
+    )
+
+
+def test_a_deleted_pods_grant_is_released_within_one_and_a_half_grace_periods_on_a_busy_node(
+    cluster: str, agent: AgentProcess
+) -> None:
+    """The docs' promise with every CPU of the node kept busy: timed from the moment the kubelet's pod-resources
+    stops listing the container (the test asks every 0.1 s) to the release's own log time."""
+    wait_allocatable(cluster, GPU, 8)
+    container = "default/busy/app"
+    pods.create("busy", {GPU: 1})
+    pods.wait_running("busy")
+    grant_of(container)
+    with busy_cpus():
+        pods.delete("busy", wait=False)
+        dropped_at = kubectl.wait_for(
+            lambda: None if listed_at_pod_resources(container) else time.time(),
+            POD_DELETE_S,
+            "pod-resources to drop the container",
+        )
+        kubectl.wait_for(lambda: released(agent, container), RELEASE_S, "the grant to be released")
+    (event,) = [
+        e for e in agent.log_events()
+        if e.get("event") == "grant released: its container is gone" and e.get("container") == container
+    ]  # fmt: skip
+    after_s = datetime.fromisoformat(str(event["timestamp"])).timestamp() - dropped_at
+    assert after_s <= 1.5 * GRACE_S, f"released {after_s:.2f} s after pod-resources dropped the container"
 
 
 def test_a_kubelet_restart_keeps_running_pods_and_their_grants(cluster: str, agent: AgentProcess) -> None:
