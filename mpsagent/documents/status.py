@@ -33,7 +33,7 @@ from mpsagent.documents.status_document import (
 from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.grant_kind import describe_claim_share
-from mpsagent.domain.inventory import Inventory
+from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
 from mpsagent.kubelet.registration import Registration
@@ -64,10 +64,12 @@ def _wall(monotonic: float | None) -> str | None:
     return None if monotonic is None else utc_of_monotonic(monotonic)
 
 
-def _gpu_entries(view: ResourceView, grants: Sequence[Grant]) -> dict[str, GpuStatus]:
+def _gpu_entries(
+    view: ResourceView, devices: Sequence[AdvertisedDevice], grants: Sequence[Grant]
+) -> dict[str, GpuStatus]:
     """Each GPU's replicas and health, with its ceilings and escape bound (see docs/cap-model.md)."""
     counts: dict[GpuUuid, list[int]] = {}  # [replicas, healthy], in the inventory's order
-    for device in view.inventory.snapshot().devices:
+    for device in devices:
         count = counts.setdefault(gpu_of(device.replica_id), [0, 0])
         count[0] += 1
         count[1] += device.health is Health.HEALTHY
@@ -107,6 +109,27 @@ def _gpu_status(replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, wi
     )
 
 
+_grant_statuses: dict[str, dict[int, tuple[Grant, object, float | None, GrantStatus]]] = {}
+"""Per resource: each live grant's entry as last built, with what it was built from (the grant object, its owner,
+its missing_since). A status document is built every 0.5 s while grants change, on the event loop; most of its
+grants are the same objects as last time."""
+
+
+def _grant_statuses_of(resource: str, grants: Sequence[Grant]) -> tuple[GrantStatus, ...]:
+    """The grants' entries, each built again only when its grant changed (the cache keeps only these grants)."""
+    earlier = _grant_statuses.get(resource, {})
+    now: dict[int, tuple[Grant, object, float | None, GrantStatus]] = {}
+    for grant in grants:
+        owner, missing_since = grant.owner, grant.missing_since
+        hit = earlier.get(grant.grant_id)
+        if hit is not None and hit[0] is grant and hit[1] == owner and hit[2] == missing_since:
+            now[grant.grant_id] = hit
+        else:
+            now[grant.grant_id] = (grant, owner, missing_since, _grant_status(grant))
+    _grant_statuses[resource] = now
+    return tuple(entry[3] for entry in now.values())
+
+
 def _grant_status(grant: Grant) -> GrantStatus:
     return GrantStatus(
         grant_id=grant.grant_id,
@@ -125,14 +148,15 @@ def _resource_status(view: ResourceView) -> ResourceStatus:
     devices = view.inventory.snapshot().devices
     grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
     stats = view.allocator.ledger.statistics()
+    name = view.allocator.resource.name
     return ResourceStatus(
-        name=view.allocator.resource.name,
+        name=name,
         registered=view.registration.registered,
         registrations=view.registration.registrations,
         registration_failures=view.registration.registration_failures,
         replicas=len(devices),
         healthy=sum(d.health is Health.HEALTHY for d in devices),
-        gpus=_gpu_entries(view, grants),
+        gpus=_gpu_entries(view, devices, grants),
         daemon=view.daemon,
         ledger=LedgerStatus(
             allocated={kind.value: count for kind, count in stats.grants.items()},
@@ -141,7 +165,7 @@ def _resource_status(view: ResourceView) -> ResourceStatus:
             released=stats.released_grants,
             live={kind.value: count for kind, count in stats.live_grants.items()},
         ),
-        grants=tuple(_grant_status(grant) for grant in grants),
+        grants=_grant_statuses_of(name, grants),
     )
 
 
@@ -177,7 +201,11 @@ def render_status_json(document: StatusDocument, *, indent: int = 2) -> str:
         for grant in resource["grants"]:
             if grant["claim"] is None:
                 del grant["claim"]
-    return json.dumps(builtins, indent=indent)
+    # msgspec writes the standard library's layout, 30x faster (0.9 against 26 ms for 384 grants: the pure-Python
+    # encoder runs whenever there is an indent, on the event loop); the document has no floats, and only its
+    # escaping of non-ASCII differs, so such a document takes the slow path.
+    encoded = msgspec.json.format(msgspec.json.encode(builtins), indent=indent)
+    return encoded.decode() if encoded.isascii() else json.dumps(builtins, indent=indent)
 
 
 def write_status(mps_root: Path, document: StatusDocument) -> None:

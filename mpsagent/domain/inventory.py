@@ -40,6 +40,8 @@ class Inventory:
         self._resource_problems: dict[str, str] = {} if daemon_ready else {"mps daemon": "its MPS daemon is not up"}
         self._withheld: dict[GpuUuid, Withheld] = {}
         self._generation = 0
+        self._snapshot: InventorySnapshot | None = None
+        """The last snapshot taken, reused while the generation is its own (every change bumps it)."""
         self._changed: anyio.Event | None = None  # created by the first waiter, inside the event loop
 
     @property
@@ -62,6 +64,11 @@ class Inventory:
         return tuple(self._withheld.values())
 
     def snapshot(self) -> InventorySnapshot:
+        if self._snapshot is None or self._snapshot.generation != self._generation:
+            self._snapshot = self._take_snapshot()
+        return self._snapshot
+
+    def _take_snapshot(self) -> InventorySnapshot:
         health = {gpu.uuid: self.gpu_health(gpu.uuid) for gpu in self._resource.gpus}
         numa = {gpu.uuid: gpu.numa_node for gpu in self._resource.gpus}
         withheld = set(self._withheld_ids())

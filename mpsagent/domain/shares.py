@@ -449,9 +449,14 @@ class ShareModel:
 
     def escape_bounds(self, ceilings: Ceilings, live: Sequence[Share]) -> tuple[EscapeBound, ...]:
         """Per GPU: its live grants, the ceilings, and how far its smallest live share can exceed its caps."""
+        by_ordinal: dict[int, list[Share]] = {gpu.ordinal: [] for gpu in self.gpus}
+        for share in live:  # one pass: a node's hundreds of grants, each on one GPU or a few
+            for ordinal in {held.ordinal for held in share.gpus}:
+                if ordinal in by_ordinal:
+                    by_ordinal[ordinal].append(share)
         bounds = []
         for gpu in self.gpus:
-            on_gpu = [share for share in live if any(held.ordinal == gpu.ordinal for held in share.gpus)]
+            on_gpu = by_ordinal[gpu.ordinal]
             memory_ceiling = ceilings.memory_mib[gpu.ordinal]
             own_memory = [self._cap_on(share, gpu.ordinal) for share in on_gpu]
             bounds.append(
