@@ -129,8 +129,9 @@ class PodResourcesReconciler:
             if near == len(self._follow_ups) or self._follow_ups[near] > due + MIN_SPACING_S:
                 bisect.insort(self._follow_ups, due)
         # Waking `run` costs more than the rest of this: only when its next lookup comes sooner now (a burst of
-        # Allocates keeps the first one's first follow-up).
-        if self._follow_ups[0] < self._waiting_until:
+        # Allocates keeps the first one's first follow-up). While the API fails, the backoff alone sets the next
+        # lookup: a wake would only find that out again, once per Allocate.
+        if not self._unavailable.failing and self._follow_ups[0] < self._waiting_until:
             self._wanted.set()
 
     def _next_lookup(self, rested: float, retry: Backoff) -> float:
