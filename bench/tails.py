@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -184,6 +185,7 @@ def main() -> int:
         result, agent_ns, floor_ns = measure(args, work)
     finally:
         kill_processes_using(work)
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         samples = {"agent_ms": [ms(s) for s in agent_ns], "floor_ms": [ms(s) for s in floor_ns]}
         args.json.write_text(json.dumps({**result, **samples}))

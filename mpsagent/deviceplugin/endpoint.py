@@ -16,6 +16,7 @@ from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.host import FileIdentity, file_identity, pid_alive
 from mpsagent.base.logs import get_logger
+from mpsagent.base.ticker import FAST_POLLS
 from mpsagent.deviceplugin.registration import register
 from mpsagent.deviceplugin.servicer import DevicePluginServicer
 from mpsagent.kubelet.registration import Registration, RegistrationRecord
@@ -23,7 +24,7 @@ from mpsagent.kubelet.served_socket import ServedSocket
 
 log = get_logger(__name__)
 
-WATCH_INTERVAL_S = 0.2
+WATCH_INTERVAL_S = FAST_POLLS.period_s
 REGISTER_BACKOFF_INITIAL_S = 0.1
 REGISTER_BACKOFF_MAX_S = 5.0
 
@@ -164,12 +165,22 @@ class PluginEndpoint:
             return kubelet
 
     async def _wait_for_kubelet_restart(self, kubelet: FileIdentity | None) -> None:
-        """Return when our socket is gone or the kubelet's socket was re-created: the kubelet restarted."""
-        while True:
-            await anyio.sleep(WATCH_INTERVAL_S)
+        """Return when our socket is gone or the kubelet's socket was re-created: the kubelet restarted. Looked at
+        every WATCH_INTERVAL_S, in the agent's shared 0.2 s poll (one timer for every such poller, no task step)."""
+        restarted = anyio.Event()
+        seen: list[str] = []
+
+        def look() -> None:
+            if restarted.is_set():
+                return
             if self._socket.gone:
-                self._log.warning("plugin socket removed; kubelet restarted, registering again")
+                seen.append("plugin socket removed; kubelet restarted, registering again")
+            elif file_identity(self._kubelet_socket) != kubelet:
+                seen.append("kubelet socket re-created; registering again")
+            else:
                 return
-            if file_identity(self._kubelet_socket) != kubelet:
-                self._log.warning("kubelet socket re-created; registering again")
-                return
+            restarted.set()
+
+        with FAST_POLLS.polling(look):
+            await restarted.wait()
+        self._log.warning(seen[0])

@@ -24,8 +24,9 @@ import anyio
 from structlog.typing import FilteringBoundLogger
 
 from mpsagent.base.host import file_kind, os_reason
+from mpsagent.base.ticker import FAST_POLLS
 
-LOG_POLL_S = 0.2
+LOG_POLL_S = FAST_POLLS.period_s
 """How often the file is read: a ceiling changed behind the agent is seen within this (and restored within 1 s)."""
 MAX_READ_BYTES = 1 << 20
 """At most this much of the log per poll: a daemon that writes faster is followed, not read whole at once."""
@@ -113,11 +114,11 @@ class DaemonLog:
         )
 
     async def run(self) -> None:
-        """Follow the file until cancelled: a poll every LOG_POLL_S."""
+        """Follow the file until cancelled: a poll every LOG_POLL_S, in the agent's shared 0.2 s poll (one timer for
+        every such poller, no task step of its own)."""
         try:
-            while True:
-                await anyio.sleep(LOG_POLL_S)
-                self.poll()
+            with FAST_POLLS.polling(self.poll):
+                await anyio.sleep_forever()
         finally:
             self._close()
 
