@@ -46,14 +46,15 @@ def _blocks(
     blocks: int,
 ) -> tuple[list[int], list[int]]:
     """`count` sequential round trips each to the agent and to the floor, in alternating blocks so that both
-    meet the same noise; `requests(n)` gives the next n requests."""
+    meet the same noise (the side that goes first alternates too); `requests(n)` gives the next n requests."""
     agent_ns: list[int] = []
     floor_ns: list[int] = []
     for block in range(blocks):
         size = count // blocks + (block < count % blocks)
         batch = requests(size)
-        agent_ns += time_calls(agent_call, batch)
-        floor_ns += time_calls(floor_call, batch)
+        sides = ((agent_call, agent_ns), (floor_call, floor_ns))
+        for call, samples in sides if block % 2 == 0 else sides[::-1]:
+            samples.extend(time_calls(call, batch))
     return agent_ns, floor_ns
 
 
