@@ -109,25 +109,27 @@ def _gpu_status(replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, wi
     )
 
 
-_grant_statuses: dict[str, dict[int, tuple[Grant, object, float | None, GrantStatus]]] = {}
-"""Per resource: each live grant's entry as last built, with what it was built from (the grant object, its owner,
-its missing_since). A status document is built every 0.5 s while grants change, on the event loop; most of its
-grants are the same objects as last time."""
+class GrantEntries:
+    """Each live grant's status entry as last built, per resource, with what it was built from (the grant object,
+    its owner, its missing_since). The publisher builds a document every 0.5 s while grants change, on the event
+    loop, and most of its grants are the same objects as last time: their entries are kept, not built again."""
 
+    def __init__(self) -> None:
+        self._built: dict[str, dict[int, tuple[Grant, object, float | None, GrantStatus]]] = {}
 
-def _grant_statuses_of(resource: str, grants: Sequence[Grant]) -> tuple[GrantStatus, ...]:
-    """The grants' entries, each built again only when its grant changed (the cache keeps only these grants)."""
-    earlier = _grant_statuses.get(resource, {})
-    now: dict[int, tuple[Grant, object, float | None, GrantStatus]] = {}
-    for grant in grants:
-        owner, missing_since = grant.owner, grant.missing_since
-        hit = earlier.get(grant.grant_id)
-        if hit is not None and hit[0] is grant and hit[1] == owner and hit[2] == missing_since:
-            now[grant.grant_id] = hit
-        else:
-            now[grant.grant_id] = (grant, owner, missing_since, _grant_status(grant))
-    _grant_statuses[resource] = now
-    return tuple(entry[3] for entry in now.values())
+    def of(self, resource: str, grants: Sequence[Grant]) -> tuple[GrantStatus, ...]:
+        """The grants' entries, each built again only when its grant changed (only these grants are kept)."""
+        earlier = self._built.get(resource, {})
+        now: dict[int, tuple[Grant, object, float | None, GrantStatus]] = {}
+        for grant in grants:
+            owner, missing_since = grant.owner, grant.missing_since
+            hit = earlier.get(grant.grant_id)
+            if hit is not None and hit[0] is grant and hit[1] == owner and hit[2] == missing_since:
+                now[grant.grant_id] = hit
+            else:
+                now[grant.grant_id] = (grant, owner, missing_since, _grant_status(grant))
+        self._built[resource] = now
+        return tuple(entry[3] for entry in now.values())
 
 
 def _grant_status(grant: Grant) -> GrantStatus:
@@ -144,7 +146,7 @@ def _grant_status(grant: Grant) -> GrantStatus:
     )
 
 
-def _resource_status(view: ResourceView) -> ResourceStatus:
+def _resource_status(view: ResourceView, entries: GrantEntries) -> ResourceStatus:
     devices = view.inventory.snapshot().devices
     grants = sorted(view.allocator.ledger.live_grants(), key=lambda g: g.grant_id)
     stats = view.allocator.ledger.statistics()
@@ -165,7 +167,7 @@ def _resource_status(view: ResourceView) -> ResourceStatus:
             released=stats.released_grants,
             live={kind.value: count for kind, count in stats.live_grants.items()},
         ),
-        grants=_grant_statuses_of(name, grants),
+        grants=entries.of(name, grants),
     )
 
 
@@ -178,14 +180,17 @@ def status_document(
     unhealthy_gpus: dict[GpuUuid, str],
     resources: Sequence[ResourceView],
     dra: DraStatus | None = None,
+    grant_entries: GrantEntries | None = None,
 ) -> StatusDocument:
+    """`grant_entries`: the entries the last document's builder kept (the publisher's own); none, built anew."""
+    entries = grant_entries or GrantEntries()
     return StatusDocument(
         version=version,
         pid=pid,
         tasks=tasks,
         pod_resources=pod_resources,
         unhealthy_gpus=dict(sorted(unhealthy_gpus.items())),
-        resources=tuple(_resource_status(view) for view in resources),
+        resources=tuple(_resource_status(view, entries) for view in resources),
         dra=dra,
     )
 

@@ -18,6 +18,7 @@ from mpsagent.base.host import os_reason
 from mpsagent.base.logs import get_logger
 from mpsagent.documents.status import (
     STATUS_FILE,
+    GrantEntries,
     ResourceView,
     readiness_problems,
     remove_status,
@@ -63,6 +64,7 @@ class StatePublisher:
         self._notifier = notifier
         self._web = web
         self._dra = dra
+        self._grant_entries = GrantEntries()
         self._unwritten = FailureEpisodes(
             log,
             failed="status file not written",
@@ -86,6 +88,7 @@ class StatePublisher:
             unhealthy_gpus=unhealthy_gpus,
             resources=views,
             dra=dra,
+            grant_entries=self._grant_entries,
         )
 
     def _fingerprint(
