@@ -18,6 +18,7 @@ from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
 from mpsagent.documents.status import (
     STATUS_FILE,
+    GrantEntries,
     ResourceView,
     readiness_problems,
     starting_document,
@@ -25,7 +26,7 @@ from mpsagent.documents.status import (
     summary,
     write_status,
 )
-from mpsagent.documents.status_document import DraStatus, PodResourcesStatus
+from mpsagent.documents.status_document import DraStatus, GrantStatus, PodResourcesStatus
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
@@ -280,6 +281,45 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
         "    #2 capped ml/web/main (not listed by the kubelet since 2025-12-01T00:00:00Z) [1/4 of GPU 0, threads 25%]: "
         "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::1",
     ]
+
+
+def test_kept_grant_entries_follow_each_change_of_their_grant() -> None:
+    """The publisher keeps the grants' entries between documents: a grant identified, unlisted or ended since
+    shows as it is now, exactly as a document built anew shows it."""
+    plan = build_plan(
+        check_config(parse_config(CONFIG, "config.yaml")),
+        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
+        Path("/run/nvidia/mps"),
+    )
+    gpus = plan.resources[0]
+    allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 2, lambda: MONOTONIC - 2))
+    ids = gpus.device_ids
+    allocator.allocate([ids[:1], ids[1:2]])
+    view = ResourceView(
+        allocator=allocator,
+        inventory=Inventory(gpus, daemon_ready=True),
+        daemon=DaemonStatus(pid=4242, up=True),
+        registration=Registration(registered=True, registrations=1),
+    )
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+    entries = GrantEntries()
+
+    def grants(kept: GrantEntries | None) -> tuple[GrantStatus, ...]:
+        document = status_document(
+            version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[view],
+            grant_entries=kept,
+        )  # fmt: skip
+        return document.resources[0].grants
+
+    assert grants(entries) == grants(None)
+    web = ContainerRef(namespace="ml", pod="web", container="main")
+    allocator.reconcile([Holding(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
+    assert [g.container for g in grants(entries)] == [None, "ml/web/main"]
+    allocator.reconcile([], now=MONOTONIC, grace_s=60)
+    assert grants(entries) == grants(None)
+    assert grants(entries)[1].unlisted_since is not None
+    allocator.reconcile([], now=MONOTONIC + 61, grace_s=60)
+    assert grants(entries) == grants(None) == ()
 
 
 @pytest.mark.usefixtures("fixed_clocks")
