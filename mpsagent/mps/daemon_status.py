@@ -19,7 +19,7 @@ from mpsagent.domain.shares import Ceilings
 
 CeilingMode = Literal["full", "capped"]
 """Whether the daemon's ceilings are the whole hardware ("full") or any is lower ("capped"): the status file's
-`capMode` and `daemon.json`'s `mode`, kept for older readers. Not a grant's kind (`shares.GrantKind`), which says
+`capMode` and `daemon.json`'s `mode`, kept for older readers. Not a grant's kind (`grant_kind.GrantKind`), which says
 whether one container holds every ID of its GPUs."""
 CEILING_MODES: tuple[CeilingMode, ...] = ("full", "capped")
 
