@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pkgutil
 import re
 import shutil
 import signal
@@ -54,6 +55,10 @@ NOT_AGENT_FLAGS = {"NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "TMPD
 
 IMAGE_ENTRYPOINT = ["/opt/mpsagent/bin/mpsagent"]
 ONEFILE_IMAGE_TARGET_MB = 120
+# The virtual-environment image's ceiling (docs/performance.md, "Image sizes"): 175 MB before 2026-12-05.
+VENV_IMAGE_TARGET_MB = 120
+# The image's own import check (packaging/container/check_imports.py, copied in by the Dockerfile).
+IMAGE_IMPORT_CHECK = "/opt/mpsagent/share/check_imports.py"
 COMMAND_TIMEOUT_S = 60
 
 
@@ -507,6 +512,42 @@ def test_onefile_image_is_the_venv_image_in_less_room(venv_image: str, onefile_i
     print(f"one-file image: {size:.0f} MB; venv image: {image_mb(venv_image):.0f} MB")
     assert size <= ONEFILE_IMAGE_TARGET_MB
     assert abs(size - documented_onefile_image_mb()) <= 10, "update the size in docs/install.md"
+
+
+def documented_venv_image_mb() -> float:
+    match = re.search(r"virtual-environment image[^.]*?about (\d+) MB", INSTALL_DOC.read_text())
+    assert match, "docs/install.md must give the venv image's size as `virtual-environment image ... about N MB`"
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_venv_image_stays_within_its_size_target(venv_image: str) -> None:
+    """What the agent does not need at run time stays out (packaging/container/Dockerfile): pip, setuptools,
+    bytecode, debug symbols, the standard library's tests and the libraries only unused modules load."""
+    size = image_mb(venv_image)
+    print(f"venv image: {size:.1f} MB (target {VENV_IMAGE_TARGET_MB} MB)")
+    assert size <= VENV_IMAGE_TARGET_MB, f"the venv image is {size:.1f} MB, over its {VENV_IMAGE_TARGET_MB} MB target"
+    assert abs(size - documented_venv_image_mb()) <= 10, "update the venv image's size in docs/install.md"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_every_agent_module_imports_in_the_venv_image(venv_image: str) -> None:
+    """Every module under mpsagent, what the dependencies import once the agent runs, and every extension module
+    left in the standard library import with the image's interpreter and files only (nothing removed that is
+    needed); the build runs the same check."""
+    with container_root(venv_image) as root:
+        done = in_image(venv_image, root, "/opt/mpsagent/bin/python", "-B", IMAGE_IMPORT_CHECK)
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert "modules imported" in done.stdout
+        names = in_image(
+            venv_image, root, "/opt/mpsagent/bin/python", "-B", "-c",
+            "import pkgutil, mpsagent; print(len(list(pkgutil.walk_packages(mpsagent.__path__, 'mpsagent.'))))",
+        )  # fmt: skip
+        assert names.returncode == 0, names.stderr
+        host = len(list(pkgutil.walk_packages([str(ROOT / "mpsagent")], "mpsagent.")))
+        assert int(names.stdout) == host, "the image's agent has other modules than the checkout's"
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
