@@ -13,7 +13,7 @@ import anyio.lowlevel
 
 import mpsagent
 
-failed = []
+failed: list[str] = []
 
 
 def check(name: str) -> None:
