@@ -523,8 +523,8 @@ def documented_venv_image_mb() -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(IMAGE_TIMEOUT_S)
 def test_venv_image_stays_within_its_size_target(venv_image: str) -> None:
-    """What the agent does not need at run time stays out (packaging/container/Dockerfile): pip, setuptools,
-    bytecode, debug symbols, the standard library's tests and the libraries only unused modules load."""
+    """What the agent does not need at run time stays out (packaging/container/Dockerfile): pip, setuptools, debug
+    symbols, the standard library's tests; pure-Python modules are in compressed zip archives."""
     size = image_mb(venv_image)
     print(f"venv image: {size:.1f} MB (target {VENV_IMAGE_TARGET_MB} MB)")
     assert size <= VENV_IMAGE_TARGET_MB, f"the venv image is {size:.1f} MB, over its {VENV_IMAGE_TARGET_MB} MB target"
@@ -548,6 +548,56 @@ def test_every_agent_module_imports_in_the_venv_image(venv_image: str) -> None:
         assert names.returncode == 0, names.stderr
         host = len(list(pkgutil.walk_packages([str(ROOT / "mpsagent")], "mpsagent.")))
         assert int(names.stdout) == host, "the image's agent has other modules than the checkout's"
+
+
+# Run with the image's python after the import check: every module loaded came from bytecode (a module in a zip
+# archive is loaded from its .pyc when its origin is that .pyc, a file module has its __pycache__ .pyc).
+FROM_BYTECODE = """
+import importlib.util, os, runpy, sys
+runpy.run_path(sys.argv[1])
+source = []
+for name, module in sorted(sys.modules.items()):
+    origin = getattr(getattr(module, "__spec__", None), "origin", None) or ""
+    zipped = ".zip/" in origin
+    if origin.endswith(".py") and (zipped or not os.path.isfile(importlib.util.cache_from_source(origin))):
+        source.append(f"{name}: {origin}")
+print(len(sys.modules), "modules;", "without bytecode:", source)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_venv_image_ships_bytecode_for_what_the_agent_imports(venv_image: str) -> None:
+    """A new container starts without compiling (about 1.5 s more on 2 vCPUs, docs/performance.md "Image sizes"):
+    every module the import check loads has bytecode that Python takes as it is (it writes none, as it would for
+    a missing or stale .pyc), and the agent's own modules keep their sources, for tracebacks."""
+    with container_root(venv_image) as root:
+        marker = root / "tmp" / "bytecode-marker"
+        marker.touch()
+        os.utime(marker, (marker.stat().st_mtime - 2,) * 2)
+        done = in_image(venv_image, root, "/opt/mpsagent/bin/python", "-c", FROM_BYTECODE, IMAGE_IMPORT_CHECK)
+        assert done.returncode == 0, done.stderr + done.stdout
+        assert done.stdout.rstrip().endswith("without bytecode: []"), done.stdout
+        written = [
+            path
+            for top in ("opt/mpsagent", "usr/lib/python3.11", "usr/lib/python3")
+            for path in (root / top).rglob("*.pyc")
+            if path.stat().st_mtime > marker.stat().st_mtime
+        ]
+        assert not written, f"Python compiled modules in the image: {written[:10]}"
+        assert (root / "opt/mpsagent/lib/python3.11/site-packages/mpsagent/cli.py").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(IMAGE_TIMEOUT_S)
+def test_venv_image_keeps_dpkg_consistent(venv_image: str) -> None:
+    """Files were removed from installed packages, never packages past their dependents: an image built on this one
+    installs with apt as on Debian's."""
+    with container_root(venv_image) as root:
+        done = in_image(venv_image, root, "apt-get", "check")
+        assert done.returncode == 0, done.stderr + done.stdout
+        audit = in_image(venv_image, root, "dpkg", "--audit")
+        assert audit.returncode == 0 and not audit.stdout.strip(), audit.stdout + audit.stderr
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------------------
