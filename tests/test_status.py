@@ -239,13 +239,8 @@ def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
     assert resource["grants"][0]["share"] is None
 
 
-@pytest.mark.usefixtures("fixed_clocks")
-def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_when(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The kubelet lists a container only once its Allocate has returned, so a lookup in between misses the new
-    grant: it is waiting for the kubelet, not "not listed since". A grant whose container was listed and is gone
-    says since when (its grace period runs from then)."""
+def two_new_grants() -> ResourceAllocator:
+    """The first resource of three T4s, with two 1-replica grants made 2 s before the tests' clocks."""
     plan = build_plan(
         check_config(parse_config(CONFIG, "config.yaml")),
         NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
@@ -253,8 +248,19 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
     )
     gpus = plan.resources[0]
     allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 2, lambda: MONOTONIC - 2))
-    ids = gpus.device_ids
-    allocator.allocate([ids[:1], ids[1:2]])
+    allocator.allocate([gpus.device_ids[:1], gpus.device_ids[1:2]])
+    return allocator
+
+
+@pytest.mark.usefixtures("fixed_clocks")
+def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_when(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The kubelet lists a container only once its Allocate has returned, so a lookup in between misses the new
+    grant: it is waiting for the kubelet, not "not listed since". A grant whose container was listed and is gone
+    says since when (its grace period runs from then)."""
+    allocator = two_new_grants()
+    gpus, ids = allocator.resource, allocator.resource.device_ids
     web = ContainerRef(namespace="ml", pod="web", container="main")
     allocator.reconcile([Holding(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
     allocator.reconcile([], now=MONOTONIC, grace_s=60)
@@ -286,15 +292,8 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
 def test_kept_grant_entries_follow_each_change_of_their_grant() -> None:
     """The publisher keeps the grants' entries between documents: a grant identified, unlisted or ended since
     shows as it is now, exactly as a document built anew shows it."""
-    plan = build_plan(
-        check_config(parse_config(CONFIG, "config.yaml")),
-        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
-        Path("/run/nvidia/mps"),
-    )
-    gpus = plan.resources[0]
-    allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 2, lambda: MONOTONIC - 2))
-    ids = gpus.device_ids
-    allocator.allocate([ids[:1], ids[1:2]])
+    allocator = two_new_grants()
+    gpus, ids = allocator.resource, allocator.resource.device_ids
     view = ResourceView(
         allocator=allocator,
         inventory=Inventory(gpus, daemon_ready=True),
