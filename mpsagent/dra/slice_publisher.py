@@ -31,6 +31,7 @@ from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import NodeSlice
 from mpsagent.dra.api import MAX_LISTED_SLICES, KubeApi
 from mpsagent.dra.slice_object import (
+    SliceManifest,
     next_generation,
     pool_of,
     resource_slice,
@@ -259,13 +260,12 @@ class SlicePublisher:
         """Make the server hold `wanted` as the node's one slice of the driver. Returns how long to wait before
         looking again: 0, or what a repair must wait first."""
         own = self._view.get(self._name)
-        existing = own.item if own is not None else None
+        # The server's slice as JSON, once: lightkube's to_dict walks the whole object.
+        existing = own.item.to_dict() if own is not None and own.item is not None else None
         others = {name: seen.item for name, seen in self._view.items() if name != self._name and seen.item}
         generation = self._generation_for(existing, wanted, list(others.values()))
         digest = slice_digest(wanted)
-        if existing is None or not slice_matches(
-            existing.to_dict(), resource_slice(wanted, generation=generation, node_uid="")
-        ):
+        if existing is None or not slice_matches(existing, resource_slice(wanted, generation=generation, node_uid="")):
             repair = digest == self._digest  # what this run published or found before: the server lost it
             wait = self._repair_wait() if repair else 0.0
             if wait > 0:
@@ -292,12 +292,10 @@ class SlicePublisher:
         return 0.0
 
     async def _publish(
-        self, wanted: NodeSlice, existing: ResourceSlice | None, generation: int, *, repair: bool
+        self, wanted: NodeSlice, existing: SliceManifest | None, generation: int, *, repair: bool
     ) -> None:
         node_uid = await self._api.node_uid(self._node)  # each time: a Node re-created has another UID
-        if existing is not None and not same_pool(
-            existing.to_dict(), wanted
-        ):  # driver, node and pool cannot be changed
+        if existing is not None and not same_pool(existing, wanted):  # driver, node and pool cannot be changed
             self.writes += 1
             await self._api.delete_slice(self._name)
         self.writes += 1
@@ -312,10 +310,10 @@ class SlicePublisher:
             "resource slice published", slice=self._name, generation=generation, devices=len(wanted.devices), why=why
         )
 
-    def _generation_for(self, existing: ResourceSlice | None, wanted: NodeSlice, others: list[ResourceSlice]) -> int:
+    def _generation_for(self, existing: SliceManifest | None, wanted: NodeSlice, others: list[ResourceSlice]) -> int:
         """`next_generation`, but never below what this run published (one more for other contents), and above
         any other live slice of the pool."""
-        generation = next_generation(None if existing is None else existing.to_dict(), wanted)
+        generation = next_generation(existing, wanted)
         if self._generation:
             generation = max(generation, self._generation + (0 if self._digest == slice_digest(wanted) else 1))
         pools = [pool_of(other.to_dict()) for other in others]
