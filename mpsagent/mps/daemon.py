@@ -123,8 +123,6 @@ class DaemonSupervisor:
             control_bin=control_bin,
             probe_interval_s=probe_interval_s,
         )
-        self._channel = self._daemon.channel
-        self._state_file = self._daemon.state_file
         self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
         self._busy = busy_episodes(self._log)
         self._front_end = FailureEpisodes(
@@ -144,7 +142,7 @@ class DaemonSupervisor:
     def status(self) -> DaemonStatus:
         """What is known about the daemon now: the snapshot the status document embeds and the metrics read."""
         failure, busy = self._front_end.current, self._busy.current
-        damage = self._state_file.damage
+        damage = self._daemon.state_file.damage
         return DaemonStatus(
             pid=self._daemon.pid,
             up=self._up,
@@ -160,7 +158,7 @@ class DaemonSupervisor:
             front_end_failure=None if failure is None else FrontEndFailure(at=utc(failure[0]), reason=failure[1]),
             record_damage=None
             if damage is None
-            else RecordDamage(at=utc(damage[0]), path=str(self._state_file.path), problem=damage[1]),
+            else RecordDamage(at=utc(damage[0]), path=str(self._daemon.state_file.path), problem=damage[1]),
             busy=None if busy is None else DaemonBusy(at=utc(busy[0]), reason=busy[1]),
             busy_episodes=self._busy.episodes,
         )
@@ -214,13 +212,13 @@ class DaemonSupervisor:
         self._held = None
         steps = daemon_default_steps(ceilings)
         try:
-            servers = await self._channel.apply_with_servers(steps)
+            servers = await self._daemon.channel.apply_with_servers(steps)
         except DaemonBusyError:
             self._held = known  # refused before anything was sent: the daemon holds what it held
             raise
         self._busy.works(pid=self._daemon.pid)
         if servers:
-            await self._channel.send_all(
+            await self._daemon.channel.send_all(
                 [command for server in servers for command in running_server_commands(ceilings, server)]
             )
         self._held = ceilings
@@ -243,10 +241,12 @@ class DaemonSupervisor:
         """The daemon's defaults and running servers' values that differ from the ceilings: one front-end session,
         and one more when servers run."""
         defaults = daemon_default_steps(ceilings)
-        default_values, servers = await self._channel.read_with_servers([step.read_back for step in defaults])
+        default_values, servers = await self._daemon.channel.read_with_servers([step.read_back for step in defaults])
         per_server = [running_server_steps(ceilings, server) for server in servers]
         server_values = (
-            await self._channel.read([step.read_back for steps in per_server for step in steps]) if servers else []
+            await self._daemon.channel.read([step.read_back for steps in per_server for step in steps])
+            if servers
+            else []
         )
         return cap_differences(defaults, default_values, per_server, server_values)
 
@@ -419,7 +419,7 @@ class DaemonSupervisor:
             except DaemonCommandError as exc:
                 self._log.error("mps daemon caps not verified", pid=self._daemon.pid, reason=str(exc))
             self._front_end.works()
-            self._state_file.retry()
+            self._daemon.state_file.retry()
             rounds.reset()
 
     async def _stop(self) -> None:
@@ -438,13 +438,13 @@ class DaemonSupervisor:
     # --- state and log ---------------------------------------------------------------------------------------
 
     def _recorded_compute_modes(self) -> Mapping[str, int] | None:
-        state = self._state_file.read()
+        state = self._daemon.state_file.read()
         return state.original_compute_modes if state else None
 
     def _save_state(self) -> None:
         if self._daemon.pid is None:
             return
-        self._state_file.write(
+        self._daemon.state_file.write(
             daemon_state(
                 pid=self._daemon.pid,
                 visible_devices=self._resource.visible_devices,
