@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
 
 from mpsagent_testing import images
 from mpsagent_testing.agents import AgentLauncher, pod_resources_socket
@@ -87,3 +89,23 @@ def venv_image(base_image: str) -> str:
 @pytest.fixture(scope="session")
 def onefile_image(base_image: str, binary: Path) -> str:
     return images.onefile_image(base_image, binary)
+
+
+# --- two workers -------------------------------------------------------------------------------------------
+
+NODE_TESTS = ("tests/e2e/", "tests/test_packaging.py::")
+"""The tests that use the real node or the project's images. `scripts/test` runs the suite on two workers
+(pytest-xdist, `-n 2`), and one worker runs all of these, one after the other: the node is one, the images are built
+once a session (session fixtures are a worker's own), and the node's agents and the image tests serve metrics on
+one port. The other worker takes the rest, a module at a time; each worker runs its tests as the suite would alone."""
+
+
+class NodeTestsTogether(LoadScopeScheduling):
+    """xdist's module-at-a-time scheduling, with the real node's and the images' tests one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "the real node and the images" if nodeid.startswith(NODE_TESTS) else super()._split_scope(nodeid)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> NodeTestsTogether:
+    return NodeTestsTogether(config, log)
