@@ -14,7 +14,10 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx2
 import pytest
+from lightkube import Client, KubeConfig
+from lightkube.config.models import Cluster, User
 
 from bench.dra_prepare import (
     GRPC_SECONDS,
@@ -28,6 +31,8 @@ from bench.dra_prepare import (
     prepare_split,
 )
 from bench.plot import plot
+from mpsagent_testing.cluster.noop_dra import NoopDra
+from mpsagent_testing.kubelet.stubs import dra_pb2
 from mpsagent_testing.node import small_node
 from mpsagent_testing.nvml.build import fake_nvml_env
 from mpsagent_testing.processes import processes_using
@@ -347,3 +352,44 @@ def test_ceiling_restore_bench_counts_every_change_it_makes_as_seen_in_the_log()
     assert "ceiling changes: 4, counted 4 (4 seen in the log)" in done.stdout
     assert "restored after (s, the daemon's clock): min " in done.stdout
     assert "idle 1 s (probe interval 3 s): this process " in done.stdout
+
+
+# --- the do-nothing DRA plugin the prepare bench compares with ---------------------------------------------------
+
+
+def test_the_noop_dra_plugin_that_reads_claims_answers_each_as_the_api_server_has_it() -> None:
+    claims = {
+        "allocated": {"uid": "u-1", "status": {"allocation": {"devices": {"results": []}}}},
+        "moved": {"uid": "u-other", "status": {"allocation": {"devices": {"results": []}}}},
+        "pending": {"uid": "u-3", "status": {}},
+    }
+    asked: list[str] = []
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        asked.append(request.url.path)
+        name = request.url.path.rsplit("/", 1)[1]
+        found = claims[name]
+        body = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "ns", "uid": found["uid"]},
+            "spec": {},
+            "status": found["status"],
+        }
+        return httpx2.Response(200, json=body)
+
+    config = KubeConfig.from_one(cluster=Cluster(server="https://k8s.test:6443"), user=User(token="t0ken"))
+    request = dra_pb2.NodePrepareResourcesRequest(
+        claims=[dra_pb2.Claim(namespace="ns", name=name, uid=f"u-{i}") for i, name in enumerate(claims, start=1)]
+    )
+
+    reading = NoopDra("node-a", Client(config, transport=httpx2.MockTransport(answer)))
+    answers = reading.NodePrepareResources(request, None).claims
+    assert asked == [f"/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/{name}" for name in claims]
+    assert [d.device_name for d in answers["u-1"].devices] == ["gpu-0"] and not answers["u-1"].error
+    assert answers["u-2"].error == "claim ns/moved has another UID than u-2" and not answers["u-2"].devices
+    assert answers["u-3"].error == "claim ns/pending is not allocated"
+
+    asked.clear()
+    answers = NoopDra("node-a").NodePrepareResources(request, None).claims
+    assert asked == [] and all(len(a.devices) == 1 and not a.error for a in answers.values())

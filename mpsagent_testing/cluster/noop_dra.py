@@ -1,8 +1,12 @@
 """A DRA kubelet plugin that does nothing, on grpcio: driver `noop.example.com`, registered through the kubelet's
 plugin watcher, answering every `NodePrepareResources` claim with one device (`gpu-0` of the node's pool, request
 `gpu`, no CDI IDs) without reading the claim, and every `NodeUnprepareResources` with no error. The DRA prepare
-bench measures the agent against it. Run as `python -m mpsagent_testing.cluster.noop_dra NODE`; SIGTERM stops it
-and removes its sockets.
+bench measures the agent against it. Run as `python -m mpsagent_testing.cluster.noop_dra NODE [KUBECONFIG]`; SIGTERM
+stops it and removes its sockets.
+
+With a KUBECONFIG it reads each claim first, as upstream's kubeletplugin helper and NVIDIA's driver do (a GET of the
+claim, its UID and allocation checked, one long-lived connection), and does nothing else: the least a driver that
+prepares what the scheduler allocated does on the prepare's path.
 
 `publish` makes its ResourceSlice (one device `gpu-0` that many claims may share, with an 80Gi `memory` capacity,
 so that the agent's kind of claim, `capacity.requests.memory`, schedules on it too) and its DeviceClass through
@@ -19,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx2
+from lightkube import ApiError, Client, KubeConfig
+from lightkube.config.client_adapter import verify_cluster
+from lightkube.resources.resource_v1 import ResourceClaim
 
+from mpsagent.dra.api import KEEPALIVE_S
 from mpsagent_testing.cluster import kubectl
 from mpsagent_testing.cluster.layout import KUBELET_ROOT
 from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, reg_grpc, reg_pb2
@@ -35,14 +44,36 @@ MEMORY = "80Gi"
 
 
 class NoopDra(dra_grpc.DRAPluginServicer):
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, api: Client | None = None) -> None:
+        """`api`: read each claim before answering it (None: answer without reading)."""
         self.node = node
+        self.api = api
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         device = dra_pb2.Device(request_names=[REQUEST], pool_name=self.node, device_name=DEVICE)
-        return dra_pb2.NodePrepareResourcesResponse(
-            claims={claim.uid: dra_pb2.NodePrepareResourceResponse(devices=[device]) for claim in request.claims}
-        )
+        answers = {}
+        for claim in request.claims:
+            problem = self._read_problem(claim)
+            answers[claim.uid] = (
+                dra_pb2.NodePrepareResourceResponse(error=problem)
+                if problem
+                else dra_pb2.NodePrepareResourceResponse(devices=[device])
+            )
+        return dra_pb2.NodePrepareResourcesResponse(claims=answers)
+
+    def _read_problem(self, claim: Any) -> str:
+        """Why the claim cannot be prepared as read from the API server ("": it can, or it is not read)."""
+        if self.api is None:
+            return ""
+        try:
+            found = self.api.get(ResourceClaim, claim.name, namespace=claim.namespace)
+        except (ApiError, httpx2.HTTPError) as exc:
+            return f"reading claim {claim.namespace}/{claim.name}: {exc}"
+        if found.metadata is None or found.metadata.uid != claim.uid:
+            return f"claim {claim.namespace}/{claim.name} has another UID than {claim.uid}"
+        if found.status is None or found.status.allocation is None:
+            return f"claim {claim.namespace}/{claim.name} is not allocated"
+        return ""
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         return dra_pb2.NodeUnprepareResourcesResponse(
@@ -70,13 +101,27 @@ def _server(path: Path) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=4))
 
 
-def serve(node: str) -> None:
+def _client(kubeconfig: Path) -> Client:
+    """A client that keeps its connection as long as the agent's does (`KEEPALIVE_S`): the bench's prepares come
+    seconds apart, and a new TLS connection would be the most of a read."""
+    config = KubeConfig.from_file(kubeconfig).get()
+    assert config.user is not None
+    transport = httpx2.HTTPTransport(
+        verify=verify_cluster(config.cluster, config.user, config.abs_file),
+        limits=httpx2.Limits(keepalive_expiry=KEEPALIVE_S),
+    )
+    return Client(config, transport=transport)
+
+
+def serve(node: str, kubeconfig: Path | None = None) -> None:
     """Serve the DRA service, then the registration (the kubelet may call the first as soon as it registers);
-    until SIGTERM, then remove both sockets (the registration's first: the kubelet forgets the plugin)."""
+    until SIGTERM, then remove both sockets (the registration's first: the kubelet forgets the plugin). With
+    `kubeconfig`, each claim is read before it is answered."""
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    api = None if kubeconfig is None else _client(kubeconfig)
     dra = _server(DRA_SOCKET)
-    dra_grpc.add_DRAPluginServicer_to_server(NoopDra(node), dra)
+    dra_grpc.add_DRAPluginServicer_to_server(NoopDra(node, api), dra)
     dra.add_insecure_port(f"unix://{DRA_SOCKET}")
     dra.start()
     registration = _server(REGISTRATION_SOCKET)
@@ -132,4 +177,4 @@ def unpublish(node: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], Path(sys.argv[2]) if len(sys.argv) > 2 else None)
