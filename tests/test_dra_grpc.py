@@ -194,18 +194,22 @@ def test_get_info_names_the_driver_and_its_dra_socket(running: Running, kubelet_
     for path in (dra_socket, running.endpoint.registration_socket):
         assert stat.S_ISSOCK(path.stat().st_mode)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert running.endpoint.registered is False
+    assert running.endpoint.registration.statistics().registered is False
 
 
 def test_the_kubelets_registration_status_is_kept(running: Running) -> None:
+    def registered() -> tuple[bool, str]:
+        now = running.endpoint.registration.statistics()
+        return now.registered, now.last_error
+
     notify(running, True)
-    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (True, "")
+    assert registered() == (True, "")
     notify(running, False, "boom")
-    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (False, "boom")
+    assert registered() == (False, "boom")
     stats = running.endpoint.statistics().registration
     assert (stats.registrations, stats.registration_failures) == (1, 1)
     notify(running, True)
-    assert (running.endpoint.registered, running.endpoint.registration.last_error) == (True, "")
+    assert registered() == (True, "")
 
 
 # --- prepare and unprepare -------------------------------------------------------------------------------------
@@ -365,7 +369,7 @@ def test_both_socket_files_are_removed_when_the_endpoint_is_cancelled(kubelet_di
     assert took < 2 * STOP_TIMEOUT_S / 3
     assert not served.endpoint.dra_socket.exists()
     assert not served.endpoint.registration_socket.exists()
-    assert served.endpoint.registered is False
+    assert served.endpoint.registration.statistics().registered is False
 
 
 def test_a_removed_registration_socket_is_served_again(running: Running) -> None:
@@ -374,10 +378,10 @@ def test_a_removed_registration_socket_is_served_again(running: Running) -> None
     wait_for(lambda: is_socket(running.endpoint.registration_socket), what="the registration socket again")
     wait_for(lambda: running.endpoint.statistics().sockets_served_again == 1, what="the count of sockets served")
     # The kubelet registers the plugin anew through the new socket.
-    assert running.endpoint.registered is False
+    assert running.endpoint.registration.statistics().registered is False
     assert get_info(running).name == DRA_DRIVER
     notify(running, True)
-    assert running.endpoint.registered is True
+    assert running.endpoint.registration.statistics().registered is True
 
 
 def test_a_removed_dra_socket_is_served_again(running: Running) -> None:

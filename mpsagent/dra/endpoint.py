@@ -81,11 +81,6 @@ class DraEndpoint:
             self._log, failed="removed socket not served again", again="removed socket served again", level="error"
         )
 
-    @property
-    def registered(self) -> bool:
-        """The kubelet accepted the plugin (and its registration socket was not created again since)."""
-        return self.registration.registered
-
     def statistics(self) -> DraEndpointStatistics:
         return DraEndpointStatistics(
             registration=self.registration.statistics(),

@@ -37,17 +37,9 @@ class RegistrationService(pb.RegistrationBase):
         self._record = RegistrationRecord()
         self._log = log.bind(driver=driver)
 
-    @property
-    def registered(self) -> bool:
-        """The kubelet accepted the plugin, and its registration socket has not been created again since."""
-        return self._record.registered
-
-    @property
-    def last_error(self) -> str:
-        """Why the kubelet last refused the plugin; "" when it never did, or accepted it since."""
-        return self._record.last_error
-
     def statistics(self) -> Registration:
+        """What the kubelet answered: registered now (accepted, and the registration socket not created again
+        since), and why it last refused the plugin."""
         return self._record.snapshot()
 
     def forget(self) -> None:
@@ -68,6 +60,7 @@ class RegistrationService(pb.RegistrationBase):
             self._record.accepted()
             self._log.info("registered with kubelet", endpoint=str(self.endpoint))
         else:
-            self._record.refused(shown(message.error or "no reason given", MAX_ERROR_CHARS))
-            self._log.error("kubelet refused the plugin", reason=self._record.last_error, endpoint=str(self.endpoint))
+            reason = shown(message.error or "no reason given", MAX_ERROR_CHARS)
+            self._record.refused(reason)
+            self._log.error("kubelet refused the plugin", reason=reason, endpoint=str(self.endpoint))
         return pb.RegistrationStatusResponse()

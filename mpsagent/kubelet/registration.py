@@ -24,14 +24,6 @@ class RegistrationRecord:
     def __init__(self) -> None:
         self._now = Registration()
 
-    @property
-    def registered(self) -> bool:
-        return self._now.registered
-
-    @property
-    def last_error(self) -> str:
-        return self._now.last_error
-
     def snapshot(self) -> Registration:
         return self._now
 

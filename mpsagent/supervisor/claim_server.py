@@ -136,7 +136,7 @@ class ClaimServer:
         return DraStatus(
             driver=DRA_DRIVER,
             node=self._node,
-            registered=self.endpoint.registered,
+            registered=self.endpoint.registration.statistics().registered,
             slice_published=publisher is not None and publisher.published and not publisher.publishing.failing,
             slice_writes=0 if publisher is None else publisher.writes,
             prepared=self.prepared_total,
