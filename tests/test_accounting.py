@@ -19,7 +19,7 @@ from mpsagent.base.errors import GrantRefusedError, RequestError
 from mpsagent.base.values import TaintEffect
 from mpsagent.domain.accounting import claim_capacity
 from mpsagent.domain.allocation import ResourceAllocator
-from mpsagent.domain.claim_grants import ClaimGrants, HeldClaim
+from mpsagent.domain.claim_grants import ClaimGrants, LiveClaim
 from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Route
@@ -200,7 +200,7 @@ class BothRoutes(RuleBasedStateMachine):
         super().__init__()
         self.problems: dict[GpuUuid, str] = {}
         self.node = Node(plan_of(gpus=2, memory_gib=16), self.problems)
-        self.claims: list[HeldClaim] = []
+        self.claims: list[LiveClaim] = []
         self.names = 0
 
     @rule(gpu=st.integers(0, 1), indices=st.sets(st.integers(0, 3), min_size=1, max_size=4))
@@ -227,9 +227,9 @@ class BothRoutes(RuleBasedStateMachine):
     @precondition(lambda self: self.claims)
     @rule(data=st.data())
     def unprepare(self, data: st.DataObject) -> None:
-        held = data.draw(st.sampled_from(self.claims))
-        self.claims.remove(held)
-        self.node.claims.release(held)
+        claim = data.draw(st.sampled_from(self.claims))
+        self.claims.remove(claim)
+        self.node.claims.release(claim)
 
     @rule(gpu=st.integers(0, 1), failed=st.booleans())
     def health(self, gpu: int, failed: bool) -> None:

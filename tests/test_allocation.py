@@ -14,7 +14,7 @@ from mpsagent.base.errors import RequestError
 from mpsagent.domain.allocation import ResourceAllocator, describe_ids
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import build_plan
-from mpsagent.domain.reconcile import Holding
+from mpsagent.domain.reconcile import ListedGrant
 from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
@@ -182,7 +182,7 @@ def test_a_preferred_allocation_keeps_the_required_ids_and_grants_nothing(alloca
 
 def test_reconciling_adopts_a_listed_grant_with_its_share(allocator: ResourceAllocator) -> None:
     owner = ContainerRef(namespace="ml", pod="train", container="main")
-    listed = [Holding(container=owner, replica_ids=tuple(ReplicaId(i) for i in ids(GPU1, 0, 1)))]
+    listed = [ListedGrant(container=owner, replica_ids=tuple(ReplicaId(i) for i in ids(GPU1, 0, 1)))]
     result = allocator.reconcile(listed, now=100.0, grace_s=10.0)
     (adopted,) = result.adopted
     assert (adopted.owner, adopted.replica_ids, adopted.kind) == (owner, tuple(ids(GPU1, 0, 1)), GrantKind.CAPPED)

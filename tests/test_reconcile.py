@@ -11,7 +11,7 @@ from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
 from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
-from mpsagent.domain.reconcile import Holding, ListedDevices, holdings, reconcile
+from mpsagent.domain.reconcile import ListedDevices, ListedGrant, listed_grants, reconcile
 from mpsagent.domain.shares import Ceilings, GpuSlots, Share, ShareModel
 
 IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
@@ -42,19 +42,19 @@ def new_ledger(clock: list[float] | None = None) -> Ledger:
     return Ledger(monotonic=lambda: at[0])
 
 
-def run(ledger: Ledger, listed: list[Holding], now: float, grace: float = 60.0):
+def run(ledger: Ledger, listed: list[ListedGrant], now: float, grace: float = 60.0):
     return reconcile(ledger, listed, now=now, grace_s=grace, shares=SHARES)
 
 
 def test_a_listed_grant_learns_its_owner_and_stays() -> None:
     ledger = new_ledger()
     grant = ledger.record((IDS[0],), CAPPED).grant
-    result = run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=100)
+    result = run(ledger, [ListedGrant(container=ref("a"), replica_ids=(IDS[0],))], now=100)
     assert result.identified == (grant,)
     assert grant.owner == ref("a")
     assert not result.ledger_changed
     # Learning it again is not news.
-    assert run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=101).identified == ()
+    assert run(ledger, [ListedGrant(container=ref("a"), replica_ids=(IDS[0],))], now=101).identified == ()
 
 
 def test_a_grant_is_never_listed_until_a_listing_names_its_container() -> None:
@@ -64,9 +64,9 @@ def test_a_grant_is_never_listed_until_a_listing_names_its_container() -> None:
     assert ledger.never_listed() == 1
     run(ledger, [], now=100)  # a lookup before the kubelet recorded the container
     assert ledger.never_listed() == 1
-    run(ledger, [Holding(container=ref("a"), replica_ids=(IDS[0],))], now=101)
+    run(ledger, [ListedGrant(container=ref("a"), replica_ids=(IDS[0],))], now=101)
     assert ledger.never_listed() == 0
-    run(ledger, [Holding(container=ref("b"), replica_ids=(IDS[1],))], now=102)  # a gone, b adopted
+    run(ledger, [ListedGrant(container=ref("b"), replica_ids=(IDS[1],))], now=102)  # a gone, b adopted
     assert ledger.never_listed() == 0
 
 
@@ -89,7 +89,7 @@ def test_a_reconciliation_says_when_the_first_unlisted_grant_can_be_released() -
     later = ledger.record((IDS[1],), share_of((IDS[1],))).grant
     assert run(ledger, [], now=100).next_release_at == 160
     # Listed again: its clock stops, and starts anew when it goes again.
-    assert run(ledger, [Holding(container=ref("b"), replica_ids=(IDS[1],))], now=130).next_release_at == 160
+    assert run(ledger, [ListedGrant(container=ref("b"), replica_ids=(IDS[1],))], now=130).next_release_at == 160
     result = run(ledger, [], now=160)
     assert (len(result.released), result.next_release_at) == (1, 220)
     assert run(ledger, [], now=220).released == (later,)
@@ -109,7 +109,7 @@ def test_a_grant_gets_a_full_grace_period_even_from_a_listing_older_than_itself(
 def test_a_grant_listed_again_within_the_grace_period_restarts_its_clock() -> None:
     ledger = new_ledger()
     ledger.record((IDS[0],), CAPPED)
-    listed = [Holding(container=ref("a"), replica_ids=(IDS[0],))]
+    listed = [ListedGrant(container=ref("a"), replica_ids=(IDS[0],))]
     run(ledger, [], now=100)
     run(ledger, listed, now=150)
     assert run(ledger, [], now=200).released == ()
@@ -120,13 +120,13 @@ def test_unknown_containers_are_adopted_with_their_kind() -> None:
     ledger = new_ledger()
     result = run(
         ledger,
-        [Holding(container=ref("full"), replica_ids=tuple(IDS))],
+        [ListedGrant(container=ref("full"), replica_ids=tuple(IDS))],
         now=1,
     )
     assert [(g.kind, g.owner, g.adopted) for g in result.adopted] == [(GrantKind.FULL, ref("full"), True)]
     assert result.ledger_changed
     ledger2 = new_ledger()
-    result2 = run(ledger2, [Holding(container=ref("small"), replica_ids=(IDS[3],))], now=1)
+    result2 = run(ledger2, [ListedGrant(container=ref("small"), replica_ids=(IDS[3],))], now=1)
     assert result2.adopted[0].kind is GrantKind.CAPPED
     assert ledger2.statistics().adopted_grants == 1
 
@@ -137,8 +137,8 @@ def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
     result = run(
         ledger,
         [
-            Holding(container=ref("a"), replica_ids=(IDS[0],)),
-            Holding(container=ref("b"), replica_ids=(IDS[1],)),
+            ListedGrant(container=ref("a"), replica_ids=(IDS[0],)),
+            ListedGrant(container=ref("b"), replica_ids=(IDS[1],)),
         ],
         now=1,
     )
@@ -225,7 +225,7 @@ def test_a_pods_containers_never_split_a_grant(
     containers of a pod that share IDs are one grant, of their last container, with a share that covers each of
     theirs; the daemon's ceilings are those of the listed containers' own shares, no lower and no higher."""
     ledger = new_ledger()
-    listed = holdings(listing_of(entries))
+    listed = listed_grants(listing_of(entries))
     reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
     assert {str(g.owner).removeprefix("default/"): sorted(g.replica_ids) for g in ledger.live_grants()} == {
         owner: sorted(ids) for owner, ids in held.items()
@@ -240,7 +240,7 @@ def test_the_apps_allocate_grant_is_kept_when_its_init_container_lists_a_part_of
     ledger = new_ledger()
     ledger.record(tuple(A[:1]), TWO_GPUS.share_of(A[:1]))
     app = ledger.record(tuple(A[:2]), TWO_GPUS.share_of(A[:2])).grant
-    listed = holdings(listing_of([("p", "init", A[:1]), ("p", "app", [A[1], A[0]])]))
+    listed = listed_grants(listing_of([("p", "init", A[:1]), ("p", "app", [A[1], A[0]])]))
     result = reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
     assert (result.identified, result.adopted, result.replaced) == ((app,), (), ())
     assert app.owner == ref("p", "app")
@@ -261,7 +261,7 @@ def test_a_listed_grant_with_ids_the_resource_does_not_advertise_counts_as_the_s
     listed_ids: list[str], ceilings: tuple[int, int, int]
 ) -> None:
     ledger = new_ledger()
-    listed = holdings([ListedDevices(container=ref("old"), device_ids=tuple(listed_ids))])
+    listed = listed_grants([ListedDevices(container=ref("old"), device_ids=tuple(listed_ids))])
     result = reconcile(ledger, listed, now=1, grace_s=60, shares=TWO_GPUS)
     assert result.unplaced == result.adopted and len(result.adopted) == 1
     thread, memory0, memory1 = ceilings
@@ -295,19 +295,19 @@ def test_the_ceilings_never_fall_below_a_listed_containers_share_nor_rise_above_
     own = [TWO_GPUS.share_of(ids) for ids in containers.values() if ids]
     # From an empty ledger: exactly the ceilings of the containers' own shares.
     fresh = new_ledger()
-    reconcile(fresh, holdings(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
+    reconcile(fresh, listed_grants(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
     assert TWO_GPUS.ceilings(fresh.tally) == TWO_GPUS.ceilings(own)
     # After Allocates of the agent: never below any listed container's share (grants not listed wait for the grace).
     ledger = new_ledger()
     for ids in allocated:
         ledger.record(tuple(ids), TWO_GPUS.share_of(ids))
-    reconcile(ledger, holdings(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
+    reconcile(ledger, listed_grants(listing_of(entries)), now=1, grace_s=60, shares=TWO_GPUS)
     held = TWO_GPUS.ceilings(ledger.tally)
     for share in own:
         assert held.thread_percentage >= share.thread_percentage
         assert all(held.memory_mib[ordinal] >= mib for ordinal, mib in share.bounds)
     # And once the grace period is over, exactly them again.
-    reconcile(ledger, holdings(listing_of(entries)), now=61, grace_s=60, shares=TWO_GPUS)
+    reconcile(ledger, listed_grants(listing_of(entries)), now=61, grace_s=60, shares=TWO_GPUS)
     assert TWO_GPUS.ceilings(ledger.tally) == TWO_GPUS.ceilings(own)
 
 
@@ -326,13 +326,13 @@ def test_after_the_grace_period_the_ledger_is_exactly_the_listing(
     ledger = new_ledger()
     for ids in allocated:
         ledger.record(tuple(ids), share_of(tuple(ids)))
-    listed = holdings([ListedDevices(container=c, device_ids=tuple(ids)) for c, ids in listing])
+    listed = listed_grants([ListedDevices(container=c, device_ids=tuple(ids)) for c, ids in listing])
     within = run(ledger, listed, now=0)
     # Inside the grace period nothing the listing shows is lost, and everything listed is held by its container.
-    for holding in listed:
-        for replica in holding.replica_ids:
+    for listed_grant in listed:
+        for replica in listed_grant.replica_ids:
             holder = ledger.holder(replica)
-            assert holder is not None and holder.owner == holding.container
+            assert holder is not None and holder.owner == listed_grant.container
     assert within.released == ()
     run(ledger, listed, now=60)
     held = {frozenset(g.replica_ids): g.owner for g in ledger.live_grants()}
@@ -364,7 +364,7 @@ def test_a_claims_share_outlives_any_listing_while_an_unlisted_device_plugin_gra
 def test_a_listing_of_other_containers_leaves_a_claims_share_alone() -> None:
     ledger = new_ledger()
     claim = ledger.hold_claim(CLAIM, "gpu-0", SHARES.capacity_share(0, 2048, 10))
-    listed = [Holding(container=ref("a"), replica_ids=tuple(IDS))]  # every replica of the GPU, adopted
+    listed = [ListedGrant(container=ref("a"), replica_ids=tuple(IDS))]  # every replica of the GPU, adopted
     for now in (1, 100, 10_000):
         result = run(ledger, listed, now=now)
         assert claim not in result.released + result.replaced

@@ -31,7 +31,7 @@ from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import build_plan
-from mpsagent.domain.reconcile import Holding
+from mpsagent.domain.reconcile import ListedGrant
 from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
@@ -262,7 +262,7 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
     allocator = two_new_grants()
     gpus, ids = allocator.resource, allocator.resource.device_ids
     web = ContainerRef(namespace="ml", pod="web", container="main")
-    allocator.reconcile([Holding(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
+    allocator.reconcile([ListedGrant(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
     allocator.reconcile([], now=MONOTONIC, grace_s=60)
     view = ResourceView(
         allocator=allocator,
@@ -312,7 +312,7 @@ def test_kept_grant_entries_follow_each_change_of_their_grant() -> None:
 
     assert grants(entries) == grants(None)
     web = ContainerRef(namespace="ml", pod="web", container="main")
-    allocator.reconcile([Holding(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
+    allocator.reconcile([ListedGrant(container=web, replica_ids=ids[1:2])], now=MONOTONIC - 1, grace_s=60)
     assert [g.container for g in grants(entries)] == [None, "ml/web/main"]
     allocator.reconcile([], now=MONOTONIC, grace_s=60)
     assert grants(entries) == grants(None)

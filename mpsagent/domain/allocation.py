@@ -18,7 +18,7 @@ from mpsagent.domain.container import ContainerEdits, ContainerSetup, setup_of, 
 from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
-from mpsagent.domain.reconcile import Holding, ReconcileResult, reconcile
+from mpsagent.domain.reconcile import ListedGrant, ReconcileResult, reconcile
 from mpsagent.domain.shares import Ceilings, Share, ShareTally
 
 MAX_NAMED_IDS = 3
@@ -206,6 +206,6 @@ class ResourceAllocator:
             known = self._ceilings = (tally, tally.changes, self.resource.shares.ceilings(tally))
         return known[2]
 
-    def reconcile(self, listed: Sequence[Holding], *, now: float, grace_s: float) -> ReconcileResult:
+    def reconcile(self, listed: Sequence[ListedGrant], *, now: float, grace_s: float) -> ReconcileResult:
         """Bring the ledger to the kubelet's listing of this resource (see mpsagent.domain.reconcile)."""
         return reconcile(self.ledger, listed, now=now, grace_s=grace_s, shares=self.resource.shares)

@@ -64,8 +64,9 @@ class CdiDevice:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class HeldClaim:
-    """A prepared claim, the ledger grants that hold its shares (by resource), and its CDI devices."""
+class LiveClaim:
+    """A claim prepared on this node and not yet unprepared: its checkpoint record, the ledger grants that hold its
+    shares (by resource), and its CDI devices."""
 
     prepared: PreparedClaim
     grants: tuple[tuple[ResourceName, Grant], ...]
@@ -105,7 +106,7 @@ class ClaimGrants:
 
     # --- a prepare, and its undo ----------------------------------------------------------------------------
 
-    def prepare(self, allocation: ClaimAllocation, *, now: float) -> HeldClaim:
+    def prepare(self, allocation: ClaimAllocation, *, now: float) -> LiveClaim:
         """Decide the claim's share of each GPU it was allocated, admit them whole (every GPU healthy, within its
         memory, SMs and client limit beside the live shares of both routes), and hold them. Raises RequestError
         (GrantRefusedError when the accounting refuses) naming the claim and what is wrong; holds nothing then."""
@@ -113,9 +114,9 @@ class ClaimGrants:
         self._admit(allocation.claim, shares, problem=self._problem)
         return self._hold(_prepared(allocation, shares, now), shares)
 
-    def release(self, held: HeldClaim) -> None:
+    def release(self, live: LiveClaim) -> None:
         """Give the claim's shares back (its unprepare, or an undo)."""
-        for resource, grant in held.grants:
+        for resource, grant in live.grants:
             self._allocators[resource].ledger.release([grant.grant_id])
 
     def _admit(self, claim: ClaimRef, shares: Sequence[ClaimShare], *, problem: GpuProblem) -> None:
@@ -128,7 +129,7 @@ class ClaimGrants:
             if refusal is not None:
                 raise claim_refused(claim, refusal)
 
-    def _hold(self, prepared: PreparedClaim, shares: Sequence[ClaimShare]) -> HeldClaim:
+    def _hold(self, prepared: PreparedClaim, shares: Sequence[ClaimShare]) -> LiveClaim:
         grants = tuple(
             (
                 resource,
@@ -141,11 +142,11 @@ class ClaimGrants:
             CdiDevice(name=cdi_name(prepared.claim, share.device.device, share.device.share_id), edits=share.edits)
             for share in shares
         )
-        return HeldClaim(prepared=prepared, grants=grants, cdi_devices=devices)
+        return LiveClaim(prepared=prepared, grants=grants, cdi_devices=devices)
 
     # --- a restart -----------------------------------------------------------------------------------------
 
-    def restore(self, prepared: PreparedClaim) -> HeldClaim:
+    def restore(self, prepared: PreparedClaim) -> LiveClaim:
         """Hold a checkpointed claim again, checked by the rules a fresh prepare meets (its devices the node's, its
         figures within its GPU, and beside the claims restored before it within every GPU's memory, SMs and client
         limit; a GPU's health is not asked: the claim's pods run already). Raises RequestError naming the rule."""

@@ -2,12 +2,12 @@
 
 The kubelet never tells a device plugin that a container ended, and after a node reboot it re-uses checkpointed
 allocations without calling Allocate. Its pod-resources listing is therefore the truth the ledger converges to:
-- the containers of a pod that list the same IDs are one holding: the kubelet hands the IDs of a pod's init
+- the containers of a pod that list the same IDs are one listed grant: the kubelet hands the IDs of a pod's init
   containers on to its later containers (its devicemanager's "devices to reuse"), and lists a pod's (restartable)
-  init containers before its app containers, so both can list them; the holding is the last one's, and its share
+  init containers before its app containers, so both can list them; the listed grant is the last one's, and its share
   covers each of theirs (`ShareModel.joined`), so that no listing lowers the ceilings below a live container's share;
-- a listed holding whose replicas (and share) the ledger holds as one grant names that grant's owner;
-- a listed holding the ledger does not know (or knows split differently) is adopted as a grant of its own (one
+- a listed grant whose replicas (and share) the ledger holds as one grant names that grant's owner;
+- a listed grant the ledger does not know (or knows split differently) is adopted as a grant of its own (one
   naming IDs the resource does not advertise, an older configuration's, as the smallest share: `unplaced`);
 - a grant no container lists is released, but only once it has been missing for the grace period, because a pod
   admitted a moment ago may not be listed yet. The grace clock starts no earlier than the grant itself (a listing
@@ -34,9 +34,9 @@ class ListedDevices:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Holding:
-    """The replicas one container holds, after deduplication across the whole listing, with those of the earlier
-    containers of its pod that list some of them too."""
+class ListedGrant:
+    """A grant as the kubelet's listing shows it: the replicas one container holds, after deduplication across the
+    whole listing, with those of the earlier containers of its pod that list some of them too."""
 
     container: ContainerRef
     replica_ids: tuple[ReplicaId, ...]
@@ -45,7 +45,7 @@ class Holding:
     some of the same IDs; empty when `container` alone holds them."""
 
     def share(self, shares: ShareModel) -> Share:
-        """What the holding needs from the ceilings: its container's share, or one that covers each member's."""
+        """What the listed grant needs from the ceilings: its container's share, or one that covers each member's."""
         if len(self.members) < 2:
             return shares.share_of(self.replica_ids)
         return shares.joined([shares.share_of(member) for member in self.members])
@@ -71,11 +71,11 @@ class ReconcileResult:
         return bool(self.adopted or self.replaced or self.released)
 
 
-def holdings(listing: Iterable[ListedDevices]) -> list[Holding]:
-    """Group the listing into holdings, each ID counted once.
+def listed_grants(listing: Iterable[ListedDevices]) -> list[ListedGrant]:
+    """Group the listing into listed grants, each ID counted once.
 
     An ID belongs to the first pod that lists it (the kubelet never lists one in two pods). Within a pod, containers
-    that list a common ID are one holding, of the last of them in the kubelet's order (its init containers come
+    that list a common ID are one listed grant, of the last of them in the kubelet's order (its init containers come
     first: the later container is the one that re-uses their IDs); a container's duplicates are dropped.
     """
     pod_of: dict[str, tuple[str, str]] = {}
@@ -90,10 +90,10 @@ def holdings(listing: Iterable[ListedDevices]) -> list[Holding]:
     for container, held in containers.items():
         if held:
             by_pod.setdefault((container.namespace, container.pod), []).append((container, tuple(held)))
-    return [holding for members in by_pod.values() for holding in _pod_holdings(members)]
+    return [listed for members in by_pod.values() for listed in _pod_listed_grants(members)]
 
 
-def _pod_holdings(containers: Sequence[tuple[ContainerRef, tuple[ReplicaId, ...]]]) -> list[Holding]:
+def _pod_listed_grants(containers: Sequence[tuple[ContainerRef, tuple[ReplicaId, ...]]]) -> list[ListedGrant]:
     """One pod's containers, in the kubelet's order, grouped by the IDs they share."""
     group_of: dict[ReplicaId, int] = {}
     groups: list[list[int]] = []
@@ -116,37 +116,39 @@ def _pod_holdings(containers: Sequence[tuple[ContainerRef, tuple[ReplicaId, ...]
         members = tuple(containers[position][1] for position in sorted(group))
         replica_ids = tuple(dict.fromkeys(r for ids in members for r in ids))
         holder = containers[max(group)][0]
-        result.append(Holding(container=holder, replica_ids=replica_ids, members=members if len(members) > 1 else ()))
+        result.append(
+            ListedGrant(container=holder, replica_ids=replica_ids, members=members if len(members) > 1 else ())
+        )
     return result
 
 
 def reconcile(
     ledger: Ledger,
-    listed: Sequence[Holding],
+    listed: Sequence[ListedGrant],
     *,
     now: float,
     grace_s: float,
     shares: ShareModel,
 ) -> ReconcileResult:
-    """Bring the ledger to the listing; `now` is monotonic time, `shares` gives a holding its share."""
+    """Bring the ledger to the listing; `now` is monotonic time, `shares` gives a listed grant its share."""
     identified: list[Grant] = []
     adopted: list[Grant] = []
     replaced: list[Grant] = []
     unplaced: list[Grant] = []
     seen: set[int] = set()
-    for holding in listed:
-        share = holding.share(shares)
-        holders = {grant.grant_id: grant for r in holding.replica_ids if (grant := ledger.holder(r)) is not None}
+    for entry in listed:
+        share = entry.share(shares)
+        holders = {grant.grant_id: grant for r in entry.replica_ids if (grant := ledger.holder(r)) is not None}
         match = next(iter(holders.values())) if len(holders) == 1 else None
-        if match is not None and set(match.replica_ids) == set(holding.replica_ids) and match.share == share:
-            if ledger.mark_listed(match, holding.container):
+        if match is not None and set(match.replica_ids) == set(entry.replica_ids) and match.share == share:
+            if ledger.mark_listed(match, entry.container):
                 identified.append(match)
             seen.add(match.grant_id)
             continue
-        result = ledger.adopt(holding.replica_ids, share, holding.container)
+        result = ledger.adopt(entry.replica_ids, share, entry.container)
         replaced.extend(result.ended)
         adopted.append(result.grant)
-        if not all(shares.advertises(replica) for replica in holding.replica_ids):
+        if not all(shares.advertises(replica) for replica in entry.replica_ids):
             unplaced.append(result.grant)
         seen.add(result.grant.grant_id)
 

@@ -25,7 +25,7 @@ from mpsagent.base.devices import ContainerRef
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ResourceAllocator, describe_ids
-from mpsagent.domain.reconcile import ListedDevices, ReconcileResult, holdings
+from mpsagent.domain.reconcile import ListedDevices, ReconcileResult, listed_grants
 
 log = get_logger(__name__)
 
@@ -164,7 +164,9 @@ class PodResourcesReconciler:
         self._release_due = None
         for target in self._targets:
             resource = target.allocator.resource.name
-            result = target.allocator.reconcile(holdings(listing.get(resource, [])), now=now, grace_s=self._grace_s)
+            result = target.allocator.reconcile(
+                listed_grants(listing.get(resource, [])), now=now, grace_s=self._grace_s
+            )
             _log_result(resource, result)
             if result.next_release_at is not None:
                 self._release_due = min(result.next_release_at, self._release_due or math.inf)

@@ -28,7 +28,7 @@ from mpsagent.base.logs import get_logger
 from mpsagent.base.values import TaintEffect
 from mpsagent.base.words import counted
 from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus
-from mpsagent.domain.claim_grants import ClaimGrants, HeldClaim
+from mpsagent.domain.claim_grants import ClaimGrants, LiveClaim
 from mpsagent.domain.claim_shares import device_name, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, NodeSlice, PreparedClaim
 from mpsagent.domain.grant_kind import describe_claim_share
@@ -83,7 +83,7 @@ class ClaimServer:
             problem=self._problem,
             unhealthy_effect=unhealthy_effect,
         )
-        self._held: dict[str, HeldClaim] = {}
+        self._live: dict[str, LiveClaim] = {}
         self._lock = anyio.Lock()
         self._api = api
         self._publisher: SlicePublisher | None = None
@@ -111,25 +111,25 @@ class ClaimServer:
         cannot be written."""
         for index, prepared in enumerate(checkpoint.load(self._checkpoint)):
             try:
-                held = self._grants.restore(prepared)
+                live = self._grants.restore(prepared)
             except RequestError as exc:
-                for earlier in self._held.values():
+                for earlier in self._live.values():
                     self._grants.release(earlier)
-                self._held.clear()
+                self._live.clear()
                 raise HostError(
                     f"the DRA checkpoint {self._checkpoint} entry {index} (claim {prepared.claim}) cannot be held "
                     f"again: {exc}; if the claim's pods are gone, delete the file: the kubelet prepares each claim "
                     "again on its next try"
                 ) from exc
-            self._held[prepared.claim.uid] = held
-        for held in self._held.values():
-            cdi.write_claim_spec(self._cdi_dir, held.prepared.claim.uid, _spec_devices(held))
-        for uid in cdi.claim_spec_uids(self._cdi_dir) - set(self._held):
+            self._live[prepared.claim.uid] = live
+        for live in self._live.values():
+            cdi.write_claim_spec(self._cdi_dir, live.prepared.claim.uid, _spec_devices(live))
+        for uid in cdi.claim_spec_uids(self._cdi_dir) - set(self._live):
             cdi.remove_claim_spec(self._cdi_dir, uid)
             log.info("cdi spec of a claim no longer prepared removed", claim_uid=uid)
-        if self._held:
-            log.info("prepared claims restored", claims=len(self._held), checkpoint=str(self._checkpoint))
-        return len(self._held)
+        if self._live:
+            log.info("prepared claims restored", claims=len(self._live), checkpoint=str(self._checkpoint))
+        return len(self._live)
 
     def status(self) -> DraStatus:
         publisher = self._publisher
@@ -142,7 +142,7 @@ class ClaimServer:
             prepared=self.prepared_total,
             refused=self.refused_total,
             unprepared=self.unprepared_total,
-            claims=tuple(_claim_status(held.prepared) for held in self._held.values()),
+            claims=tuple(_claim_status(live.prepared) for live in self._live.values()),
         )
 
     # --- the task --------------------------------------------------------------------------------------
@@ -177,9 +177,9 @@ class ClaimServer:
         if self._publisher is not None:
             self._publisher.want(self.slice)
         for server in self._resources.values():
-            before = {held.uuid: held for held in server.inventory.withheld()}
+            before = {gpu.uuid: gpu for gpu in server.inventory.withheld()}
             if server.inventory.set_withheld(server.allocator.withheld()):
-                now = {held.uuid: held for held in server.inventory.withheld()}
+                now = {gpu.uuid: gpu for gpu in server.inventory.withheld()}
                 for withheld in now.values():
                     if before.get(withheld.uuid) != withheld:
                         log.info(
@@ -225,18 +225,18 @@ class ClaimServer:
         started = time.monotonic()
         outcomes: dict[str, PrepareOutcome] = {}
         for claim in claims:
-            held = self._held.get(claim.uid)
-            if held is not None:
-                outcomes[claim.uid] = PrepareOutcome(devices=held.prepared.devices)
+            live = self._live.get(claim.uid)
+            if live is not None:
+                outcomes[claim.uid] = PrepareOutcome(devices=live.prepared.devices)
         to_read = [claim for claim in claims if claim.uid not in outcomes]
         read = await self._read_claims(to_read)
         async with self._lock:
-            batch: list[HeldClaim] = []
+            batch: list[LiveClaim] = []
             for claim in to_read:
                 found = read[claim.uid]
-                held = self._held.get(claim.uid)  # prepared meanwhile by a concurrent call
-                if held is not None:
-                    outcomes[claim.uid] = PrepareOutcome(devices=held.prepared.devices)
+                live = self._live.get(claim.uid)  # prepared meanwhile by a concurrent call
+                if live is not None:
+                    outcomes[claim.uid] = PrepareOutcome(devices=live.prepared.devices)
                 elif isinstance(found, MpsAgentError):
                     outcomes[claim.uid] = self._refused(claim, found, started)
                 else:
@@ -245,11 +245,11 @@ class ClaimServer:
                     except RequestError as exc:
                         outcomes[claim.uid] = self._refused(claim, exc, started)
             failures = await self._carry_out(batch)
-            for held in batch:
-                ref = held.prepared.claim
+            for live in batch:
+                ref = live.prepared.claim
                 failure = failures.get(ref.uid)
                 outcomes[ref.uid] = (
-                    self._refused(ref, failure, started) if failure is not None else self._prepared(held, started)
+                    self._refused(ref, failure, started) if failure is not None else self._prepared(live, started)
                 )
         self._follow_node()
         return outcomes
@@ -274,19 +274,19 @@ class ClaimServer:
                 tg.start_soon(one, claim)
         return read
 
-    async def _carry_out(self, batch: Sequence[HeldClaim]) -> dict[str, MpsAgentError]:
+    async def _carry_out(self, batch: Sequence[LiveClaim]) -> dict[str, MpsAgentError]:
         """Make the daemons hold the ceilings (once) while each claim's CDI spec and the checkpoint (once) are
         written: the front-end sessions wait on the daemons, the writes on the disk, so the prepare waits for the
         longer of the two, not their sum. The failure of each claim that does not stand, by UID; a claim that fails
         is released, its spec removed, and the checkpoint holds only the claims that stand."""
         if not batch:
             return {}
-        earlier = [held.prepared for held in self._held.values()]
+        earlier = [live.prepared for live in self._live.values()]
         daemon_failure: list[DaemonError] = []
 
         async def hold_ceilings() -> None:
             try:
-                await self._hold_ceilings(frozenset().union(*(held.resources for held in batch)), raise_errors=True)
+                await self._hold_ceilings(frozenset().union(*(live.resources for live in batch)), raise_errors=True)
             except DaemonError as exc:
                 daemon_failure.append(exc)
 
@@ -299,22 +299,22 @@ class ClaimServer:
                 with contextlib.suppress(HostError):  # it lists claims the kubelet retries: answered as prepared
                     self._save()
             return await self._undo(batch, daemon_failure[0] if daemon_failure else saved, failures)
-        self._held.update((held.prepared.claim.uid, held) for held in batch if held.prepared.claim.uid not in failures)
-        failed = [held for held in batch if held.prepared.claim.uid in failures]
+        self._live.update((live.prepared.claim.uid, live) for live in batch if live.prepared.claim.uid not in failures)
+        failed = [live for live in batch if live.prepared.claim.uid in failures]
         return await self._undo(failed, None, failures) if failed else failures
 
     def _write_files(
-        self, batch: Sequence[HeldClaim], earlier: Sequence[PreparedClaim]
+        self, batch: Sequence[LiveClaim], earlier: Sequence[PreparedClaim]
     ) -> tuple[dict[str, MpsAgentError], HostError | None]:
         """Each claim's CDI spec, then the checkpoint of the earlier claims and those whose spec was written (in a
         worker thread). The failure of each spec by UID, and the checkpoint's (None: written)."""
         failures: dict[str, MpsAgentError] = {}
-        for held in batch:
+        for live in batch:
             try:
-                cdi.write_claim_spec(self._cdi_dir, held.prepared.claim.uid, _spec_devices(held))
+                cdi.write_claim_spec(self._cdi_dir, live.prepared.claim.uid, _spec_devices(live))
             except MpsAgentError as exc:
-                failures[held.prepared.claim.uid] = exc
-        standing = [held.prepared for held in batch if held.prepared.claim.uid not in failures]
+                failures[live.prepared.claim.uid] = exc
+        standing = [live.prepared for live in batch if live.prepared.claim.uid not in failures]
         try:
             checkpoint.save(self._checkpoint, [*earlier, *standing])
         except HostError as exc:
@@ -322,31 +322,31 @@ class ClaimServer:
         return failures, None
 
     async def _undo(
-        self, failed: Sequence[HeldClaim], failure: MpsAgentError | None, failures: dict[str, MpsAgentError]
+        self, failed: Sequence[LiveClaim], failure: MpsAgentError | None, failures: dict[str, MpsAgentError]
     ) -> dict[str, MpsAgentError]:
         """Release the failed claims (`failure` for each that has none yet), remove their specs, and bring the
         daemons back to the ceilings of what is left."""
-        for held in failed:
-            uid = held.prepared.claim.uid
+        for live in failed:
+            uid = live.prepared.claim.uid
             if failure is not None:
                 failures.setdefault(uid, failure)
-            self._grants.release(held)
+            self._grants.release(live)
             with contextlib.suppress(MpsAgentError):  # the failure to report is the one above
                 cdi.remove_claim_spec(self._cdi_dir, uid)
-        await self._hold_ceilings(frozenset().union(*(held.resources for held in failed)), raise_errors=False)
+        await self._hold_ceilings(frozenset().union(*(live.resources for live in failed)), raise_errors=False)
         return failures
 
-    def _prepared(self, held: HeldClaim, started: float) -> PrepareOutcome:
+    def _prepared(self, live: LiveClaim, started: float) -> PrepareOutcome:
         self.prepared_total += 1
         self._time(started, "ok")
-        ref = held.prepared.claim
+        ref = live.prepared.claim
         log.info(
             "claim prepared",
             claim=str(ref),
             claim_uid=ref.uid,
-            devices=[f"{d.device}: {describe_claim_share(d)}" for d in held.prepared.devices],
+            devices=[f"{d.device}: {describe_claim_share(d)}" for d in live.prepared.devices],
         )
-        return PrepareOutcome(devices=held.prepared.devices)
+        return PrepareOutcome(devices=live.prepared.devices)
 
     def _refused(self, claim: ClaimRef, failure: MpsAgentError, started: float) -> PrepareOutcome:
         self.refused_total += 1
@@ -371,19 +371,19 @@ class ClaimServer:
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
         """The checkpoint first: a claim it cannot drop stays prepared, whole, for the kubelet's retry."""
-        held = self._held.pop(ref.uid, None)
-        if held is None:
+        live = self._live.pop(ref.uid, None)
+        if live is None:
             cdi.remove_claim_spec(self._cdi_dir, ref.uid)
             return ""
         try:
             self._save()
         except HostError as exc:
-            self._held[ref.uid] = held
+            self._live[ref.uid] = live
             return str(exc)
-        self._grants.release(held)
-        await self._hold_ceilings(held.resources, raise_errors=False)
+        self._grants.release(live)
+        await self._hold_ceilings(live.resources, raise_errors=False)
         self.unprepared_total += 1
-        log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(held.prepared.devices))
+        log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(live.prepared.devices))
         cdi.remove_claim_spec(self._cdi_dir, ref.uid)  # a failure is the kubelet's retry's: the claim is unknown
         return ""
 
@@ -400,7 +400,7 @@ class ClaimServer:
             log.error("mps daemon caps not changed", resource=server.plan.name, reason=reason)
 
     def _save(self) -> None:
-        checkpoint.save(self._checkpoint, [held.prepared for held in self._held.values()])
+        checkpoint.save(self._checkpoint, [live.prepared for live in self._live.values()])
 
 
 def live_claims_without_dra(checkpoint_path: Path) -> str | None:
@@ -421,8 +421,8 @@ def live_claims_without_dra(checkpoint_path: Path) -> str | None:
     )
 
 
-def _spec_devices(held: HeldClaim) -> list[cdi.CdiDevice]:
-    return [cdi.CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in held.cdi_devices]
+def _spec_devices(live: LiveClaim) -> list[cdi.CdiDevice]:
+    return [cdi.CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in live.cdi_devices]
 
 
 def _claim_status(prepared: PreparedClaim) -> ClaimStatus:
