@@ -496,9 +496,11 @@ def test_image_entrypoint_runs_the_agent_and_finds_the_mps_control_binary(image:
         assert in_image(image, root, "nvidia-cuda-mps-control", "-h").returncode == 0
 
 
-def documented_onefile_image_mb() -> float:
-    match = re.search(r"one-file image[^.]*?about (\d+) MB", INSTALL_DOC.read_text())
-    assert match, "docs/install.md must give the one-file image's size as `one-file image ... about N MB`"
+def documented_image_mb(image: str) -> float:
+    """The size docs/install.md gives `image` ("one-file image", "virtual-environment image"), as `IMAGE ... about
+    N MB` within one sentence."""
+    match = re.search(rf"{image}[^.]*?about (\d+) MB", INSTALL_DOC.read_text())
+    assert match, f"docs/install.md must give the {image}'s size as `{image} ... about N MB`"
     return float(match.group(1))
 
 
@@ -511,13 +513,7 @@ def test_onefile_image_is_the_venv_image_in_less_room(venv_image: str, onefile_i
     size = image_mb(onefile_image)
     print(f"one-file image: {size:.0f} MB; venv image: {image_mb(venv_image):.0f} MB")
     assert size <= ONEFILE_IMAGE_TARGET_MB
-    assert abs(size - documented_onefile_image_mb()) <= 10, "update the size in docs/install.md"
-
-
-def documented_venv_image_mb() -> float:
-    match = re.search(r"virtual-environment image[^.]*?about (\d+) MB", INSTALL_DOC.read_text())
-    assert match, "docs/install.md must give the venv image's size as `virtual-environment image ... about N MB`"
-    return float(match.group(1))
+    assert abs(size - documented_image_mb("one-file image")) <= 10, "update the size in docs/install.md"
 
 
 @pytest.mark.slow
@@ -528,7 +524,9 @@ def test_venv_image_stays_within_its_size_target(venv_image: str) -> None:
     size = image_mb(venv_image)
     print(f"venv image: {size:.1f} MB (target {VENV_IMAGE_TARGET_MB} MB)")
     assert size <= VENV_IMAGE_TARGET_MB, f"the venv image is {size:.1f} MB, over its {VENV_IMAGE_TARGET_MB} MB target"
-    assert abs(size - documented_venv_image_mb()) <= 10, "update the venv image's size in docs/install.md"
+    assert abs(size - documented_image_mb("virtual-environment image")) <= 10, (
+        "update the venv image's size in docs/install.md"
+    )
 
 
 @pytest.mark.slow

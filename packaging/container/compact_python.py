@@ -33,10 +33,11 @@ KEEP_AS_FILES = {"mpsagent"}
 
 def add_module(archive: zipfile.ZipFile, source: Path, name: str, *, with_source: bool) -> None:
     """The bytecode of source as `name`c in the archive, and source itself as `name` if with_source."""
-    code = compile(source.read_bytes(), f"{archive.filename}/{name}", "exec", dont_inherit=True)
+    text = source.read_bytes()
+    code = compile(text, f"{archive.filename}/{name}", "exec", dont_inherit=True)
     pyc = bytearray(importlib.util.MAGIC_NUMBER)
     pyc += (0b01).to_bytes(4, "little")  # hash-based, unchecked
-    pyc += importlib.util.source_hash(source.read_bytes())
+    pyc += importlib.util.source_hash(text)
     pyc += marshal.dumps(code)
     if with_source:
         archive.write(source, name)
