@@ -201,6 +201,12 @@ def test_lines_of_other_processes_and_stray_text_answer_no_command() -> None:
     ]
 
 
+def every_session_closed(log: Path, sessions: int) -> bool:
+    """Whether the daemon's log shows `sessions` control sessions, each opened and closed."""
+    text = log.read_text()
+    return text.count("NEW UI") == text.count("UI closed") == sessions
+
+
 def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> None:
     """Debian's 535 daemon, driven through its front-end: every line after a ceiling command is understood, the
     accepted commands are accepted, the refused ones refused."""
@@ -216,7 +222,8 @@ def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> Non
     ]
     with plain_daemon(short_dir) as (pipe, daemon):
         log = short_dir / "log" / "control.log"
-        closed = log.read_text().count("UI closed")  # the readiness probe's sessions
+        # The readiness probe's session: its `NEW UI` is in the log before its answer, its `UI closed` maybe not yet.
+        opened = log.read_text().count("NEW UI")
         for text in sessions:
             subprocess.run(
                 [REAL_BIN],
@@ -227,7 +234,7 @@ def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> Non
                 check=True,
                 env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
             )
-        wait_for(lambda: log.read_text().count("UI closed") == closed + len(sessions), 5, "every session in the log")
+        wait_for(lambda: every_session_closed(log, opened + len(sessions)), what="every session in the log")
         found = verdicts(log.read_text().splitlines())
     assert [(v.daemon, v.command.text, v.outcome) for v in found if isinstance(v, Verdict)] == [
         (daemon.pid, "set_default_active_thread_percentage 25", Outcome.ACCEPTED),
