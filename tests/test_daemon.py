@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,14 @@ from mpsagent_testing.agents import AgentLauncher, start
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, Plugin, wait_for
 from mpsagent_testing.mps import FAKE_CONTROL_BIN
-from mpsagent_testing.mps.daemon import control, daemon_pid, pipe_of, require_real_control
+from mpsagent_testing.mps.daemon import (
+    control,
+    daemon_pid,
+    held_session,
+    pipe_of,
+    plain_daemon,
+    require_real_control,
+)
 from mpsagent_testing.node import ALL, GPU0, RESOURCE, config, ids
 from mpsagent_testing.nvml.build import fake_nvml_env
 from mpsagent_testing.processes import alive
@@ -211,3 +219,16 @@ def test_the_daemons_log_reaches_the_agents_log_at_a_fitting_level(line: str, le
     from mpsagent.mps.daemon_log import daemon_log_level  # noqa: PLC0415
 
     assert logging.getLevelName(daemon_log_level(line)) == level
+
+
+def test_a_session_the_daemon_refuses_while_another_is_open_is_asked_again(short_dir: Path) -> None:
+    """What the tests read of a daemon is its answer: while another session is open (the agent's read-back, every
+    probe interval) the real daemon closes a new one unanswered, and the tests' `control` asks again, so a `set_`
+    reaches the daemon and a `get_` reads its value, not a refusal."""
+    with plain_daemon(short_dir) as (pipe, _), held_session(pipe) as session:
+        assert session.stdin is not None
+        closing = threading.Timer(0.5, session.stdin.close)
+        closing.start()
+        assert control(pipe, "set_default_active_thread_percentage 40") == "40.0"
+        assert control(pipe, "get_default_active_thread_percentage") == "40.0"
+        closing.join()

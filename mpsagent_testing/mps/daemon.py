@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -29,20 +30,40 @@ def require_real_control() -> None:
     pytest.skip("nvidia-cuda-mps-control not installed (run scripts/install-system-deps.sh)", allow_module_level=True)
 
 
+_ANSWER_CHECK = "get_default_active_thread_percentage"
+"""Ends every test session: it always prints a line, so a session the daemon left unanswered shows."""
+_ANSWER_CHECK_LINE = re.compile(r"\d+\.\d+")
+BUSY_WAIT_S = 10.0
+"""How long a test's session is asked again while the daemon refuses it."""
+
+
 def control(pipe: Path, command: str) -> str:
-    """One control command's answer, through the real front-end."""
+    """The daemon's answer to `command` (one or more lines), through the real front-end. While another session is
+    open (the agent's read-back of its ceilings, every probe interval) the daemon closes a new one unanswered: the
+    front-end prints "Cannot send command", or nothing at all. Such a session is asked again, for at most
+    BUSY_WAIT_S, so that a test reads the daemon's answer, and a `set_` it sends has reached the daemon."""
     if REAL_BIN is None:
         raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
-    result = subprocess.run(
-        [REAL_BIN],
-        input=f"{command}\n",
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
-    )
-    return result.stdout.strip()
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        result = subprocess.run(
+            [REAL_BIN],
+            input=f"{command}\n{_ANSWER_CHECK}\n",
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+        )
+        answer, _, check = result.stdout.strip().rpartition("\n")
+        if _ANSWER_CHECK_LINE.fullmatch(check):
+            return answer.strip()
+        printed = (result.stdout + result.stderr).strip()
+        if printed and "Cannot send command" not in printed:
+            return printed  # no daemon to answer: "Cannot find MPS control daemon process"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the control daemon on {pipe} left `{command}` unanswered for {BUSY_WAIT_S:g}s")
+        time.sleep(0.02)
 
 
 def pipe_of(short_dir: Path) -> Path:
