@@ -108,8 +108,10 @@ def test_fifty_kubelet_restarts_twenty_daemon_kills_ten_thousand_allocations(
     with http_flood(str(address), IDLE_HTTP_CLIENTS, SLOW_HTTP_CLIENTS) as flood:
         plugin, granted, last_daemon = rounds(kubelet, short_dir, plugin, granted)
         assert daemon_pid(short_dir) == last_daemon  # through 30 rounds of the flood without a kill
-        assert open_fds(pid) <= baseline_fds + HTTP_LIMITS.connections + 3, (open_fds(pid), baseline_fds)
-        assert threads(pid) <= baseline_threads + 2
+        # Waited for, not read once: a read-back round's front-end (a child with three pipes and, on Python 3.11,
+        # a thread that waits for it) may be in flight at any one count; what grew for good stays.
+        wait_for(lambda: open_fds(pid) <= baseline_fds + HTTP_LIMITS.connections + 3, 5, "fds within the cap")
+        wait_for(lambda: threads(pid) <= baseline_threads + 2, 5, "threads as after warm-up")
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:  # a scrape, amid it all
             closed = {
                 s.labels["reason"]: s.value
@@ -138,8 +140,8 @@ def test_fifty_kubelet_restarts_twenty_daemon_kills_ten_thousand_allocations(
     assert all_healthy(plugin)
     # No growth: what the agent holds after all this is what it held after warm-up (a little slack for the
     # gRPC connection the kubelet happens to have open at that moment, and for a scrape thread).
-    assert open_fds(pid) <= baseline_fds + 3, (open_fds(pid), baseline_fds)
-    assert threads(pid) <= baseline_threads + 2 + HTTP_LIMITS.threads
+    wait_for(lambda: open_fds(pid) <= baseline_fds + 3, 5, "fds as after warm-up")
+    wait_for(lambda: threads(pid) <= baseline_threads + 2 + HTTP_LIMITS.threads, 5, "threads as after warm-up")
     assert final["tasks"] <= baseline["tasks"] + 2, (final["tasks"], baseline["tasks"])
     # Every grant accounted for: made = still live + ended by a later grant of its replicas + released.
     ledger = resource_["ledger"]
