@@ -154,7 +154,7 @@ def test_a_daemon_busy_beyond_the_bound_fails_as_busy_and_not_as_a_failed_daemon
                 began = time.monotonic()
                 with pytest.raises(DaemonBusyError):
                     await channel.send("get_server_list")
-                assert time.monotonic() - began < 1.0
+                assert time.monotonic() - began < BUSY_WAIT_S  # asked again, it would wait all of it
                 assert await channel.probe() is True  # busy is an answer: the daemon lives
             assert await channel.send("get_default_active_thread_percentage") == "100.0"
 

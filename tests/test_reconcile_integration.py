@@ -273,8 +273,9 @@ def test_status_names_a_new_grant_s_container_soon_after_the_kubelet_lists_it(
             return None
         return time.monotonic() - granted if [g.container for g in grants] == ["ml/new/worker"] else None
 
-    # Listed 0.3 s after the Allocate: seen by the follow-up at 0.5 s, published within the next 0.5 s.
-    assert wait_for(named_after, 3, "the status file to name the new grant's container") < 1.5
+    # Listed 0.3 s after the Allocate: seen by the follow-up at 0.5 s (at 1 or 2 s where a loaded machine delays
+    # the listing past it), published within the next 0.5 s; about 0.95 s measured here, under load.
+    assert wait_for(named_after, 5, "the status file to name the new grant's container") < 3.0
     text = status(short_dir).stdout
     assert "ml/new/worker [1/4 of GPU 1, threads 25%]" in text
     assert "waiting for the kubelet" not in text

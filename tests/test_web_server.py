@@ -133,7 +133,7 @@ def test_a_refused_client_that_keeps_sending_neither_holds_the_server_nor_its_co
         streaming.join()
         # Closed after its answer and a moment to read it (REFUSAL_LINGER_S), not when the client chose to stop.
         assert cut_off_after and cut_off_after[0] < 3, cut_off_after
-        assert max(answered) < 0.5, answered
+        assert max(answered) < 2.0, answered  # a server the streamer held would keep others out for its 5 s
         wait_for(lambda: server.statistics().open == 0, 5, "every connection closed")
 
 
