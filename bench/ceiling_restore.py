@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.paths import prepare_directories
-from mpsagent_testing.mps.daemon import REAL_BIN, restored_after
+from mpsagent_testing.mps.daemon import REAL_BIN, control, restored_after
 from mpsagent_testing.node import small_node
 
 CONFIG = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 4\n"
@@ -43,13 +42,6 @@ CHANGES = (
     "set_default_active_thread_percentage {percent}",
 )
 WAIT_S = 5.0
-
-
-def tenant(pipe: Path, command: str) -> None:
-    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
-    subprocess.run(
-        [str(REAL_BIN)], input=command + "\n", capture_output=True, text=True, timeout=10, env=env, check=False
-    )
 
 
 def children_cpu() -> float:
@@ -78,7 +70,8 @@ async def measure(directory: Path, changes: int, idle_s: float, probe_interval: 
         for i in range(changes):
             template, restore = CHANGES[i % 2], RESTORE[i % 2]
             changed = template.format(mib=4096 - 1 - i % 500, percent=30 + i % 60)
-            await anyio.to_thread.run_sync(tenant, resource.pipe_directory, changed)
+            # A tenant's change, sent again while the agent's own session is open: it must reach the daemon.
+            await anyio.to_thread.run_sync(control, resource.pipe_directory, changed)
             with anyio.fail_after(WAIT_S):
                 # The file is the only signal there is: polled.
                 while (seconds := restored_after(log, changed, restore)) is None:  # noqa: ASYNC110

@@ -5,8 +5,6 @@ commands, a root tenant's and a refused user's interleaved at random. Domain cod
 
 from __future__ import annotations
 
-import os
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from mpsagent.mps.control_log import (
     Verdict,
     ceiling_command,
 )
-from mpsagent_testing.mps.daemon import REAL_BIN, plain_daemon, require_real_control
+from mpsagent_testing.mps.daemon import plain_daemon, require_real_control, session
 from mpsagent_testing.waiting import wait_for
 
 WANTED = Ceilings(thread_percentage=25, memory_mib=(5461, 5461))
@@ -211,7 +209,6 @@ def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> Non
     """Debian's 535 daemon, driven through its front-end: every line after a ceiling command is understood, the
     accepted commands are accepted, the refused ones refused."""
     require_real_control()
-    assert REAL_BIN is not None
     sessions = [
         "set_default_active_thread_percentage 25\nset_default_device_pinned_mem_limit 0 5461M\n"
         "get_default_device_pinned_mem_limit 0\n",
@@ -225,15 +222,7 @@ def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> Non
         # The readiness probe's session: its `NEW UI` is in the log before its answer, its `UI closed` maybe not yet.
         opened = log.read_text().count("NEW UI")
         for text in sessions:
-            subprocess.run(
-                [REAL_BIN],
-                input=text,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-                env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
-            )
+            assert session(pipe, text).returncode == 0, text
         wait_for(lambda: every_session_closed(log, opened + len(sessions)), what="every session in the log")
         found = verdicts(log.read_text().splitlines())
     assert [(v.daemon, v.command.text, v.outcome) for v in found if isinstance(v, Verdict)] == [

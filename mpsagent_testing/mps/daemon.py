@@ -37,24 +37,29 @@ BUSY_WAIT_S = 10.0
 """How long a test's session is asked again while the daemon refuses it."""
 
 
+def session(pipe: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """One control session through the real front-end, `text` its input (command lines), as sent: no retry."""
+    if REAL_BIN is None:
+        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
+    return subprocess.run(
+        [REAL_BIN],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+    )
+
+
 def control(pipe: Path, command: str) -> str:
     """The daemon's answer to `command` (one or more lines), through the real front-end. While another session is
     open (the agent's read-back of its ceilings, every probe interval) the daemon closes a new one unanswered: the
     front-end prints "Cannot send command", or nothing at all. Such a session is asked again, for at most
     BUSY_WAIT_S, so that a test reads the daemon's answer, and a `set_` it sends has reached the daemon."""
-    if REAL_BIN is None:
-        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
     deadline = time.monotonic() + BUSY_WAIT_S
     while True:
-        result = subprocess.run(
-            [REAL_BIN],
-            input=f"{command}\n{_ANSWER_CHECK}\n",
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
-        )
+        result = session(pipe, f"{command}\n{_ANSWER_CHECK}\n")
         answer, _, check = result.stdout.strip().rpartition("\n")
         if _ANSWER_CHECK_LINE.fullmatch(check):
             return answer.strip()
@@ -79,17 +84,7 @@ def daemon_pid(short_dir: Path) -> int:
 def refused(pipe: Path) -> bool:
     """Whether the daemon refuses a session now: another one is open ("Cannot send command to MPS control daemon
     process"), as it answers every session but the first."""
-    if REAL_BIN is None:
-        raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
-    result = subprocess.run(
-        [REAL_BIN],
-        input="get_server_list\n",
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-        env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
-    )
+    result = session(pipe, "get_server_list\n")
     return "Cannot send command" in result.stdout + result.stderr
 
 
