@@ -16,10 +16,21 @@ _POD = re.compile(rf"pod({_UID})(?:\.slice)?(?=/|$)")
 _CONTAINER = re.compile(r"/(?:[a-z-]+-)?([0-9a-f]{64})(?:\.scope)?$")
 
 
+SHORT_ID_CHARS = 12
+"""How many characters of a container ID a message shows, as `crictl ps` does."""
+
+
+def short_id(container_id: str) -> str:
+    return container_id[:SHORT_ID_CHARS]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)
 class PodContainer:
     pod_uid: str
     container_id: str
+
+    def describe(self) -> str:
+        return f"pod {self.pod_uid}, container {short_id(self.container_id)}"
 
 
 def pod_container(cgroup_text: str) -> PodContainer | None:

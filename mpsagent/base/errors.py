@@ -22,6 +22,8 @@ MpsAgentError                 base, never raised itself
     ├── DaemonCommandError    one control command failed or timed out: the daemon's failure
     ├── ControlRunError       the agent could not run the control front-end at all: the agent's failure
     ├── DaemonBusyError       the daemon refused sessions while another one is open: busy, not hung
+    ├── ControlSocketAccessError the agent cannot look into the daemon (no ptrace access): who holds its control
+    │                         socket, and whether it is held or hung, cannot be told
     └── UnrecordedDaemonError a daemon answers on the pipe directory, but daemon.json names no live PID for it
 
 OSError
@@ -185,3 +187,9 @@ class DaemonBusyError(DaemonError):
     """The daemon refused the agent's sessions for the bounded wait because another session is open (an
     administrator at the prompt, a root process in a client container): it lives and is busy, never to be killed
     for it. Nothing was sent."""
+
+
+class ControlSocketAccessError(DaemonError):
+    """The agent cannot look into the daemon's process (no ptrace access: CAP_SYS_PTRACE, the host's PID namespace):
+    who holds its control socket, and whether a daemon that greets no connection is held or hung, cannot be told.
+    The agent's limit, not the daemon's failure: it is reported, and never a reason to restart the daemon."""

@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 from mpsagent.base.errors import UsageError, shown
 from mpsagent.base.values import (
     APPLICATION_XIDS,
+    DEFAULT_CONTROL_HOLD_S,
     DEFAULT_PROBE_INTERVAL_S,
     DraMode,
     LogFormat,
@@ -41,6 +42,8 @@ DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/feature
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+# Longer than this, a tenant keeps every cap switch out and lifted caps in force for minutes at a time.
+MAX_CONTROL_HOLD_S = 300.0
 MAX_NODE_NAME_CHARS = 253
 _NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # Below 1 s the rounds cost more than they protect; above 60 s a lifted cap would last too long.
@@ -353,6 +356,18 @@ class Settings:
         metavar="S",
         help="read the MPS daemon's caps back (and restore any that changed) this often, "
         f"{PROBE_INTERVAL_BOUNDS_S[0]:g} to {PROBE_INTERVAL_BOUNDS_S[1]:g}",
+    )
+    control_hold_s: float = setting(
+        flag="--control-hold-seconds",
+        env="CONTROL_HOLD_SECONDS",
+        key="controlHoldSeconds",
+        parse=_seconds(0.0, MAX_CONTROL_HOLD_S),
+        default=DEFAULT_CONTROL_HOLD_S,
+        metavar="S",
+        help="end the MPS control-socket connection of a process in a pod that holds it this long (a session open, "
+        f"or a connection that sends nothing: every other session waits), 0 to {MAX_CONTROL_HOLD_S:g}; 0: never. "
+        "A process on the host is never ended",
+        nvidia="none: a held socket blocks the daemon until it is let go",
     )
     nfd_features_file: Path | None = setting(
         flag="--nfd-features-file",

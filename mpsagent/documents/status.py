@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from mpsagent import __version__
+from mpsagent.base.cgroups import short_id
 from mpsagent.base.clock import ago, parse_utc, utc, utc_of_monotonic
 from mpsagent.base.devices import GpuUuid, Health, gpu_of
 from mpsagent.base.errors import FileRefusedError, UsageError
@@ -37,7 +38,7 @@ from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
 from mpsagent.kubelet.registration import Registration
-from mpsagent.mps.daemon_status import DaemonStatus
+from mpsagent.mps.daemon_status import ControlHolderStatus, DaemonStatus
 
 STATUS_FILE = "status.json"
 STATUS_FILE_MODE = 0o600  # it names pods
@@ -271,7 +272,9 @@ def readiness_problems(document: StatusDocument) -> list[str]:
     for res in document.resources:
         if not res.registered:
             problems.append(f"{res.name}: not registered with the kubelet")
-        if not res.daemon.up:
+        if res.daemon.unresponsive is not None:
+            problems.append(f"{res.name}: mps daemon does not answer since {res.daemon.unresponsive.at}")
+        elif not res.daemon.up:
             problems.append(f"{res.name}: mps daemon down")
         elif res.daemon.busy is not None:
             problems.append(
@@ -345,6 +348,37 @@ def _daemon_events(daemon: DaemonStatus) -> list[str]:
     busy = daemon.busy
     if busy:
         lines.append(f"  control daemon BUSY since {busy.at} (kept; cap switches fail until it answers): {busy.reason}")
+    return lines + _control_socket_lines(daemon)
+
+
+def _described_holder(holder: ControlHolderStatus) -> str:
+    place = (
+        f"in pod {holder.pod_uid}, container {short_id(holder.container_id or '')}"
+        if holder.pod_uid is not None
+        else "on the host"
+    )
+    what = "a connection that sends nothing" if holder.silent else "a session"
+    process = "a process that is gone" if holder.pid is None else f"PID {holder.pid}"
+    return f"{process} {place} ({what} on `{holder.socket}`) since {holder.since}"
+
+
+def _control_socket_lines(daemon: DaemonStatus) -> list[str]:
+    """The daemon's liveness and who holds its control socket."""
+    lines = []
+    silent = daemon.unresponsive
+    if silent:
+        lines.append(
+            f"  mps daemon DOES NOT ANSWER since {silent.at} (replicas Unhealthy, devices tainted): {silent.reason}"
+        )
+    lines += [f"  control socket HELD by {_described_holder(holder)}" for holder in daemon.control_holders]
+    ended = daemon.last_control_hold_ended
+    if ended:
+        lines.append(
+            f"  control socket holds ended: {daemon.control_holds_ended}, last at {ended.at} after "
+            f"{ended.held_for_s:g} s: {_described_holder(ended.holder)}"
+        )
+    if daemon.control_holders_unseen:
+        lines.append(f"  who holds the control socket CANNOT BE SEEN: {daemon.control_holders_unseen}")
     return lines
 
 

@@ -20,7 +20,7 @@ from mpsagent.base.clock import utc
 from mpsagent.domain.shares import Ceilings, GpuSlots
 from mpsagent.mps.ceiling_watch import CeilingChange, CeilingWatch, NotUnderstood, SentCommands
 from mpsagent.mps.commands import CapDifference
-from mpsagent.mps.control_log import ControlLogReader, UnknownLine, Verdict
+from mpsagent.mps.control_log import ControlLogReader, UnknownLine, Verdict, opens_connection
 from mpsagent.mps.daemon_log import Chunk, DaemonLog
 from mpsagent.mps.daemon_status import CapTamperEvent, ControlLogStatus, SeenBy
 
@@ -30,6 +30,7 @@ READ_BACK: SeenBy = "read_back"
 
 Wake = Callable[[], None]
 """Called when a round should run at once: a change was seen (`take_explained`), or a line not understood."""
+Notify = Callable[[], None]
 
 
 class CeilingGuard:
@@ -42,13 +43,16 @@ class CeilingGuard:
         forward: bool,
         wanted: Callable[[], Ceilings],
         wake: Wake,
+        on_connection: Notify = lambda: None,
     ) -> None:
         """`forward`: whether the daemon's log lines go into the agent's log too; `wanted`: the ceilings the ledger
-        wants now."""
+        wants now; `on_connection`: told when the log shows the daemon accepting a connection or opening a session
+        (the hold watch looks who holds its socket)."""
         self._gpus = gpus
         self._log = log
         self._wanted = wanted
         self._wake = wake
+        self._on_connection = on_connection
         self._watch = CeilingWatch()
         self._reader = ControlLogReader()
         self._daemon_log = DaemonLog(log_path, log, forward=forward, reader=self._read)
@@ -128,6 +132,8 @@ class CeilingGuard:
     # --- the log ----------------------------------------------------------------------------------------------
 
     def _read(self, chunk: Chunk) -> None:
+        if any(opens_connection(line) for line in chunk.lines):
+            self._on_connection()
         for line in chunk.lines:
             for found in self._reader.feed(line):
                 if isinstance(found, UnknownLine):

@@ -24,13 +24,13 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
 
 from mpsagent.base.backoff import Backoff
-from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError
+from mpsagent.base.errors import ControlRunError, DaemonBusyError, DaemonCommandError, DaemonError
 from mpsagent.mps.ceiling_watch import SentCommands
 from mpsagent.mps.commands import ControlStep
 from mpsagent.mps.liveness import Liveness, greeting
@@ -82,14 +82,17 @@ class ControlChannel:
         timeout_s: float = COMMAND_TIMEOUT_S,
         *,
         sent: SentCommands | None = None,
+        on_refused: Callable[[], None] = lambda: None,
     ) -> None:
         """`sent`: where each session's ceiling commands are noted before it opens, so that the daemon's log can
-        tell them from a tenant's (the daemon supervisor's ceiling watch)."""
+        tell them from a tenant's (the daemon supervisor's ceiling watch); `on_refused`: told of each session the
+        daemon refuses because another is open (the hold watch looks for who holds it)."""
         self._bin = control_bin
         self._sent = sent
         self._pipe = pipe_directory
         self._env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_directory)}
         self._timeout = timeout_s
+        self._on_refused = on_refused
         # The daemon refuses a session while another is open: the agent's own take turns.
         self._lock = anyio.Lock()
         self._busy_since: float | None = None
@@ -142,6 +145,7 @@ class ControlChannel:
                 )
             now = time.monotonic()
             self._busy_since = now if self._busy_since is None else self._busy_since
+            self._on_refused()
             waited = now - self._busy_since
             if waited >= BUSY_WAIT_S:
                 raise DaemonBusyError(
@@ -226,6 +230,23 @@ class ControlChannel:
         if listed >= len(read_backs) and values == [step.expected for step in steps]:
             return [int(token) for line in lines[listed:] for token in line.split()]
         return await self.check_held_with_servers(steps)
+
+    async def refusing(self) -> bool | None:
+        """Whether the daemon refuses sessions now because another one is open: True when it refused the agent's
+        last session and none was answered since; otherwise one session asks, not again. None when that cannot be
+        told: the agent's own session is in flight (its outcome will tell), or the daemon did not answer at all."""
+        if self._busy_since is not None:
+            return True
+        if self._lock.locked():
+            return None
+        async with self._lock:
+            try:
+                _, reply = await self._session([_ANSWER_CHECK], "the refusal check")
+            except DaemonError:
+                return None
+        if reply and _BUSY_MARKER not in reply:
+            return False
+        return await greeting(self._pipe, _BUSY_GREETING_TIMEOUT_S) is Liveness.ANSWERS
 
     async def probe(self, attempts: int = 2) -> bool:
         """True when the daemon answers a round trip, or refuses it only because another session is open (it lives);

@@ -47,6 +47,16 @@ _EVENTS = re.compile(
 )
 
 
+_CONNECTION_OPENED = ("Accepting connection...", "NEW UI")
+
+
+def opens_connection(line: str) -> bool:
+    """Whether a log line says the daemon accepted a connection or opened a control session (someone may hold
+    its control socket from now on)."""
+    parsed = LINE.fullmatch(line.rstrip("\r\n"))
+    return parsed is not None and parsed.group("text").strip() in _CONNECTION_OPENED
+
+
 class CeilingKind(enum.Enum):
     DEFAULT_THREADS = "set_default_active_thread_percentage"
     DEFAULT_MEMORY = "set_default_device_pinned_mem_limit"

@@ -9,13 +9,20 @@ starts, kills or quits one.
 Someone with the control socket (every client container has it) can change the ceilings. The supervisor follows
 the daemon's own log of every control command (`daemon_log`, judged by `ceiling_watch`) and restores a ceiling
 changed behind the agent, by any amount, within a second; every liveness round also reads the daemon's values back:
-the backstop for what the log cannot show, in whole GiB (`get_*` prints them so). A round the agent cannot even run
+the backstop for what the log cannot show, in whole GiB (`get_*` prints them so). Someone with the control socket
+can also hold it (a session left open, a connection that sends nothing): the hold watch (`hold_watch`) ends such a
+connection from a pod once it has held the daemon for `--control-hold-seconds`, and every ceiling is then set again.
+
+A daemon that greets no connection makes the resource's replicas Unhealthy (and its DRA devices tainted) from the
+check that finds it, within the probe interval and a second, until it answers again; it is restarted only when it
+stays hung (`lifecycle.RESTART_AFTER_S`), never when a connection holds it. A round the agent cannot even run
 (it cannot start the front-end: EMFILE, ENOMEM, a missing binary) says nothing about the daemon: it is reported and
 retried with backoff, and the daemon is kept, never killed for the agent's own failure.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import anyio
@@ -32,7 +39,7 @@ from mpsagent.base.errors import (
     UnrecordedDaemonError,
 )
 from mpsagent.base.logs import get_logger
-from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
+from mpsagent.base.values import DEFAULT_CONTROL_HOLD_S, DEFAULT_PROBE_INTERVAL_S, MpsDaemonOwner, MpsOnExit
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
@@ -51,13 +58,16 @@ from mpsagent.mps.daemon_status import (
     CeilingsStatus,
     DaemonBusy,
     DaemonStatus,
+    DaemonUnresponsive,
     FrontEndFailure,
+    HoldEnded,
     RecordDamage,
     ceiling_mode,
 )
+from mpsagent.mps.hold_watch import HoldWatch, OnEnded
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user
 from mpsagent.mps.lifecycle import RESTART_BACKOFF_S, DaemonLifecycle
-from mpsagent.mps.liveness import busy_episodes
+from mpsagent.mps.liveness import Check, State, busy_episodes
 from mpsagent.mps.state import StateFile, daemon_state, recorded_ceilings
 
 log = get_logger(__name__)
@@ -84,9 +94,13 @@ class DaemonSupervisor:
         on_exit: MpsOnExit,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
+        control_hold_s: float = DEFAULT_CONTROL_HOLD_S,
+        on_hold_ended: OnEnded = lambda ended: None,
     ) -> None:
         """Until `want_ceilings` says what the live grants need, a daemon starts at the ceilings for unknown
-        grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own."""
+        grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own. `control_hold_s`: how long a
+        process in a pod may hold the control socket (0: never ended); `on_hold_ended`: told of each connection the
+        hold watch ended (the pod's event, where the API server is reachable)."""
         self._resource = resource
         self._inventory = inventory
         self._control_bin = control_bin
@@ -106,6 +120,12 @@ class DaemonSupervisor:
         self.restart_attempts = 0
         """Daemons started after a failure, each attempt counted (a daemon that keeps failing keeps counting)."""
         self._wake = anyio.Event()
+        self._restore_all = False
+        """A round must set every ceiling again, whatever it reads back (a held session was ended)."""
+        self._unresponsive: tuple[float, str] | None = None
+        """Since when (wall clock) and why the daemon greets no connection; None while it answers."""
+        self._silently_held = False
+        """The last liveness check found the daemon held by a connection that sends nothing: the rounds wait."""
         self._log = log.bind(resource=resource.name)
         self._guard = CeilingGuard(
             log_path=resource.log_directory / CONTROL_LOG,
@@ -114,10 +134,26 @@ class DaemonSupervisor:
             forward=self._owns_daemon,
             wanted=lambda: self._wanted,
             wake=self._wake_round,
+            on_connection=lambda: self._holds.look_soon(),  # noqa: PLW0108 (the watch is built below)
+        )
+        channel = ControlChannel(
+            control_bin,
+            resource.pipe_directory,
+            sent=self._guard.sent,
+            on_refused=lambda: self._holds.look_soon(),  # noqa: PLW0108 (the watch is built below, over this channel)
+        )
+        self._on_hold_ended = on_hold_ended
+        self._holds = HoldWatch(
+            channel=channel,
+            pipe_directory=resource.pipe_directory,
+            bound_s=control_hold_s,
+            probe_interval_s=probe_interval_s,
+            log=self._log,
+            on_ended=self._hold_ended,
         )
         self._daemon = DaemonLifecycle(
             resource,
-            ControlChannel(control_bin, resource.pipe_directory, sent=self._guard.sent),
+            channel,
             StateFile(resource.directory),
             self._log,
             control_bin=control_bin,
@@ -161,6 +197,13 @@ class DaemonSupervisor:
             else RecordDamage(at=utc(damage[0]), path=str(self._daemon.state_file.path), problem=damage[1]),
             busy=None if busy is None else DaemonBusy(at=utc(busy[0]), reason=busy[1]),
             busy_episodes=self._busy.episodes,
+            unresponsive=None
+            if self._unresponsive is None
+            else DaemonUnresponsive(at=utc(self._unresponsive[0]), reason=self._unresponsive[1]),
+            control_holders=self._holds.holders(),
+            control_holds_ended=self._holds.ended,
+            last_control_hold_ended=self._holds.last_ended,
+            control_holders_unseen=self._holds.unseen,
         )
 
     # --- ceilings -------------------------------------------------------------------------------------------
@@ -183,6 +226,9 @@ class DaemonSupervisor:
             return
         if self._daemon.pid is None:
             raise DaemonError(f"the MPS daemon of {self._resource.name} is not running")
+        if self._unresponsive is not None:
+            since, reason = self._unresponsive
+            raise DaemonError(f"the MPS daemon of {self._resource.name} does not answer ({reason}; since {utc(since)})")
         await self._hold(verify=verify)
 
     async def _hold(self, *, verify: bool = False, restore: bool = False) -> None:
@@ -260,6 +306,7 @@ class DaemonSupervisor:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._guard.run)
+                tg.start_soon(self._holds.run)
                 if self._owns_daemon:
                     await self._bring_up(first=True)
                     task_status.started()
@@ -270,12 +317,14 @@ class DaemonSupervisor:
                     task_status.started()
                     await self._adopt_from_host()
                 while True:
-                    failure = await self._daemon.wait_for_failure(beside=self._watch_rounds)
+                    failure = await self._daemon.wait_for_failure(beside=self._watch_rounds, on_check=self._checked)
                     if failure.exited:
                         self._log.error("mps daemon exited", pid=self._daemon.pid, reason=failure.reason)
                     else:
-                        self._log.error("mps daemon does not answer", pid=self._daemon.pid, reason=failure.reason)
+                        self._log.error("mps daemon hung; it is ended", pid=self._daemon.pid, reason=failure.reason)
+                    self._unresponsive = None
                     self._guard.detach()
+                    self._holds.detach()
                     self._inventory.set_resource_problem(HEALTH_SOURCE, True, "its MPS daemon is down")
                     self._held = None
                     self._up = False
@@ -386,9 +435,46 @@ class DaemonSupervisor:
         await self._wait_answering()
 
     def _follow_log(self, *, since: int | None) -> None:
-        """Follow the log of the daemon just started or adopted (from `since`, else its end), and judge it."""
+        """Follow the log of the daemon just started or adopted (from `since`, else its end), and judge it; watch
+        who holds its control socket."""
         assert self._daemon.pid is not None
         self._guard.attach(self._daemon.pid, since=since)
+        self._holds.attach(self._daemon.pid)
+
+    def _checked(self, found: Check) -> None:
+        """A liveness check's finding: a daemon that greets no connection makes the replicas Unhealthy at once (and
+        the claims' devices tainted), until a check finds it answering; one held by a connection is the hold
+        watch's."""
+        self._silently_held = found.state is State.HELD
+        if self._silently_held:
+            self._holds.look_soon()
+        if found.answers:
+            if self._unresponsive is not None:
+                since, _ = self._unresponsive
+                self._unresponsive = None
+                self._up = True
+                self._inventory.set_resource_problem(HEALTH_SOURCE, False)
+                self._log.info(
+                    "mps daemon answers again", pid=self._daemon.pid, silent_for_s=round(time.time() - since, 1)
+                )
+            return
+        if self._unresponsive is None:
+            self._unresponsive = (time.time(), found.reason)
+            self._up = False
+            self._inventory.set_resource_problem(HEALTH_SOURCE, True, f"its MPS daemon does not answer: {found.reason}")
+            self._log.error(
+                "mps daemon does not answer",
+                pid=self._daemon.pid,
+                reason=found.reason,
+                restarted=found.state is State.HUNG,
+            )
+
+    def _hold_ended(self, ended: HoldEnded) -> None:
+        """A held connection was ended: every ceiling is set again at once (the holder may have changed any), and
+        the owner is told."""
+        self._restore_all = True
+        self._wake_round()
+        self._on_hold_ended(ended)
 
     async def _wait_answering(self) -> None:
         await self._daemon.wait_answering()
@@ -408,8 +494,11 @@ class DaemonSupervisor:
             with anyio.move_on_after(rounds.delay):
                 await self._wake.wait()
             self._wake = anyio.Event()
+            if self._silently_held:
+                continue  # its session would wait on the holder: the hold watch ends it, or the liveness check sees
+            restore_all, self._restore_all = self._restore_all, False
             try:
-                await self._hold(verify=True, restore=self._guard.take_explained())
+                await self._hold(verify=True, restore=self._guard.take_explained() or restore_all)
             except ControlRunError as exc:
                 rounds.grow()
                 self._front_end.failed(str(exc), pid=self._daemon.pid, retry_in_s=rounds.delay)

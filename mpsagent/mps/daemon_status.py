@@ -94,6 +94,35 @@ class DaemonBusy(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     reason: str
 
 
+class DaemonUnresponsive(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """The daemon greets no connection, since when and why: its replicas are Unhealthy and its devices tainted
+    until it answers again (a daemon held by a connection, or debugged, is not restarted for it)."""
+
+    at: str
+    reason: str
+
+
+class ControlHolderStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A process that holds the daemon's control socket: a control session open, or a connection that sends
+    nothing (`silent`), since `since`; its pod and container when it runs in one."""
+
+    pid: Pid | None = None
+    uid: Count | None = None
+    pod_uid: str | None = None
+    container_id: str | None = None
+    socket: str
+    silent: bool
+    since: str
+
+
+class HoldEnded(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """A holder in a pod whose connection the agent ended, once it had held the socket for the bound."""
+
+    at: str
+    held_for_s: float
+    holder: ControlHolderStatus
+
+
 class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """The daemon's facts; the field order is status.json's key order."""
 
@@ -115,6 +144,13 @@ class DaemonStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     record_damage: RecordDamage | None = None
     busy: DaemonBusy | None = None
     busy_episodes: Count = 0
+    unresponsive: DaemonUnresponsive | None = None
+    control_holders: tuple[ControlHolderStatus, ...] = ()
+    """The processes that have held the control socket for the bound or longer, still open at the last look."""
+    control_holds_ended: Count = 0
+    last_control_hold_ended: HoldEnded | None = None
+    control_holders_unseen: str | None = None
+    """Why the agent cannot see who holds the control socket (no ptrace access into the daemon); None while it can."""
 
 
 def _tamper_seen_by(daemon: DaemonStatus, seen_by: str) -> int:
@@ -172,6 +208,23 @@ DAEMON_METRICS: tuple[MetricRow[DaemonStatus], ...] = (
         "mpsagent_daemon_busy_episodes",
         "Times another control session kept the MPS control daemon busy beyond the agent's bounded wait",
         one(lambda d: d.busy_episodes),
+    ),
+    gauge(
+        "mpsagent_daemon_unresponsive",
+        "1 while the MPS control daemon greets no connection (stopped, hung): its replicas Unhealthy, its devices "
+        "tainted",
+        one(lambda d: d.unresponsive is not None),
+    ),
+    gauge(
+        "mpsagent_daemon_control_holders",
+        "Processes holding the MPS control daemon's control socket for the bound or longer (a session open, or a "
+        "connection that sends nothing): every other control session waits",
+        one(lambda d: len(d.control_holders)),
+    ),
+    counter(
+        "mpsagent_daemon_control_holds_ended",
+        "Control-socket connections of processes in pods that the agent ended after they held it for the bound",
+        one(lambda d: d.control_holds_ended),
     ),
     gauge(
         "mpsagent_daemon_thread_ceiling_percent",

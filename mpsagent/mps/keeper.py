@@ -4,8 +4,9 @@ the daemon, and with it every CUDA client on the node.
 
 The keeper starts the daemon (capped, as a new daemon is until the agent knows the live grants), records it in
 `daemon.json` for the agent to adopt, forwards its log, and restarts it only when it must: when it exited, or
-when it is hung (mps.liveness: its socket greets no connection, which a session kept open by someone else never
-causes); each restart is logged with its reason. The agent (`--mps-daemon host`) drives the caps; the keeper never
+when it has been hung for `lifecycle.RESTART_AFTER_S` (mps.liveness: its socket greets no connection, for no reason
+the keeper can see: a session kept open by someone else, a connection that sends nothing or a debugger never cause
+a restart); each restart is logged with its reason. The agent (`--mps-daemon host`) drives the caps; the keeper never
 changes them after the start, and opens no front-end session after it, so it never collides with the agent's.
 """
 
@@ -24,7 +25,7 @@ from mpsagent.mps.control import ControlChannel
 from mpsagent.mps.daemon_log import DaemonLog
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user
 from mpsagent.mps.lifecycle import RESTART_BACKOFF_S, DaemonLifecycle
-from mpsagent.mps.liveness import busy_episodes
+from mpsagent.mps.liveness import Check, busy_episodes
 from mpsagent.mps.state import StateFile, daemon_state
 
 log = get_logger(__name__)
@@ -71,7 +72,7 @@ class DaemonKeeper:
                     await self._start_with_backoff()
                 task_status.started()
                 while True:
-                    failure = await daemon.wait_for_failure(on_alive=daemon.state_file.retry)
+                    failure = await daemon.wait_for_failure(on_check=self._checked)
                     self.restarts += 1
                     self._log.error(
                         "mps daemon restarting", reason=failure.reason, pid=daemon.pid, restarts=self.restarts
@@ -82,6 +83,11 @@ class DaemonKeeper:
             with anyio.CancelScope(shield=True):
                 await self._quit()
             raise
+
+    def _checked(self, found: Check) -> None:
+        """The owner of the record rewrites a damaged one while the daemon answers."""
+        if found.answers:
+            self._daemon.state_file.retry()
 
     async def _adopt(self) -> bool:
         """A daemon that already answers with a live recorded PID (left by an earlier keeper or agent) is kept."""

@@ -1,9 +1,14 @@
 """One daemon's life, the same for both of its owners: the agent's daemon supervisor (`daemon`) and the daemon
 host's keeper (`keeper`). Started (and waited for until it answers) or adopted from its record, watched until it
-fails (it exited, noticed at once; or it is hung: its control socket greets no connection, checked every probe
-interval without a front-end session), ended (killed and reaped, before another is started) or asked to quit. What
-each owner does around that (the ceilings, the record's content, the health of the replicas, when to restart) is
-its own."""
+fails, ended (killed and reaped, before another is started) or asked to quit. What each owner does around that (the
+ceilings, the record's content, the health of the replicas) is its own.
+
+It fails when it exits (noticed at once), or when it is hung: its control socket has greeted no connection for
+RESTART_AFTER_S, for no reason the agent can see (`liveness.check`, every probe interval, without a front-end
+session). A daemon held by a connection that sends nothing, stopped under a debugger, or one the agent cannot look
+into is never restarted: that would end every client of the resource for one process's doing. Each check's
+finding goes to the owner as it is made, so that a daemon that does not answer is known within the probe interval
+and a second, and one that answers again at once (it is asked every RECHECK_S meanwhile)."""
 
 from __future__ import annotations
 
@@ -27,13 +32,18 @@ from mpsagent.mps.launch import (
     wait_answering,
     wait_daemon_exit,
 )
-from mpsagent.mps.liveness import hung_reason
+from mpsagent.mps.liveness import HUNG_AFTER_MISSES, Check, State, check
 from mpsagent.mps.state import DaemonState, StateFile
 
 RESTART_BACKOFF_S = (0.5, 30.0)
 """The wait before starting a failed daemon again, growing to the most while starts fail."""
 QUIT_GRACE_S = 1.0
 """How long past its quit timeout a quitting daemon gets before it is killed."""
+RESTART_AFTER_S = 10.0
+"""How long a hung daemon (it greets no connection, and is neither held, debugged nor out of the agent's sight) is
+left before it is ended and another started, ending its clients: a daemon stopped for a moment comes back alone."""
+RECHECK_S = 0.2
+"""How often a daemon that does not answer is asked again (one greeting each time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +115,10 @@ class DaemonLifecycle:
         self,
         *,
         beside: Callable[[], Coroutine[Any, Any, None]] = _nothing,
-        on_alive: Callable[[], None] = lambda: None,
+        on_check: Callable[[Check], None] = lambda found: None,
     ) -> DaemonFailure:
         """Return when the daemon exits or is hung; meanwhile `beside` runs (the owner's own rounds), and
-        `on_alive` after each liveness check that found it answering. The owner's own failure to check (out of
+        `on_check` after each liveness check with what it found. The owner's own failure to check (out of
         descriptors) says nothing about the daemon: it is reported, and the daemon kept."""
         failure: DaemonFailure | None = None
         async with anyio.create_task_group() as tg:
@@ -120,7 +130,7 @@ class DaemonLifecycle:
 
             async def hung() -> None:
                 nonlocal failure
-                failure = DaemonFailure(await self._hung_reason(on_alive), exited=False)
+                failure = DaemonFailure(await self._hung_reason(on_check), exited=False)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(exited)
@@ -136,19 +146,30 @@ class DaemonLifecycle:
             return "the adopted daemon exited"
         return f"it exited with status {code}; see {self.resource.log_directory / CONTROL_LOG}"
 
-    async def _hung_reason(self, on_alive: Callable[[], None]) -> str:
+    async def _hung_reason(self, on_check: Callable[[Check], None]) -> str:
         assert self.pid is not None
+        silent_since: float | None = None
+        """Since when (monotonic) the daemon greets nothing, whatever the reason; None while it answers."""
+        hung_since: float | None = None
+        """Since when it is hung (it greets nothing, for no reason the agent can see)."""
         while True:
-            await anyio.sleep(self.probe_interval_s)
+            await anyio.sleep(self.probe_interval_s if silent_since is None else RECHECK_S)
             try:
-                reason = await hung_reason(self.resource.pipe_directory, self.pid)
+                found = await check(
+                    self.resource.pipe_directory, self.pid, misses=HUNG_AFTER_MISSES if silent_since is None else 1
+                )
             except ControlRunError as exc:
                 self._unchecked.failed(str(exc))
                 continue
             self._unchecked.works()
-            if reason is not None:
-                return reason
-            on_alive()
+            if found.state is State.GONE:
+                return found.reason
+            on_check(found)
+            now = anyio.current_time()
+            silent_since = None if found.answers else (silent_since if silent_since is not None else now)
+            hung_since = None if found.state is not State.HUNG else (hung_since if hung_since is not None else now)
+            if hung_since is not None and now - hung_since >= RESTART_AFTER_S:
+                return f"{found.reason}, for {RESTART_AFTER_S:g}s"
 
     async def end(self) -> None:
         """Kill a failed daemon (and reap it when it is this process's) before another is started."""

@@ -1,13 +1,18 @@
-"""The MPS control daemon's liveness, asked without a front-end session: whether its process lives, and whether its
-control socket greets a connection. The daemon supervisor and the daemon host's keeper call a daemon hung from
-this alone, and the control channel asks it to tell a busy daemon from a failed one.
+"""The MPS control daemon's liveness, asked without a front-end session: whether its process lives, whether its
+control socket greets a connection, and when it does not, why (`check`). The daemon supervisor and the daemon host's
+keeper judge the daemon from this alone, and the control channel asks it to tell a busy daemon from a failed one.
 
 The daemon speaks first: it accepts a connection on `<pipe>/control` and sends a hello before it reads anything
 (libcuda connects, reads the hello and disconnects the same way to find a daemon). It greets while another
 session is open, when it refuses every other session ("Cannot send command to MPS control daemon process"); a
 stopped or hung daemon does not. Closing right after the hello never opens a session, so the check collides with
-no one's commands, takes no lock and never waits behind queued RPC work. The daemon reads a new connection's
-credentials with no timeout, blocking everything else meanwhile: the check closes the moment the hello arrives.
+no one's commands, takes no lock and never waits behind queued RPC work.
+
+A daemon that greets no connection is not always hung: it reads each new connection's credentials with no timeout,
+so any process with the pipe directory that connects and sends nothing (any tenant: `control` is mode 0666) holds
+it for everyone, for as long as it likes. That daemon waits in a read on one of its accepted control connections
+(`control_socket.activity`): it is **held**, and restarting it would end every client for one tenant's connection.
+A daemon stopped under a debugger is left to it. Only a daemon that greets nothing for neither reason is hung.
 """
 
 from __future__ import annotations
@@ -16,22 +21,22 @@ import enum
 import errno
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 from structlog.typing import FilteringBoundLogger
 
 from mpsagent.base.episodes import FailureEpisodes
-from mpsagent.base.errors import ControlRunError
+from mpsagent.base.errors import ControlRunError, ControlSocketAccessError
+from mpsagent.mps import control_socket
+from mpsagent.mps.control_socket import CONTROL_SOCKETS, ControlConnection
 
-CONTROL_SOCKETS = ("control", "control_privileged")
-"""Every client's socket, then root's (drivers from 535 on): root's front-end uses the second, or the first where it
-is missing, so the daemon is out of reach only when both refuse."""
-GREETING_TIMEOUT_S = 5.0
-"""A daemon that has not greeted a connection this long after it was made missed one (it greets in well under a
-millisecond; the front-end's commands get as long)."""
+GREETING_TIMEOUT_S = 0.5
+"""A daemon that has not greeted a connection this long after it was made missed one: it greets in well under a
+millisecond whenever it runs (so that a hung daemon is seen within the probe interval and a second)."""
 HUNG_AFTER_MISSES = 2
-"""Misses in a row, the second asked at once, before a daemon counts as hung."""
+"""Misses in a row, the second asked at once, before a daemon that is neither held nor stopped counts as hung."""
 _CONNECT_RETRY_S = 0.05
 BUSY_HINT = (
     "another control session is open on the daemon's pipe directory: an administrator at the nvidia-cuda-mps-control "
@@ -117,23 +122,90 @@ async def _greeting_on(path: Path) -> Liveness:
         return Liveness.ANSWERS if hello else Liveness.REFUSED
 
 
-async def hung_reason(pipe_directory: Path, pid: int, *, timeout_s: float = GREETING_TIMEOUT_S) -> str | None:
-    """None while the daemon lives (it greets, busy or not); otherwise why it counts as hung: its process is gone,
-    or HUNG_AFTER_MISSES connections in a row were refused or not greeted. Raises ControlRunError when the agent
+class State(enum.Enum):
+    ANSWERS = "answers"
+    """It greeted a connection: it lives, whether or not another session keeps it busy."""
+    HELD = "held"
+    """It greets nothing because it waits for the credentials of a connection to its control socket that sends
+    nothing: held by that connection's process, not hung; never restarted for it (`hold_watch` ends it)."""
+    DEBUGGED = "debugged"
+    """Stopped under a debugger: whoever attached it lets it go; never restarted for it."""
+    UNTOLD = "untold"
+    """It greets nothing, and the agent cannot look into its process to tell held from hung: never restarted,
+    since that would end every client for what may be one tenant's connection."""
+    HUNG = "hung"
+    """It greets nothing: stopped by a signal, its sockets gone, or for no reason the agent can see."""
+    GONE = "gone"
+    """Its process exited."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Check:
+    """What one liveness check found, and in words why a daemon that greets nothing does not."""
+
+    state: State
+    reason: str = ""
+    holder: ControlConnection | None = None
+    """For HELD: the connection the daemon waits on."""
+
+    @property
+    def answers(self) -> bool:
+        """Whether it serves connections: it greets, or only one silent connection keeps it (held)."""
+        return self.state in (State.ANSWERS, State.HELD)
+
+
+_ANSWERS = Check(state=State.ANSWERS)
+
+
+def _unexplained(pipe_directory: Path, pid: int) -> Check | None:
+    """Why a daemon that greeted no connection does not: stopped, debugged, held; None when its process shows no
+    reason (it is hung), UNTOLD when the agent cannot look."""
+    try:
+        doing = control_socket.activity(pid)
+        if doing is None:
+            return Check(state=State.GONE, reason=f"its process {pid} is gone")
+        if doing.traced:
+            return Check(state=State.DEBUGGED, reason=f"its process {pid} is stopped under a debugger")
+        if doing.stopped:
+            return Check(state=State.HUNG, reason=f"its process {pid} is stopped (SIGSTOP)")
+        if doing.reading_fd is None:
+            return None
+        held = [c for c in control_socket.connections(pid, pipe_directory) if c.fd == doing.reading_fd]
+    except ControlSocketAccessError as exc:
+        return Check(state=State.UNTOLD, reason=f"it greets no connection, and {exc}")
+    if not held:
+        return None
+    return Check(
+        state=State.HELD,
+        reason=f"it waits for the first bytes of a connection to its `{held[0].socket}` socket that sends nothing",
+        holder=held[0],
+    )
+
+
+async def check(
+    pipe_directory: Path, pid: int, *, timeout_s: float = GREETING_TIMEOUT_S, misses: int = HUNG_AFTER_MISSES
+) -> Check:
+    """Whether the daemon greets a connection (`misses` tries in a row, each within `timeout_s`), and when it does
+    not, why: held by a silent connection, stopped, debugged, gone, or hung. Raises ControlRunError when the agent
     cannot ask (that is no answer about the daemon)."""
     found = Liveness.ANSWERS
-    for _ in range(HUNG_AFTER_MISSES):
+    for _ in range(misses):
         if process_gone(pid):
-            return f"its process {pid} is gone"
+            return Check(state=State.GONE, reason=f"its process {pid} is gone")
         found = await greeting(pipe_directory, timeout_s)
         if found is Liveness.ANSWERS:
-            return None
+            return _ANSWERS
+        explained = _unexplained(pipe_directory, pid)
+        if explained is not None:
+            return explained
     if found is Liveness.SILENT:
-        return (
+        reason = (
             f"it did not greet a connection to its control socket in {pipe_directory} within {timeout_s:g}s, "
-            f"{HUNG_AFTER_MISSES} times in a row"
+            f"{misses} times in a row"
         )
-    return f"its control sockets in {pipe_directory} refused {HUNG_AFTER_MISSES} connections in a row"
+    else:
+        reason = f"its control sockets in {pipe_directory} refused {misses} connections in a row"
+    return Check(state=State.HUNG, reason=reason)
 
 
 def busy_episodes(log: FilteringBoundLogger) -> FailureEpisodes:

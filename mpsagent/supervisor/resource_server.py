@@ -25,6 +25,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.gpu.port import GpuSource
 from mpsagent.mps.daemon import DaemonSupervisor
+from mpsagent.mps.hold_watch import OnEnded
 
 log = get_logger("mpsagent.resource_server")
 
@@ -41,8 +42,10 @@ class ResourceServer:
         gpu_source: GpuSource,
         rpc_timer: RpcTimer | None,
         reconcile_soon: Callable[[], None],
+        on_hold_ended: OnEnded = lambda ended: None,
     ) -> None:
-        """`reconcile_soon`: called after each answered Allocate, to have the kubelet's listing read soon."""
+        """`reconcile_soon`: called after each answered Allocate, to have the kubelet's listing read soon;
+        `on_hold_ended`: told of each control-socket connection the daemon supervisor ended."""
         self.plan = plan
         self.inventory = Inventory(plan)
         self.allocator = ResourceAllocator(plan, shm_directory, problem=self.inventory.problem)
@@ -54,6 +57,8 @@ class ResourceServer:
             on_exit=settings.mps_on_exit,
             owner=settings.mps_daemon,
             probe_interval_s=settings.probe_interval_s,
+            control_hold_s=settings.control_hold_s,
+            on_hold_ended=on_hold_ended,
         )
         self._reconcile_soon = reconcile_soon
         servicer = DevicePluginServicer(

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+
+from mpsagent_testing.cgroups import PodCgroup
 
 REAL_BIN = shutil.which("nvidia-cuda-mps-control")
 """The real front-end, or None where it is not installed (`require_real_control`)."""
@@ -89,12 +92,17 @@ def refused(pipe: Path) -> bool:
 
 
 @contextmanager
-def held_session(pipe: Path) -> Iterator[subprocess.Popen[bytes]]:
+def held_session(pipe: Path, *, first: str = "", pod: PodCgroup | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """A root control session kept open, as an administrator at the `nvidia-cuda-mps-control` prompt (or a root
     process in a client container, which has the pipe directory) holds one: the real front-end with its stdin
-    open. While it is open the daemon refuses every other session; it closes when the block ends."""
-    session = _open_session(pipe)
+    open, having sent `first` (command lines) and kept going, in `pod`'s cgroup when given (else the test's). While
+    it is open the daemon refuses every other session; it closes when the block ends."""
+    session = _open_session(pipe, pod)
     try:
+        if first:
+            assert session.stdin is not None
+            session.stdin.write(first.encode())
+            session.stdin.flush()
         yield session
     finally:
         assert session.stdin is not None
@@ -106,16 +114,17 @@ def held_session(pipe: Path) -> Iterator[subprocess.Popen[bytes]]:
             session.wait(10)
 
 
-def _open_session(pipe: Path) -> subprocess.Popen[bytes]:
+def _open_session(pipe: Path, pod: PodCgroup | None) -> subprocess.Popen[bytes]:
     """A front-end whose session is open: it opens as the front-end starts, before it reads a command, and is open
     once another session is refused while it still runs; one that was itself refused (another session was open
-    as it started: the agent's, or the check's) has exited, and is started again."""
+    as it started: the agent's, or the check's) has exited, and is started again. In `pod`'s cgroup from before it
+    connects (its shell joins it, then runs the front-end)."""
     if REAL_BIN is None:
         raise RuntimeError("nvidia-cuda-mps-control is not installed: run scripts/install-system-deps.sh")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         session = subprocess.Popen(
-            [REAL_BIN],
+            [REAL_BIN] if pod is None else pod.command(REAL_BIN),
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -129,6 +138,41 @@ def _open_session(pipe: Path) -> subprocess.Popen[bytes]:
         session.kill()
         session.wait(10)
     raise RuntimeError(f"no control session on {pipe} stayed open")
+
+
+SILENT_HOLDER = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.recv(64)  # the daemon's hello; then nothing is ever sent
+print("connected", flush=True)
+s.recv(64)  # returns when the connection is ended
+print("ended", flush=True)
+time.sleep(600)
+"""
+
+
+@contextmanager
+def silent_connection(pipe: Path, *, pod: PodCgroup | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A process that connects to the daemon's `control` socket (any user can: mode 0666), reads its hello and sends
+    nothing, as `socat` in a tenant's container would: the daemon waits for its credentials with no timeout,
+    serving no one else. It prints `connected`, then `ended` if its connection is ended (and stays, as a tenant's
+    process would); in `pod`'s cgroup when given. Killed when the block ends."""
+    argv = [sys.executable, "-c", SILENT_HOLDER, str(pipe / "control")]
+    holder = subprocess.Popen(
+        argv if pod is None else pod.command(*argv),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "connected":
+            raise RuntimeError(f"no connection to {pipe / 'control'} was made")
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 @contextmanager
