@@ -127,7 +127,8 @@ def test_device_plugin_grants_beside_claims_get_only_what_they_leave_and_the_res
         node.allocator.allocate([node.ids(0, 0, 1)])
     assert str(error.value).startswith(
         f"nvidia.com/gpu: GPU {uuid(0)} has 6144 MiB of its 16384 MiB free (device-plugin grants hold 0 MiB and 0 % "
-        "of its SMs, claims 10240 MiB and 0 %); 8192 MiB were asked; nothing was granted"
+        "of its SMs, claims 10240 MiB and 0 %); 8192 MiB were asked; nothing was granted "
+        f"(asked: '{node.ids(0, 0)[0]}', '{node.ids(0, 1)[0]}')"
     )
     node.allocator.allocate([node.ids(0, 0)])
     assert node.allocator.withheld()[0].replica_ids == tuple(node.ids(0, 1, 2, 3))  # 2048 MiB left: none fits

@@ -395,7 +395,8 @@ def test_the_49th_live_grant_on_a_gpu_is_refused_with_nothing_changed() -> None:
         allocator.allocate([[format_replica_id(uuid(1), 0)], [format_replica_id(uuid(0), 48)]])
     assert str(refused.value) == (
         f"nvidia.com/gpu-mem: GPU {uuid(0)} would hold 49 MPS clients (device-plugin grants and claims), but MPS "
-        "serves at most 48; nothing was granted: ask for IDs of another GPU, or wait for a container or claim on it "
+        f"serves at most 48; nothing was granted (asked: '{format_replica_id(uuid(1), 0)}', "
+        f"'{format_replica_id(uuid(0), 48)}'): ask for IDs of another GPU, or wait for a container or claim on it "
         "to end"
     )
     assert (allocator.ledger.version, allocator.ledger.statistics(), allocator.ceilings()) == before

@@ -133,7 +133,8 @@ def test_the_49th_live_grant_on_a_gpu_is_refused_and_preferred_allocation_avoids
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == (
         f"{RESOURCE}: GPU {GPU0} would hold 49 MPS clients (device-plugin grants and claims), but MPS serves at "
-        "most 48; nothing was granted: ask for IDs of another GPU, or wait for a container or claim on it to end"
+        f"most 48; nothing was granted (asked: '{GPU1}::0', '{GPU0}::48'): ask for IDs of another GPU, or wait for a "
+        "container or claim on it to end"
     )
     res = wait_for(lambda: with_grants(short_dir, 48), 5, "the status with 48 grants")
     assert res["gpus"][GPU0]["liveGrants"] == 48 and res["gpus"][GPU1]["liveGrants"] == 0

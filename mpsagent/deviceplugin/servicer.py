@@ -21,9 +21,9 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
-from mpsagent.base.errors import MpsAgentError
+from mpsagent.base.errors import DaemonError, MpsAgentError
 from mpsagent.base.logs import get_logger
-from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
+from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator, describe_ids
 from mpsagent.domain.container import ContainerSetup
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
@@ -201,8 +201,11 @@ class DevicePluginServicer:
             allocations = self._allocator.allocate(requests)
             try:
                 await self._set_ceilings()
-            except BaseException:
+            except BaseException as exc:
                 await self._withdraw(allocations)
+                if isinstance(exc, DaemonError):
+                    asked = describe_ids([i for ids in requests for i in ids])
+                    raise DaemonError(f"{exc}; nothing was granted (asked: {asked})") from exc
                 raise
             # Told once the answer is on its way: what the grant is followed by (its log line, the reconciler's
             # follow-ups) costs the kubelet nothing it waits for. The loop runs it right after this call's step.

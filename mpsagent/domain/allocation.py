@@ -42,11 +42,11 @@ def size_error(resource: str, count: int) -> RequestError:
     )
 
 
-def grant_refused(resource: str, refusal: GpuRefusal) -> GrantRefusedError:
-    """An Allocate the node's accounting refuses: the GPU's side of it, and what the user can do."""
+def grant_refused(resource: str, refusal: GpuRefusal, asked: Sequence[str]) -> GrantRefusedError:
+    """An Allocate the node's accounting refuses: the GPU's side of it, the IDs asked, and what the user can do."""
     return GrantRefusedError(
-        f"{resource}: {refusal.reason}; nothing was granted: ask for IDs of another GPU, or wait for a container or "
-        "claim on it to end",
+        f"{resource}: {refusal.reason}; nothing was granted (asked: {describe_ids(asked)}): ask for IDs of another "
+        "GPU, or wait for a container or claim on it to end",
         kind=refusal.kind.value,
         gpu=refusal.uuid,
     )
@@ -162,7 +162,7 @@ class ResourceAllocator:
             problem=self.problem,
         )
         if refusal is not None:
-            raise grant_refused(self.resource.name, refusal)
+            raise grant_refused(self.resource.name, refusal, [i for g in grants for i in g.replica_ids])
 
     def withheld(self) -> tuple[Withheld, ...]:
         """Per GPU, the free IDs ListAndWatch must not offer: their share no longer fits beside the live ones."""

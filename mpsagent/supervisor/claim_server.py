@@ -97,6 +97,12 @@ class ClaimServer:
         self.unprepared_total = 0
         self.refused_total = 0
 
+    @property
+    def api(self) -> KubeApi:
+        """The API server's client, once `run` has started."""
+        assert self._api is not None, "the claim server has not started"
+        return self._api
+
     def _problem(self, uuid: GpuUuid) -> str | None:
         server = self._gpu_resource.get(uuid)
         return None if server is None else server.inventory.problem(uuid)
@@ -298,7 +304,9 @@ class ClaimServer:
             if saved is None:
                 with contextlib.suppress(HostError):  # it lists claims the kubelet retries: answered as prepared
                     self._save()
-            return await self._undo(batch, daemon_failure[0] if daemon_failure else saved, failures)
+            for live in batch if daemon_failure else ():
+                failures.setdefault(live.prepared.claim.uid, _ceilings_not_held(live, daemon_failure[0]))
+            return await self._undo(batch, saved, failures)
         self._live.update((live.prepared.claim.uid, live) for live in batch if live.prepared.claim.uid not in failures)
         failed = [live for live in batch if live.prepared.claim.uid in failures]
         return await self._undo(failed, None, failures) if failed else failures
@@ -418,6 +426,16 @@ def live_claims_without_dra(checkpoint_path: Path) -> str | None:
         f"({named}) whose pods may still run: without them the MPS daemons' "
         "ceilings would drop below those pods' caps. Start with --dra on until those pods are gone (kubectl delete "
         "the pods, or drain the node), or, if none runs any more, remove the checkpoint"
+    )
+
+
+def _ceilings_not_held(live: LiveClaim, failure: DaemonError) -> DaemonError:
+    """A claim whose GPUs' daemons did not take the ceilings it needs: which claim, which GPUs, and that nothing of
+    it stands."""
+    gpus = ", ".join(sorted({device.gpu for device in live.prepared.devices}))
+    return DaemonError(
+        f"claim {live.prepared.claim}: the MPS daemon of GPU {gpus} did not take the ceilings the claim needs "
+        f"({failure}); nothing was prepared: the kubelet retries"
     )
 
 
