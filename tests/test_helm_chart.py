@@ -23,6 +23,7 @@ from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
 from mpsagent_testing.cluster.layout import BIN
+from mpsagent_testing.packaging import DRA_RULES
 from mpsagent_testing.repo import ROOT
 
 CHART = ROOT / "packaging" / "helm" / "mpsagent"
@@ -549,15 +550,6 @@ SHARE_CLASS = "DeviceClass/mps-share.mpsagent.io"
 GPU_CLASS = "DeviceClass/mps-gpu.mpsagent.io"
 DRA_SELECTORS = [{"cel": {"expression": 'device.driver == "mps.mpsagent.io"'}}]
 DRA_RBAC = ["ServiceAccount/mpsagent", "ClusterRole/mpsagent-dra", "ClusterRoleBinding/mpsagent-dra"]
-DRA_RULES = [
-    {
-        "apiGroups": ["resource.k8s.io"],
-        "resources": ["resourceslices"],
-        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
-    },
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
-]
 DRA_HOST_PATHS = {
     "plugins-registry": "/var/lib/kubelet/plugins_registry",
     "plugins": "/var/lib/kubelet/plugins",

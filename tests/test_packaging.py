@@ -35,6 +35,7 @@ from packaging.version import Version
 from mpsagent_testing.images import DOCKERFILE, IMAGE_TIMEOUT_S, podman
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import small_node, write_config
+from mpsagent_testing.packaging import DRA_RULES
 from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 PACKAGING = ROOT / "packaging"
@@ -771,7 +772,9 @@ def test_daemonsets_share_the_mps_directories_with_client_pods_through_host_path
     assert environment(init)["MPS_ROOT"] == MPS_ROOT
 
 
-@pytest.mark.parametrize(("name", "capabilities"), [(AGENT, {"SYS_ADMIN"}), (MPS_DAEMON, {"SETUID", "SETGID", "KILL"})])
+@pytest.mark.parametrize(
+    ("name", "capabilities"), [(AGENT, {"SYS_ADMIN", "SYS_PTRACE"}), (MPS_DAEMON, {"SETUID", "SETGID", "KILL"})]
+)
 def test_each_container_is_root_with_only_the_capabilities_it_needs(
     rendered: list[dict], name: str, capabilities: set[str]
 ) -> None:
@@ -821,15 +824,6 @@ GPU_CLASS = "mps-gpu.mpsagent.io"
 # resource.k8s.io/v1 with consumable capacity (KEP-5075) and DeviceClass.spec.extendedResourceName (KEP-5004),
 # both beta and on by default from 1.36.
 OLDEST_DRA_KUBERNETES = Version("1.36")
-DRA_RULES = [
-    {
-        "apiGroups": ["resource.k8s.io"],
-        "resources": ["resourceslices"],
-        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
-    },
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
-]
 # The kubelet's plugin registration and DRA socket directories, and the CDI spec directory: each at the host's path.
 DRA_HOST_PATHS = {
     "plugins-registry": "/var/lib/kubelet/plugins_registry",

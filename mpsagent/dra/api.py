@@ -1,5 +1,6 @@
 """The DRA driver's client of the Kubernetes API server, through lightkube: the node's ResourceSlices (listed,
-watched, applied, deleted) and the ResourceClaims the kubelet asks to prepare (read). The claim handler and the
+watched, applied, deleted), the ResourceClaims the kubelet asks to prepare (read), and an Event on one of the
+node's pods (found by its UID). The claim handler and the
 slice publisher call `KubeApi`; `connect` makes one from a kubeconfig or the pod's service account.
 
 The objects are translated by plain functions beside it: a claim into the domain's `ClaimAllocation`
@@ -14,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,7 +27,9 @@ from lightkube import ApiError, AsyncClient, KubeConfig, NotReadyError, SingleCo
 from lightkube import ConfigError as LightkubeConfigError
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.client import FieldSelector
-from lightkube.resources.core_v1 import Node
+from lightkube.models.core_v1 import EventSource, ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
 from mpsagent.base.errors import (
@@ -55,6 +60,24 @@ MAX_CONNECTIONS = 16
 MAX_KUBECONFIG_BYTES = 4 * MIB
 MAX_LISTED_SLICES = 16
 """The ResourceSlices of this driver on this node read from one list (the agent writes one)."""
+MAX_LISTED_PODS = 2048
+"""The node's pods read to find one by its UID (a kubelet runs 110 by default, at most a few hundred)."""
+EVENT_SOURCE = "mpsagent"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PodRef:
+    """A pod on the node, and the name of one of its containers (None: not among its statuses)."""
+
+    namespace: str
+    name: str
+    uid: str
+    container: str | None
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
 _ACCESS_HINT = "give --kubeconfig a kubeconfig file, or leave it out and run the agent in a pod with a service account"
 
 
@@ -196,8 +219,66 @@ class KubeApi:
         async with _call(f"deleting ResourceSlice {name}"):
             return await self._delete_slice(name)
 
+    async def pod_of(self, *, node: str, uid: str, container_id: str) -> PodRef | None:
+        """The pod with `uid` among `node`'s pods (its first MAX_LISTED_PODS), and the name of its container whose
+        runtime ID is `container_id`; None when it is not there (deleted since)."""
+        async with _call(f"listing the pods of node {node}"):
+            found = self._client.list(Pod, namespace="*", fields={"spec.nodeName": node}, chunk_size=500)
+            iterator = aiter(found)
+            try:
+                seen = 0
+                async for pod in iterator:
+                    seen += 1
+                    if pod.metadata is not None and pod.metadata.uid == uid:
+                        return _pod_ref(pod, container_id)
+                    if seen == MAX_LISTED_PODS:
+                        break
+            finally:
+                await _close(iterator)
+        return None
+
+    async def pod_event(self, pod: PodRef, *, node: str, reason: str, message: str) -> None:
+        """A Warning Event on `pod` (and its container, when known), from this agent on `node`."""
+        now = datetime.now(UTC)
+        event = Event(
+            metadata=ObjectMeta(generateName=f"{pod.name}.", namespace=pod.namespace),
+            involvedObject=ObjectReference(
+                apiVersion="v1",
+                kind="Pod",
+                namespace=pod.namespace,
+                name=pod.name,
+                uid=pod.uid,
+                fieldPath=None if pod.container is None else f"spec.containers{{{pod.container}}}",
+            ),
+            reason=reason,
+            message=message,
+            type="Warning",
+            source=EventSource(component=EVENT_SOURCE, host=node),
+            reportingComponent=EVENT_SOURCE,
+            reportingInstance=node,
+            firstTimestamp=now,
+            lastTimestamp=now,
+            count=1,
+        )
+        async with _call(f"recording an Event on pod {pod}"):
+            await self._client.create(event)
+
     async def close(self) -> None:
         await self._client.close()
+
+
+def _pod_ref(pod: Pod, container_id: str) -> PodRef:
+    assert pod.metadata is not None
+    statuses = (
+        [] if pod.status is None else [*(pod.status.containerStatuses or ()), *(pod.status.initContainerStatuses or ())]
+    )
+    names = [s.name for s in statuses if s.containerID and s.containerID.rpartition("://")[2] == container_id]
+    return PodRef(
+        namespace=pod.metadata.namespace or "",
+        name=pod.metadata.name or "",
+        uid=pod.metadata.uid or "",
+        container=names[0] if names else None,
+    )
 
 
 def _selector(driver: str, node: str) -> FieldSelector:

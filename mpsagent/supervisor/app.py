@@ -33,6 +33,7 @@ from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_dir
 from mpsagent.node.nfd import node_labels, remove_features, write_features
 from mpsagent.node.systemd import SystemdNotifier
 from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
+from mpsagent.supervisor.pod_events import PodEvents
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent.supervisor.stop_signals import wait_stop_signal
@@ -139,6 +140,42 @@ def _hold_locks(locks: ExitStack, settings: Settings, plan: NodePlan) -> None:
             )
 
 
+def _resource_servers(
+    settings: Settings,
+    plan: NodePlan,
+    gpu_source: GpuSource,
+    *,
+    web: WebEndpoint | None,
+    reconciler: PodResourcesReconciler,
+    pod_events: PodEvents | None,
+) -> list[ResourceServer]:
+    """Each resource's server, built whole, its ledger reconciled by `reconciler`."""
+    resources = [
+        ResourceServer(
+            plan=resource_plan,
+            shm_directory=plan.shm_directory,
+            settings=settings,
+            gpu_source=gpu_source,
+            rpc_timer=web.metrics.rpc_timer(resource_plan.name) if web else None,
+            reconcile_soon=reconciler.request,
+            on_hold_ended=pod_events.report if pod_events is not None else lambda ended: None,
+        )
+        for resource_plan in plan.resources
+    ]
+    for resource in resources:
+        reconciler.add_target(
+            ReconcileTarget(allocator=resource.allocator, on_ledger_changed=resource.hold_ledger_ceilings)
+        )
+    return resources
+
+
+async def _start_claims(tg: TaskGroup, claims: ClaimServer, pod_events: PodEvents | None) -> None:
+    """The DRA driver, then the pod events told through its API client."""
+    await tg.start(claims.run)
+    if pod_events is not None:
+        tg.start_soon(pod_events.run, claims.api)
+
+
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
     received = await wait_stop_signal()
     log.info("stopping", reason=received.name)
@@ -156,21 +193,9 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         locks.callback(notifier.close)
         _hold_locks(locks, settings, plan)
         reconciler = PodResourcesReconciler(socket=settings.pod_resources_socket, grace_s=settings.reconcile_grace_s)
-        resources = [
-            ResourceServer(
-                plan=resource_plan,
-                shm_directory=plan.shm_directory,
-                settings=settings,
-                gpu_source=gpu_source,
-                rpc_timer=web.metrics.rpc_timer(resource_plan.name) if web else None,
-                reconcile_soon=reconciler.request,
-            )
-            for resource_plan in plan.resources
-        ]
-        for resource in resources:
-            reconciler.add_target(
-                ReconcileTarget(allocator=resource.allocator, on_ledger_changed=resource.hold_ledger_ceilings)
-            )
+        # Where the API server is reachable, a control-socket hold the agent ends is told on the holder's pod too.
+        pod_events = PodEvents(node=node_name(settings.node_name)) if settings.dra is DraMode.ON else None
+        resources = _resource_servers(settings, plan, gpu_source, web=web, reconciler=reconciler, pod_events=pod_events)
         claims = _claim_server(settings, plan, resources, web)
         # Before any daemon holds ceilings: containers that run since before this start must keep their caps (the
         # prepared claims' too).
@@ -192,7 +217,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                 for resource in resources:
                     await tg.start(resource.run)
                 if claims is not None:
-                    await tg.start(claims.run)
+                    await _start_claims(tg, claims, pod_events)
                 await tg.start(reconciler.run)
                 publisher = StatePublisher(
                     mps_root=settings.mps_root,
