@@ -91,16 +91,14 @@ def test_the_file_is_versioned_json_with_the_checksum_of_its_claims() -> None:
     }
 
 
-def version_1(claims: tuple[PreparedClaim, ...]) -> dict[str, Any]:
-    """The checkpoint an agent wrote before the checksum: version 1, no `sha256`."""
-    return {"version": 1, "claims": msgspec.to_builtins(claims)}
-
-
-def test_a_checkpoint_written_before_the_rounding_was_recorded_reads_as_none_rounded(tmp_path: Path) -> None:
-    """An older agent's checkpoint has no `rounded_off_bytes`: its claims were whole MiB, or rounded unsaid."""
-    document = version_1(CLAIMS[:1])
-    del document["claims"][0]["devices"][0]["rounded_off_bytes"]
-    (tmp_path / "checkpoint.json").write_text(json.dumps(document))
+def test_a_field_added_since_a_checkpoint_was_written_reads_as_its_default(tmp_path: Path) -> None:
+    """The checksum covers the claims' bytes as written: a file written before a field with a default was added
+    (`rounded_off_bytes` here) still matches it, and reads the default."""
+    claims = msgspec.to_builtins(CLAIMS[:1])
+    del claims[0]["devices"][0]["rounded_off_bytes"]
+    body = json.dumps(claims).encode()
+    document = b'{"version":2,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body)
+    (tmp_path / "checkpoint.json").write_bytes(document)
     (prepared,) = checkpoint.load(tmp_path / "checkpoint.json")
     assert prepared.devices[0].rounded_off_bytes == 0
 
@@ -112,13 +110,12 @@ def test_a_missing_file_holds_no_claims(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "problem"),
     [
-        (b'{"version": 1, "claims": [', "is not a checkpoint (Input data was truncated)"),
+        (b'{"version": 2, "claims": [', "is not a checkpoint (Input data was truncated)"),
         (b"[]", "is not a checkpoint (Expected `object`, got `array`)"),
         (b'{"claims": []}', "is not a checkpoint (Object missing required field `version`)"),
-        (b'{"version": 3, "claims": []}', "has version 3; this agent reads versions 1 and 2"),
+        (b'{"version": 3, "claims": []}', "has version 3; this agent reads version 2"),
         (b'{"version": 2, "claims": []}', "is not a valid checkpoint (Object missing required field `sha256`)"),
-        (b'{"version": 1, "claims": [{"claim": {}}]}', "is not a valid checkpoint (Object missing required field"),
-        (b'{"version": 1, "claims": [], "extra": 1}', "is not a valid checkpoint (Object contains unknown field"),
+        (b'{"version": 2, "sha256": "", "claims": [], "extra": 1}', "is not a valid checkpoint (Object contains"),
     ],
 )
 def test_a_corrupt_file_is_an_error_naming_it_and_the_way_out(tmp_path: Path, content: bytes, problem: str) -> None:
@@ -156,14 +153,44 @@ def test_a_file_that_cannot_be_saved_is_a_host_error_naming_it(tmp_path: Path) -
         checkpoint.save(path, CLAIMS)
 
 
-def test_a_checkpoint_of_the_agent_before_the_checksum_still_loads(tmp_path: Path) -> None:
-    """An upgrade: the older agent's version 1 file (no checksum) is read, and the next save writes version 2."""
+def test_a_checkpoint_without_a_checksum_is_refused_whatever_its_version(tmp_path: Path) -> None:
+    """Version 1 (an older agent's, or one written by hand) has no checksum: what it holds cannot be told from what
+    someone changed since, so it is refused as a changed file is, never trusted."""
     path = tmp_path / "checkpoint.json"
-    path.write_text(json.dumps(version_1(CLAIMS)))
-    assert checkpoint.load(path) == CLAIMS
+    path.write_text(json.dumps({"version": 1, "claims": msgspec.to_builtins(CLAIMS)}))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == (
+        f"the DRA checkpoint {path} has version 1, which has no checksum (written by an older agent, or by hand), "
+        f"so what it holds cannot be trusted: {WAY_OUT}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "shown_mode"),
+    [
+        pytest.param(0o666, None, "-rw-rw-rw-", id="world-writable"),
+        pytest.param(0o620, None, "-rw--w----", id="group-writable"),
+        pytest.param(0o600, 65534, "-rw-------", id="another-user"),
+    ],
+)
+def test_a_checkpoint_someone_else_could_write_is_refused_naming_its_owner_and_mode(
+    tmp_path: Path, mode: int, owner: int | None, shown_mode: str
+) -> None:
+    """Anyone who can write the file can write a checksum that matches: only the agent's user's own file, written
+    by no one else, is trusted."""
+    path = tmp_path / "checkpoint.json"
     checkpoint.save(path, CLAIMS)
-    assert json.loads(path.read_bytes())["version"] == 2
-    assert checkpoint.load(path) == CLAIMS
+    path.chmod(mode)
+    if owner is not None:
+        os.chown(path, owner, owner)
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == (
+        f"the DRA checkpoint {path} is owned by UID {owner if owner is not None else os.geteuid()} with mode "
+        f"{shown_mode}, and the agent trusts only what its own user (UID {os.geteuid()}) owns and no one else can "
+        f"write: {WAY_OUT}"
+    )
 
 
 def test_a_file_changed_since_the_agent_wrote_it_is_refused_naming_it(tmp_path: Path) -> None:

@@ -49,17 +49,29 @@ def test_a_lock_file_that_is_a_link_is_refused_and_not_followed(tmp_path: Path) 
     assert target.read_text() == "keep me"
 
 
-@pytest.mark.parametrize("make", ["link", "open"])
-def test_a_lock_directory_that_is_a_link_or_open_to_others_is_refused(tmp_path: Path, make: str) -> None:
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        ("link", "is a symbolic link, not a directory"),
+        ("open", f"is owned by UID {os.geteuid()} with mode drwxrwxrwx, and the agent trusts only what its own user"),
+        ("theirs", "is owned by UID 65534 with mode drwx------, and the agent trusts only what its own user"),
+    ],
+)
+def test_a_lock_directory_that_is_a_link_or_open_to_others_is_refused(tmp_path: Path, make: str, problem: str) -> None:
     directory = tmp_path / "mpsagent-locks"
     if make == "link":
         (tmp_path / "elsewhere").mkdir()
         directory.symlink_to(tmp_path / "elsewhere")
     else:
-        directory.mkdir()
-        directory.chmod(0o777)
-    with pytest.raises(HostError, match="is not a directory of this agent's user that only it can write"):
+        directory.mkdir(mode=0o700)
+        if make == "open":
+            directory.chmod(0o777)
+        else:
+            os.chown(directory, 65534, 65534)
+    with pytest.raises(HostError) as refused:
         NodeGuard(tmp_path, resources(tmp_path)).acquire()
+    assert str(refused.value).startswith(f"the lock directory {directory} {problem}")
+    assert str(refused.value).endswith("; remove it and start the agent again")
 
 
 def test_a_refusal_leaves_no_lock_taken(tmp_path: Path) -> None:

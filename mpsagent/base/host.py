@@ -1,5 +1,6 @@
 """What several parts of the agent ask of the host in the same way: whether a process lives, reading a file that
-must be a small regular file, opening a private file never through a link, replacing a file so that no reader ever
+must be a small regular file (and, for what the agent trusts, its own user's alone to write), opening a private file
+never through a link, replacing a file so that no reader ever
 sees it half-written, and a lock file that names its holder."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def size_text(size: int) -> str:
@@ -35,21 +37,39 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def _check_regular(path: Path, status: os.stat_result, *, max_bytes: int, what: str) -> None:
+def ownership_problem(status: os.stat_result) -> str | None:
+    """Why a file or directory whose content the agent trusts may hold what someone else put there: another user
+    owns it, or others (its group, anyone) can write it; None when it is the agent's own user's alone to write."""
+    if status.st_uid == os.geteuid() and not status.st_mode & _WRITABLE_BY_OTHERS:
+        return None
+    return (
+        f"is owned by UID {status.st_uid} with mode {stat.filemode(status.st_mode)}, and the agent trusts only what "
+        f"its own user (UID {os.geteuid()}) owns and no one else can write"
+    )
+
+
+def _check_regular(path: Path, status: os.stat_result, *, max_bytes: int, what: str, own: bool) -> None:
     if not stat.S_ISREG(status.st_mode):
         raise FileRefusedError(path, what, f"is {file_kind(status.st_mode)}, not a regular file")
+    problem = ownership_problem(status) if own else None
+    if problem is not None:
+        raise FileRefusedError(path, what, problem)
     if status.st_size > max_bytes:
         raise FileTooLargeError(path, what, f"is larger than {size_text(max_bytes)}")
 
 
-def read_regular_file(path: Path, *, max_bytes: int, what: str, follow_symlinks: bool = True) -> bytes:
+def read_regular_file(
+    path: Path, *, max_bytes: int, what: str, follow_symlinks: bool = True, own: bool = False
+) -> bytes:
     """The content of `path`, which must be a regular file of at most `max_bytes` (`what` names it in errors:
-    "the agent status"). Raises FileRefusedError, or OSError (FileNotFoundError, ...) as the system says.
+    "the agent status"); with `own`, also the agent's own user's alone to write (`ownership_problem`), for a file
+    whose content the agent trusts. Raises FileRefusedError, or OSError (FileNotFoundError, ...) as the system says.
 
     Checked before it is opened (opening a FIFO blocks, opening a device may act on it), and again on the open
     file (the path may have changed in between); the read stops at the bound whatever the file does meanwhile.
     """
-    _check_regular(path, os.stat(path, follow_symlinks=follow_symlinks), max_bytes=max_bytes, what=what)
+    status = os.stat(path, follow_symlinks=follow_symlinks)
+    _check_regular(path, status, max_bytes=max_bytes, what=what, own=own)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -58,7 +78,7 @@ def read_regular_file(path: Path, *, max_bytes: int, what: str, follow_symlinks:
             raise FileRefusedError(path, what, "is a symbolic link, not a regular file") from None
         raise
     with os.fdopen(fd, "rb") as file:
-        _check_regular(path, os.fstat(fd), max_bytes=max_bytes, what=what)
+        _check_regular(path, os.fstat(fd), max_bytes=max_bytes, what=what, own=own)
         data = file.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise FileTooLargeError(path, what, f"is larger than {size_text(max_bytes)}")

@@ -2,12 +2,13 @@
 each prepare and unprepare, and loads it at start.
 
 `{"version": 2, "sha256": "<hex>", "claims": [...]}` in JSON, replaced whole, durably, mode 0600; `sha256` is the
-digest of the claims' bytes as written, so that a file changed since (edited, damaged) is refused. Version 1 (no
-checksum, written by older agents) is still read. A checkpoint that cannot be trusted is an error naming the file,
-never an empty set taken silently (the agent would forget shares it holds): not a regular file (a link is not
-followed), unreadable, another version, a checksum that does not match, or an entry that breaks a rule
-(`check_entry`: what needs no knowledge of the node; the claim server checks the rest). The message says that
-deleting the file is the way out: the kubelet prepares each claim again on its next try.
+digest of the claims' bytes as written, so that a file changed since (edited, damaged) is refused. A checkpoint that
+cannot be trusted is an error naming the file, never an empty set taken silently (the agent would forget shares it
+holds): not a regular file (a link is not followed), another user's or one others can write (whoever can write it
+can write a checksum that matches), unreadable, without a checksum (version 1: an older agent's, or written by
+hand), another version, a checksum that does not match, or an entry that breaks a rule (`check_entry`: what needs
+no knowledge of the node; the claim server checks the rest). The message says that deleting the file is the way
+out: the kubelet prepares each claim again on its next try.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mpsagent.base.values import MIB
 from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, PreparedClaim, PreparedDevice
 
 VERSION = 2
-"""What `save` writes; `load` reads this and version 1 (no checksum)."""
+"""What `save` writes and `load` reads; version 1 had no checksum, and is refused."""
 MAX_BYTES = 4 * MIB
 """Hundreds of claims take tens of KiB."""
 MODE = 0o600  # it names pods, as status.json does
@@ -38,11 +39,6 @@ class EntryError(ValueError):
 
 class _Header(msgspec.Struct, kw_only=True):
     version: int
-
-
-class _CheckpointV1(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    version: int
-    claims: tuple[PreparedClaim, ...]
 
 
 class _Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -128,9 +124,13 @@ def _decoded(path: Path, data: bytes) -> tuple[PreparedClaim, ...]:
         raise _refused(path, f"is not a checkpoint ({shown(exc, 200)})") from exc
     try:
         if version == 1:
-            return msgspec.json.decode(data, type=_CheckpointV1).claims
+            raise _refused(
+                path,
+                "has version 1, which has no checksum (written by an older agent, or by hand), so what it holds "
+                "cannot be trusted",
+            )
         if version != VERSION:
-            raise _refused(path, f"has version {version}; this agent reads versions 1 and {VERSION}")
+            raise _refused(path, f"has version {version}; this agent reads version {VERSION}")
         document = msgspec.json.decode(data, type=_Checkpoint)
         if hashlib.sha256(document.claims).hexdigest() != document.sha256:
             raise _refused(
@@ -143,11 +143,11 @@ def _decoded(path: Path, data: bytes) -> tuple[PreparedClaim, ...]:
 
 def load(path: Path) -> tuple[PreparedClaim, ...]:
     """The claims saved in `path`; none when there is no such file. Raises HostError naming the file for one that
-    is not a regular file (a link is not followed), cannot be read, is too large, does not hold a checkpoint of a
-    version this agent reads, does not match its checksum, or has an entry that breaks a rule (`check_entry`, or a
-    claim listed twice)."""
+    is not a regular file (a link is not followed), is another user's or writable by others, cannot be read, is too
+    large, does not hold a checkpoint of the version this agent reads (version 1 has no checksum), does not match
+    its checksum, or has an entry that breaks a rule (`check_entry`, or a claim listed twice)."""
     try:
-        data = read_regular_file(path, max_bytes=MAX_BYTES, what=_WHAT, follow_symlinks=False)
+        data = read_regular_file(path, max_bytes=MAX_BYTES, what=_WHAT, follow_symlinks=False, own=True)
     except FileNotFoundError:
         return ()
     except FileRefusedError as exc:

@@ -52,7 +52,10 @@ WATCH_SESSION_S = 300.0
 """The slices are listed and watched again at least this often: a connection gone silent raises nothing."""
 WATCH_HEALTHY_S = 30.0
 """A watch that lasted this long was a good one: the next list follows without backoff."""
-REMOVE_TIMEOUT_S = 5.0
+REMOVE_TIMEOUT_S = 3.0
+"""On the way out, the node's slices are deleted within this long, or left with a warning: short enough that the
+agent exits within 5 s of SIGTERM with the API server not answering (docs/dra.md), the rest of its way out included;
+long enough for a list and a delete of a server that answers at all."""
 _EVENTS = frozenset({"ADDED", "MODIFIED", "DELETED"})
 
 

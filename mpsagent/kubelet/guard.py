@@ -8,7 +8,6 @@ touches anything else; the plugin endpoint relies on it when it removes the sock
 
 from __future__ import annotations
 
-import os
 import re
 import stat
 from collections.abc import Sequence
@@ -16,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mpsagent.base.errors import AgentLockedError, FileRefusedError, HostError
-from mpsagent.base.host import PidLock
+from mpsagent.base.host import PidLock, file_kind, ownership_problem
 from mpsagent.domain.plan import ResourcePlan
 
 LOCK_DIRECTORY = "mpsagent-locks"
@@ -39,11 +38,12 @@ def _lock_directory(kubelet_directory: Path) -> Path:
             f"cannot create the lock directory {directory} ({exc.strerror}); the kubelet's device-plugin directory "
             "must be writable by the agent (check --kubelet-socket)"
         ) from exc
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid() or found.st_mode & 0o022:
-        raise HostError(
-            f"{directory} is not a directory of this agent's user that only it can write (owner UID {found.st_uid}, "
-            f"mode {stat.filemode(found.st_mode)}); remove it and start the agent again"
-        )
+    if stat.S_ISDIR(found.st_mode):
+        problem = ownership_problem(found)
+    else:
+        problem = f"is {file_kind(found.st_mode)}, not a directory"
+    if problem is not None:
+        raise HostError(f"the lock directory {directory} {problem}; remove it and start the agent again")
     return directory
 
 
