@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import msgspec
 import pytest
 import structlog
+from lightkube.resources.resource_v1 import ResourceClaim
 
 from mpsagent.base.config import resolve_settings
 from mpsagent.base.devices import MIB, Health
@@ -31,6 +32,7 @@ from mpsagent.domain.ledger import Grant
 from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.dra import cdi, checkpoint
+from mpsagent.dra.claim_object import claim_allocation
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.mps.paths import prepare_directories
@@ -82,11 +84,27 @@ def allocation(
     )
 
 
+def claim_object(ref: ClaimRef, consumed: dict[str, str]) -> ResourceClaim:
+    """The ResourceClaim `ref` as the API server returns it: one request `gpu`, allocated gpu-0 of the node with
+    `consumed`."""
+    result = {"request": "gpu", "driver": DRA_DRIVER, "pool": NODE, "device": "gpu-0", "consumedCapacity": consumed}
+    document = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRA_DRIVER}}]}},
+        "status": {"allocation": {"devices": {"results": [result]}}},
+    }
+    return cast(ResourceClaim, ResourceClaim.from_dict(document))
+
+
 @dataclass
 class FakeKubeApi:
-    """The API server, as far as the claim server asks it: each claim's allocation, by UID."""
+    """The API server, as far as the claim server asks it: each claim's allocation, by UID; or the claim itself
+    (`objects`), turned into its allocation as the real client does."""
 
     claims: dict[str, ClaimAllocation] = field(default_factory=dict)
+    objects: dict[str, ResourceClaim] = field(default_factory=dict)
     reads: list[ClaimRef] = field(default_factory=list)
     reading: int = 0
     most_at_once: int = 0
@@ -102,6 +120,8 @@ class FakeKubeApi:
         self.most_at_once = max(self.most_at_once, self.reading)
         await anyio.sleep(0.01)  # a real read awaits the server: another prepare (or read) may run meanwhile
         self.reading -= 1
+        if ref.uid in self.objects:
+            return claim_allocation(self.objects[ref.uid], ref, driver=driver, node=node)
         found = self.claims.get(ref.uid)
         if found is None:
             raise KubeApiError(f"reading ResourceClaim {ref}", "resourceclaims not found", 404)
@@ -601,6 +621,30 @@ def test_a_claim_the_domain_refuses_holds_nothing(node: Node, refused: ClaimAllo
             outcome = await prepare_one(agent, CLAIM_A)
             assert outcome.devices == ()
             assert message in outcome.error
+            assert agent.claim_grants() == []
+            assert agent.ceilings() == WHOLE
+            assert node.spec_uids() == set()
+            assert not node.checkpoint.exists()
+            assert counters(agent) == (0, 1, 0)
+
+    node.run(main)
+
+
+def test_a_claim_consuming_a_capacity_the_devices_do_not_have_is_refused_naming_it_and_holds_nothing(
+    node: Node,
+) -> None:
+    """Issue 37: `bogus: 5` in a claim's allocation was prepared without a word."""
+    agent = node.agent()
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.objects[UID_A] = claim_object(CLAIM_A, {"memory": "30Gi", "bogus": "5"})
+            outcome = await prepare_one(agent, CLAIM_A)
+            assert outcome.devices == ()
+            assert (
+                "claim ml/train: device gpu-0's consumed capacity names 'bogus', which the devices of "
+                f"{DRA_DRIVER} do not have (they have memory and compute)"
+            ) in outcome.error
             assert agent.claim_grants() == []
             assert agent.ceilings() == WHOLE
             assert node.spec_uids() == set()

@@ -207,6 +207,32 @@ def test_a_consumed_capacity_that_is_no_amount_says_what_is_wrong(consumed: dict
 
 
 @pytest.mark.parametrize(
+    ("consumed", "named"),
+    [
+        ({"memory": "8Gi", "bogus": "5"}, "'bogus'"),
+        ({"compute": "25", **{f"x{i}": "1" for i in range(6)}}, "'x0', 'x1', 'x2' and 3 more"),
+        ({"z" * 5000: "1", "a\nb": "1"}, "'a\\nb', '" + "z" * 80 + "...'"),
+    ],
+    ids=["one", "many", "long-and-odd"],
+)
+def test_a_consumed_capacity_the_devices_do_not_have_is_refused_naming_it(consumed: dict[str, Any], named: str) -> None:
+    """Issue 37: `bogus: 5` was prepared without a word. The scheduler consumes only what the device offers: a name
+    the node's devices do not have means the allocation did not come from the node's slice. At most three names,
+    each cut to 80 characters and escaped, so that a hostile claim cannot flood the pod's events."""
+
+    def edit(document: dict[str, Any]) -> None:
+        results(document)[0]["consumedCapacity"] = consumed
+
+    with pytest.raises(ClaimRefusedError) as caught:
+        claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
+    assert str(caught.value) == (
+        f"claim team-a/trainer-gpu: device gpu-0's consumed capacity names {named}, which the devices of "
+        f"{DRA_DRIVER} do not have (they have memory and compute): the allocation was not made from the node's "
+        "ResourceSlice"
+    )
+
+
+@pytest.mark.parametrize(
     ("consumed", "amounts"),
     [
         ({"memory": "8000m", "compute": "25000m"}, (8, 25)),

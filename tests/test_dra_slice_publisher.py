@@ -45,9 +45,15 @@ class FakeApiServer:
     watch held open and fed every change after its resourceVersion), applied and deleted. Records each request;
     `someone_*` are changes of another client, seen only through the watch."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, opaque_versions: bool = False) -> None:
         self.slices: dict[str, dict[str, Any]] = {}
         self.version = 100
+        self.opaque_versions = opaque_versions
+        """resourceVersions that are no numbers (`rv-101`): opaque, as the API's conventions tell clients to treat
+        them, so the publisher cannot order them."""
+        self.held: list[tuple[int, bytes]] | None = None
+        """While not None: the watch lags, each change kept here until `release_watch`."""
+        self.before_delete: Callable[[str], None] | None = None
         self.requests: list[tuple[float, httpx2.Request]] = []
         self.history: list[tuple[int, bytes]] = []
         self.watches: list[MemoryObjectSendStream[bytes]] = []
@@ -78,12 +84,17 @@ class FakeApiServer:
 
     # --- another client's changes
 
+    def resource_version(self, version: int | None = None) -> str:
+        number = self.version if version is None else version
+        return f"rv-{number}" if self.opaque_versions else str(number)
+
     def store(self, item: dict[str, Any]) -> dict[str, Any]:
         self.version += 1
         name = item["metadata"]["name"]
         kind = "MODIFIED" if name in self.slices else "ADDED"
+        uid = self.slices[name]["metadata"]["uid"] if name in self.slices else f"uid-{name}-{self.version}"
         stored = copy.deepcopy(item)
-        stored["metadata"] |= {"resourceVersion": str(self.version), "uid": f"uid-{name}"}
+        stored["metadata"] |= {"resourceVersion": self.resource_version(), "uid": uid}
         for device in stored["spec"].get("devices", []):
             for capacity in device.get("capacity", {}).values():
                 capacity["value"] = _canonical(capacity["value"])
@@ -94,7 +105,7 @@ class FakeApiServer:
     def someone_deletes(self, name: str = NAME) -> None:
         self.version += 1
         gone = self.slices.pop(name)
-        gone["metadata"]["resourceVersion"] = str(self.version)
+        gone["metadata"]["resourceVersion"] = self.resource_version()
         self.emit("DELETED", gone)
 
     def someone_edits(self, edit: Callable[[dict[str, Any]], None], name: str = NAME) -> None:
@@ -104,7 +115,26 @@ class FakeApiServer:
 
     def emit(self, kind: str, item: dict[str, Any], *, version: int | None = None) -> None:
         line = json.dumps({"type": kind, "object": item}).encode() + b"\n"
-        self.history.append((self.version if version is None else version, line))
+        if self.held is not None:
+            self.held.append((self.version if version is None else version, line))
+        else:
+            self._send(self.version if version is None else version, line)
+
+    def hold_watch(self) -> None:
+        """The watch lags from now: the changes reach it only at `release_watch`."""
+        self.held = []
+
+    def release_watch(self, count: int | None = None) -> None:
+        """The first `count` changes held reach the watch, in order; without `count`, all of them, and the watch
+        keeps up from then on."""
+        assert self.held is not None
+        held = self.held
+        self.held = held[count:] if count is not None else None
+        for version, line in held[:count]:
+            self._send(version, line)
+
+    def _send(self, version: int, line: bytes) -> None:
+        self.history.append((version, line))
         for watch in list(self.watches):
             try:
                 watch.send_nowait(line)
@@ -135,11 +165,11 @@ class FakeApiServer:
         if path == SLICE_PATH and request.method == "GET":
             assert request.url.params["fieldSelector"] == f"spec.driver={DRA_DRIVER},spec.nodeName={NODE}"
             if request.url.params.get("watch") == "true":
-                return self._watch(int(request.url.params["resourceVersion"]))
+                return self._watch(int(request.url.params["resourceVersion"].removeprefix("rv-")))
             listing = {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceSliceList",
-                "metadata": {"resourceVersion": str(self.version)},
+                "metadata": {"resourceVersion": self.resource_version()},
                 "items": list(self.slices.values()),
             }
             return httpx2.Response(200, json=listing)
@@ -148,6 +178,8 @@ class FakeApiServer:
             return self.refuse_writes
         if request.method == "PATCH":
             return httpx2.Response(200, json=self.store(json.loads(request.content)))
+        if request.method == "DELETE" and self.before_delete is not None:
+            self.before_delete(name)
         if request.method == "DELETE" and name in self.slices:
             self.someone_deletes(name)
             return httpx2.Response(200, json={"kind": "Status", "apiVersion": "v1", "status": "Success"})
@@ -366,6 +398,73 @@ async def test_a_slice_of_the_name_in_another_pool_is_deleted_then_created_in_th
         await until(lambda: publisher.published)
         assert server.writes() == [f"DELETE {SLICE}", f"PATCH {SLICE}"]
         assert server.slices[NAME]["spec"]["pool"] == {"name": NODE, "generation": 5, "resourceSliceCount": 1}
+
+
+@pytest.mark.anyio
+async def test_the_watchs_late_word_of_the_agents_own_write_is_no_edit_and_someone_elses_still_is() -> None:
+    """Issue 37: the watch's event of the agent's own write, arriving after the write's answer (here the write
+    before the last, late), was taken for someone else's edit: the slice written again, `restored: changed behind
+    the agent`. The server's resourceVersions are opaque here, as the API tells clients to treat them (nothing to
+    order by): the publisher knows its own writes by the versions the server gave them."""
+    server = FakeApiServer(opaque_versions=True)
+    with capture_logs() as logs:
+        async with running(server) as publisher:
+            await until(lambda: publisher.published)
+            server.hold_watch()
+            for wanted in (CHANGED, NODE_SLICE):
+                publisher.want(wanted)
+                await until(lambda: publisher.published)
+            server.release_watch(1)  # the event of CHANGED's write, after NODE_SLICE's was answered
+            await anyio.sleep(0.3)  # the window in which the old publisher wrote again (at once)
+            server.release_watch()
+            assert server.writes() == [f"PATCH {SLICE}"] * 3
+            server.someone_edits(_more_memory)
+            await until(lambda: publisher.writes == 4)
+            await until(lambda: publisher.published)
+    whys = [e["why"] for e in logs if e["event"] == "resource slice published"]
+    assert whys == ["new", "changed", "changed", "restored: changed behind the agent"]
+
+
+@pytest.mark.anyio
+async def test_the_watchs_late_word_of_the_agents_own_delete_is_no_deletion_behind_it() -> None:
+    """The slice of the name in another pool deleted by the agent and its own applied: the DELETED event that
+    comes after is the agent's own delete, not a slice deleted behind it (opaque resourceVersions, as above)."""
+    server = FakeApiServer(opaque_versions=True)
+    old = published(NODE_SLICE, 4)
+    old["spec"]["pool"]["name"] = "old-pool"
+    server.store(old)
+    server.hold_watch()
+    with capture_logs() as logs:
+        async with running(server) as publisher:
+            await until(lambda: publisher.published)
+            server.release_watch(1)  # DELETED: the slice of the old pool
+            await anyio.sleep(0.3)
+            server.release_watch()
+            assert server.writes() == [f"DELETE {SLICE}", f"PATCH {SLICE}"]
+            server.someone_deletes()
+            await until(lambda: NAME in server.slices)
+    whys = [e["why"] for e in logs if e["event"] == "resource slice published"]
+    assert whys == ["changed", "restored: deleted behind the agent"]
+
+
+@pytest.mark.anyio
+async def test_a_slice_the_agent_deleted_is_not_brought_back_by_the_watchs_late_word_of_it() -> None:
+    """Another slice of the driver on the node, changed by someone just before the agent deletes it: the watch
+    says that change after the agent's delete, which the old publisher took for a slice still there and deleted
+    again (a wasted write, answered 404). Numbered resourceVersions: the change is newer than what the agent saw."""
+    server = FakeApiServer()
+    stale = published(NODE_SLICE, 5)
+    stale["metadata"]["name"] = "node-1-old"
+    server.store(stale)
+    server.hold_watch()
+    server.before_delete = lambda name: server.someone_edits(_lose_a_device, name)
+    async with running(server) as publisher:
+        await until(lambda: publisher.published)
+        server.before_delete = None
+        server.release_watch(2)  # the agent's slice applied, node-1-old changed
+        await anyio.sleep(0.3)
+        server.release_watch()
+        assert server.writes() == [f"PATCH {SLICE}", f"DELETE {SLICE_PATH}/node-1-old"]
 
 
 @pytest.mark.anyio

@@ -11,6 +11,7 @@ from lightkube.models import resource_v1 as models
 
 from mpsagent.base.config import quantity_value
 from mpsagent.base.errors import ClaimRefusedError, shown
+from mpsagent.domain.allocation import describe_ids
 from mpsagent.domain.claims import COMPUTE, MEMORY, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig
 
 MAX_RESULTS = 128
@@ -22,11 +23,29 @@ MAX_PARAMETERS_BYTES = 64 * 1024
 MAX_PODS = 256
 """The pods a claim is reserved for, as the API server bounds them."""
 _SOURCES = {"FromClass": "class", "FromClaim": "claim"}
+_CAPACITIES = (MEMORY, COMPUTE)
+"""The capacities the node's devices have, all a claim can consume of them."""
 
 
-def _consumed(ref: ClaimRef, result: models.DeviceRequestAllocationResult, name: str) -> int | None:
-    consumed = result.consumedCapacity or {}
-    value = consumed.get(name) if isinstance(consumed, dict) else None
+def _consumed_capacity(ref: ClaimRef, result: models.DeviceRequestAllocationResult) -> dict[str, object]:
+    """The result's consumed capacity, by name; refused when it names a capacity the devices do not have (the
+    scheduler consumes only what the device offers)."""
+    consumed = result.consumedCapacity if isinstance(result.consumedCapacity, dict) else {}
+    unknown = sorted(name for name in consumed if name not in _CAPACITIES)
+    if unknown:
+        raise ClaimRefusedError(
+            str(ref),
+            f"device {shown(result.device)}'s consumed capacity names {describe_ids(unknown)}, which the devices of "
+            f"{result.driver} do not have (they have {' and '.join(_CAPACITIES)}): the allocation was not made from "
+            "the node's ResourceSlice",
+        )
+    return consumed
+
+
+def _consumed(
+    ref: ClaimRef, result: models.DeviceRequestAllocationResult, consumed: dict[str, object], name: str
+) -> int | None:
+    value = consumed.get(name)
     if value is None:
         return None
     amount = quantity_value(value) if isinstance(value, str) else None
@@ -42,13 +61,14 @@ def _consumed(ref: ClaimRef, result: models.DeviceRequestAllocationResult, name:
 
 
 def _claim_device(ref: ClaimRef, result: models.DeviceRequestAllocationResult) -> ClaimDevice:
+    consumed = _consumed_capacity(ref, result)
     return ClaimDevice(
         request=result.request,
         pool=result.pool,
         device=result.device,
         share_id=result.shareID,
-        memory_bytes=_consumed(ref, result, MEMORY),
-        compute=_consumed(ref, result, COMPUTE),
+        memory_bytes=_consumed(ref, result, consumed, MEMORY),
+        compute=_consumed(ref, result, consumed, COMPUTE),
     )
 
 
@@ -89,8 +109,8 @@ def claim_allocation(claim: models.ResourceClaim, ref: ClaimRef, *, driver: str,
     empty `devices`: the caller decides.
 
     Raises ClaimRefusedError when the claim is not the one the kubelet named (another UID: deleted and
-    re-created), is not allocated, names a request in its allocation that it does not ask, or holds more than the
-    agent reads."""
+    re-created), is not allocated, names a request in its allocation that it does not ask or a consumed capacity
+    that the devices do not have, or holds more than the agent reads."""
     uid = claim.metadata.uid if claim.metadata else None
     if uid != ref.uid:
         raise ClaimRefusedError(

@@ -9,6 +9,11 @@ slice where it is missing or differs (deleted, or edited by someone else: spec o
 any other slice of the driver on the node. So an idle node costs no write at all, and a slice deleted behind the
 agent is back as soon as the watch says so.
 
+The watch's word of the agent's own writes is no one else's edit, however late it comes: the publisher keeps the
+resourceVersion the server gave each of its applies and the UID of each slice it deleted, and an event carrying one
+of those changes nothing. Every other event newer than the view is taken (the server's resourceVersions order
+where they are numbers, as the API server's are; others by arrival).
+
 The pool generation is bumped only when what the slice shows changes (`next_generation`, by its content digest),
 never below what this run published, and above any other live slice of the pool (the scheduler uses only the
 slices of a pool's highest generation). A repair of the same wanted slice soon after another waits a growing time,
@@ -17,6 +22,7 @@ so that a fight with another writer stays slow.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -56,6 +62,8 @@ REMOVE_TIMEOUT_S = 3.0
 """On the way out, the node's slices are deleted within this long, or left with a warning: short enough that the
 agent exits within 5 s of SIGTERM with the API server not answering (docs/dra.md), the rest of its way out included;
 long enough for a list and a delete of a server that answers at all."""
+OWN_WRITES_KEPT = 32
+"""The agent's own applies and deletes remembered, to know the watch's word of them (which comes within moments)."""
 _EVENTS = frozenset({"ADDED", "MODIFIED", "DELETED"})
 
 
@@ -94,6 +102,12 @@ class SlicePublisher:
         """The wanted slice or the view changed: the writer looks again."""
         self._view: dict[str, _Seen] = {}
         """The server's slices of the driver on the node, by name, as listed and watched (MAX_LISTED_SLICES)."""
+        self._written: deque[str] = deque(maxlen=OWN_WRITES_KEPT)
+        """The resourceVersions the server gave the agent's applies: the view holds each from the answer already,
+        or something newer."""
+        self._deleted: deque[str] = deque(maxlen=OWN_WRITES_KEPT)
+        """The UIDs of the slices the agent deleted (a delete's answer carries no resourceVersion): whatever the
+        watch says of one of them is older than that delete."""
         self._listed = False
         """The view was listed once: the writer may compare."""
         self._fresh = False
@@ -184,8 +198,14 @@ class SlicePublisher:
             async for kind, item in events:
                 if anyio.current_time() - started >= WATCH_HEALTHY_S:
                     self.watching.works()
-                if kind in _EVENTS and self._saw(item, gone=kind == "DELETED"):
+                if kind in _EVENTS and not self._own_write(item) and self._saw(item, gone=kind == "DELETED"):
                     self._changed.set()
+
+    def _own_write(self, item: ResourceSlice) -> bool:
+        """Whether the watch's `item` is word of the agent's own write: an apply's resourceVersion, or a slice the
+        agent deleted."""
+        metadata = item.metadata
+        return metadata is not None and (metadata.resourceVersion in self._written or metadata.uid in self._deleted)
 
     def _ours(self, item: ResourceSlice) -> str | None:
         """The slice's name when it is one of the driver's on the node (the watch's objects are untrusted)."""
@@ -284,8 +304,7 @@ class SlicePublisher:
             )
         self._generation, self._digest = max(self._generation, generation), digest
         for name in sorted(others):
-            self.writes += 1
-            if await self._api.delete_slice(name):
+            if await self._delete(name):
                 log.info("obsolete resource slice removed", slice=name, node=self._node)
             self._view.pop(name, None)
         self._repair_at = None
@@ -299,11 +318,12 @@ class SlicePublisher:
     ) -> None:
         node_uid = await self._api.node_uid(self._node)  # each time: a Node re-created has another UID
         if existing is not None and not same_pool(existing, wanted):  # driver, node and pool cannot be changed
-            self.writes += 1
-            await self._api.delete_slice(self._name)
+            await self._delete(self._name)
         self.writes += 1
         written = await self._api.apply_slice(resource_slice(wanted, generation=generation, node_uid=node_uid))
         self._saw(written)
+        if written.metadata is not None and written.metadata.resourceVersion:
+            self._written.append(written.metadata.resourceVersion)
         if repair:
             self._last_repair = anyio.current_time()
             why = "restored: " + ("deleted" if existing is None else "changed") + " behind the agent"
@@ -312,6 +332,17 @@ class SlicePublisher:
         log.info(
             "resource slice published", slice=self._name, generation=generation, devices=len(wanted.devices), why=why
         )
+
+    async def _delete(self, name: str) -> bool:
+        """Delete the slice `name` as the view holds it (False: it was gone already), remembering its UID: the
+        watch's word of that slice is then known as older than the delete."""
+        held = self._view.get(name)
+        uid = held.item.metadata.uid if held and held.item and held.item.metadata else None
+        self.writes += 1
+        deleted = await self._api.delete_slice(name)
+        if uid:
+            self._deleted.append(uid)
+        return deleted
 
     def _generation_for(self, existing: SliceManifest | None, wanted: NodeSlice, others: list[ResourceSlice]) -> int:
         """`next_generation`, but never below what this run published (one more for other contents), and above
