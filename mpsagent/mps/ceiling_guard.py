@@ -3,7 +3,8 @@ and counts it; the daemon supervisor owns it and restores what it finds.
 
 - The daemon's log, as it happens: `daemon_log` follows the file, `control_log` reads each ceiling command and the
   daemon's verdict, `ceiling_watch` judges it against the ledger's wish. A change wakes the supervisor's round to
-  set every ceiling again; a line not understood wakes a read-back round.
+  set every ceiling again; a line not understood, or the file cut back (truncated: a line written in the instant
+  before may be in neither the file nor its copy), wakes a read-back round.
 - The read-back, the backstop: the supervisor's rounds read the values back; a difference the log has not already
   explained (it is read first) is counted here too.
 """
@@ -128,6 +129,8 @@ class CeilingGuard:
     # --- the log ----------------------------------------------------------------------------------------------
 
     def _read(self, chunk: Chunk) -> None:
+        if chunk.cut:
+            self._wake()  # a command written in the instant before the cut may be in neither file: read back
         for line in chunk.lines:
             for found in self._reader.feed(line):
                 if isinstance(found, UnknownLine):

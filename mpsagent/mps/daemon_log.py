@@ -1,10 +1,14 @@
 """Following the file an MPS control daemon writes its log to (`<resource>/log/control.log`): its new lines
 forwarded into the agent's log, each at a level that fits it, and handed to whoever reads them (the ceiling watch).
 
-The daemon runs in the foreground with its output on that file, opened once at its start: it keeps writing to that
-file whatever happens to the path. So the follower holds the daemon's own file open (`/proc/<pid>/fd/1` when the
-daemon is known and that is a regular file, else the path), and follows it through what an operator or a tool does:
-- truncated (`copytruncate`, `: > control.log`): read again from its start, reported;
+The daemon runs in the foreground with its output on that file, opened once at its start (O_APPEND, by
+`launch`): it keeps writing to that file whatever happens to the path. So the follower holds the daemon's own file
+open (`/proc/<pid>/fd/1` when the daemon is known and that is a regular file, else the path), and follows it through
+what an operator or a tool does:
+- cut back (`copytruncate`, `: > control.log`): read again from its start; the lines cut before they were read are
+  read from `control.log.1` when that is the copy of what was cut (logrotate's `copytruncate`), else the cut is
+  reported. A line written between the copy and the cut is in neither file: whoever reads the lines learns of each
+  cut (`Chunk.cut`), and the ceiling guard then reads the daemon's ceilings back at once;
 - renamed away or deleted (logrotate's `create`, `rm`): still followed (the daemon writes there), reported once.
 A file that cannot be opened or read is reported once, tried again every poll, and never ends its owner.
 """
@@ -31,6 +35,10 @@ LOG_POLL_S = FAST_POLLS.period_s
 MAX_READ_BYTES = 1 << 20
 """At most this much of the log per poll: a daemon that writes faster is followed, not read whole at once."""
 MAX_LINE_BYTES = 4096
+ROTATED_SUFFIX = ".1"
+_TAIL_BYTES = 64
+"""The last bytes read, kept: a file cut back no longer holds them where they were read (even one written past
+that point again), and a copy of what was cut holds them there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +50,9 @@ class Chunk:
     """The read reached the end of the file (everything the daemon had written when it began is in it)."""
     began: float
     """When the read began (monotonic)."""
+    cut: bool = False
+    """The file was cut back (truncated) since the last chunk: a line the daemon wrote in the instant before the
+    cut may be in neither the file nor its copy."""
 
 
 LogReader = Callable[[Chunk], None]
@@ -59,7 +70,7 @@ class Following:
     problem_at: float | None
     """When (wall clock)."""
     events: int
-    """Truncations, renames and deletions followed."""
+    """Truncations, renames and deletions followed (not a cut whose lines the copy holds)."""
 
 
 class DaemonLog:
@@ -77,6 +88,10 @@ class DaemonLog:
     ) -> None:
         """`reader`: handed each poll's new lines."""
         self._path = path
+        self._rotated = path.with_name(path.name + ROTATED_SUFFIX)
+        self._tail = b""
+        """The last bytes read, up to _TAIL_BYTES, ending at the position."""
+        self._cut = False
         self._reader = reader
         self._log = log
         self._forward = forward
@@ -140,8 +155,9 @@ class DaemonLog:
         for line in lines:
             if self._forward:
                 self._log.log(daemon_log_level(line), "mps daemon log", line=line[:MAX_LINE_BYTES])
+        cut, self._cut = self._cut, False
         if self._reader is not None:
-            self._reader(Chunk(lines=lines, at_end=at_end, began=began))
+            self._reader(Chunk(lines=lines, at_end=at_end, began=began, cut=cut))
 
     # --- the file -------------------------------------------------------------------------------------------
 
@@ -165,6 +181,7 @@ class DaemonLog:
             self._file = str(self._path) if candidate == self._path else f"{candidate} (the daemon's own output)"
             self._position = status.st_size if since is None or since > status.st_size else since
             self._pending = b""
+            self._tail = os.pread(fd, min(self._position, _TAIL_BYTES), max(0, self._position - _TAIL_BYTES))
             self._moved = None
             if self._failing is not None:
                 self._log.info("mps daemon log followed again", file=self._file)
@@ -192,15 +209,59 @@ class DaemonLog:
         """The complete lines appended since the last read, and whether the read reached the end."""
         assert self._fd is not None
         size = os.fstat(self._fd).st_size
-        if size < self._position:
-            self._event(f"{self._file} was truncated; following it from its start")
-            self._position, self._pending = 0, b""
-        chunk = os.pread(self._fd, min(size - self._position, MAX_READ_BYTES), self._position) if size else b""
-        self._position += len(chunk)
-        *complete, pending = (self._pending + chunk).split(b"\n")
+        data = b""
+        if self._was_cut(size):
+            copied = self._copied_rest()
+            if copied is None:
+                self._event(f"{self._file} was truncated; following it from its start")
+                self._pending = b""
+            data = copied or b""
+            self._position, self._tail, self._cut = 0, b"", True
+        data += self._read_to(size)
+        at_end = self._position >= size
+        *complete, pending = (self._pending + data).split(b"\n")
         self._pending = pending[-MAX_LINE_BYTES:]
         lines = [text for line in complete if (text := line.decode(errors="replace").strip())]
-        return lines, self._position >= size
+        return lines, at_end
+
+    def _read_to(self, size: int) -> bytes:
+        """The file from the position up to `size`, at most MAX_READ_BYTES of it; the position moves past it."""
+        assert self._fd is not None
+        if size <= self._position:
+            return b""
+        chunk = os.pread(self._fd, min(size - self._position, MAX_READ_BYTES), self._position)
+        self._position += len(chunk)
+        self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+        return chunk
+
+    def _was_cut(self, size: int) -> bool:
+        """Whether the file was cut back since the last read: it is shorter, or no longer holds what was read last
+        where it was read (written past that point again before this poll)."""
+        assert self._fd is not None
+        if size < self._position:
+            return True
+        tail = self._tail
+        return bool(tail) and os.pread(self._fd, len(tail), self._position - len(tail)) != tail
+
+    def _copied_rest(self) -> bytes | None:
+        """What control.log.1 holds past the point read, when it is the copy of the file as read (`copytruncate`):
+        the lines cut before they were read. None when it is not such a copy."""
+        tail = self._tail
+        try:
+            fd = os.open(self._rotated, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            status = os.fstat(fd)
+            if not tail or not stat.S_ISREG(status.st_mode) or status.st_size < self._position:
+                return None
+            if os.pread(fd, len(tail), self._position - len(tail)) != tail:
+                return None
+            return os.pread(fd, min(status.st_size - self._position, MAX_READ_BYTES), self._position)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def _check_path(self) -> None:
         """Report once when the file followed was deleted, or the path no longer names it (renamed away, replaced)."""
