@@ -4,6 +4,7 @@ Through the real control daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,7 +33,9 @@ from mpsagent.mps.commands import (
     running_server_steps,
 )
 from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.control_log import LINE
 from mpsagent.mps.daemon import DaemonSupervisor
+from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent_testing.agents import AgentLauncher, serve, start, status
@@ -282,7 +285,10 @@ def test_a_truncated_log_is_read_again_from_its_start(
     assert any("was truncated; following it from its start" in m for m in moves)
 
 
-# --- the log cut back ----------------------------------------------------------------------------------------
+# --- the log cut back, and rotated past its bound -------------------------------------------------------------
+
+ROTATE_AT = 4096
+"""The bound these tests rotate the daemon's log at (the agent's is daemon_log.ROTATE_BYTES): a few sessions."""
 
 
 def _in_process_resource(short_dir: Path) -> tuple[ResourcePlan, SnapshotGpuSource]:
@@ -319,10 +325,50 @@ def _restored(pipe: Path) -> bool:
     return control(pipe, "get_default_active_thread_percentage") == "25.0"
 
 
+@pytest.mark.parametrize("owner", [MpsDaemonOwner.AGENT, MpsDaemonOwner.HOST])
+def test_a_log_past_its_bound_is_rotated_and_every_change_around_the_rotations_is_seen_and_restored(
+    short_dir: Path, owner: MpsDaemonOwner
+) -> None:
+    """The daemon's owner rotates its log (the agent's supervisor, or the daemon host's keeper with the agent's
+    supervisor reading behind it) while a tenant's changes keep coming, one after the other is restored: each is
+    seen and restored, whichever side of a rotation its lines fell on."""
+    resource, gpus = _in_process_resource(short_dir)
+    log, pipe = resource.log_directory / "control.log", resource.pipe_directory
+    kept = log.with_name("control.log.1")
+    supervisor = _in_process_supervisor(resource, gpus, owner, log_rotate_bytes=ROTATE_AT)
+    keeper = DaemonKeeper(resource=resource, control_bin=str(REAL_BIN), probe_interval_s=60, log_rotate_bytes=ROTATE_AT)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            if owner is MpsDaemonOwner.HOST:
+                await tg.start(keeper.run)
+            await tg.start(supervisor.run)
+            await _eventually(lambda: supervisor.status().up, "the daemon up")
+            sent, copies = 0, set()
+            while len(copies) < 3:  # each rotation writes a new control.log.1
+                await anyio.to_thread.run_sync(
+                    tenant, pipe, f"set_default_active_thread_percentage {90 - sent % 2 * 10}"
+                )
+                sent += 1
+                await _eventually(lambda n=sent: supervisor.status().cap_tamper == n, f"change {sent} seen")
+                await _eventually(lambda: _restored(pipe), f"change {sent} restored")
+                with contextlib.suppress(FileNotFoundError):
+                    copies.add((kept.stat().st_ino, kept.stat().st_mtime_ns))
+                assert sent < 100, f"control.log not rotated: {log.stat().st_size} bytes"
+            await _eventually(lambda: log.stat().st_size < ROTATE_AT, "control.log back under its bound")
+            status = supervisor.status()
+            assert status.control_log is not None and status.control_log.watched and status.control_log.moves == 0
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert kept.stat().st_size >= ROTATE_AT and (kept.stat().st_mode & 0o777) == 0o600
+    assert all(LINE.fullmatch(text) for text in kept.read_text().splitlines())
+
+
 def test_a_change_cut_from_the_log_before_it_was_read_is_read_back_and_restored_at_once(short_dir: Path) -> None:
     """The log truncated between a tenant's command and the agent's next look, as logrotate's copytruncate cuts a
-    line written between its copy and its truncation: the agent reads the ceilings back at once, not a probe
-    interval later."""
+    line written between its copy and its truncation (and the owner's rotation one written in the instant before
+    its truncation): the agent reads the ceilings back at once, not a probe interval later."""
     resource, gpus = _in_process_resource(short_dir)
     log, pipe = resource.log_directory / "control.log", resource.pipe_directory
     supervisor = _in_process_supervisor(resource, gpus)

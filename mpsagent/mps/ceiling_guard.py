@@ -3,8 +3,8 @@ and counts it; the daemon supervisor owns it and restores what it finds.
 
 - The daemon's log, as it happens: `daemon_log` follows the file, `control_log` reads each ceiling command and the
   daemon's verdict, `ceiling_watch` judges it against the ledger's wish. A change wakes the supervisor's round to
-  set every ceiling again; a line not understood, or the file cut back (truncated: a line written in the instant
-  before may be in neither the file nor its copy), wakes a read-back round.
+  set every ceiling again; a line not understood, or the file cut back (rotated, truncated: a line written in the
+  instant before may be in neither file), wakes a read-back round.
 - The read-back, the backstop: the supervisor's rounds read the values back; a difference the log has not already
   explained (it is read first) is counted here too.
 """
@@ -41,18 +41,19 @@ class CeilingGuard:
         gpus: Sequence[GpuSlots],
         log: FilteringBoundLogger,
         forward: bool,
+        rotate_bytes: int | None,
         wanted: Callable[[], Ceilings],
         wake: Wake,
     ) -> None:
-        """`forward`: whether the daemon's log lines go into the agent's log too; `wanted`: the ceilings the ledger
-        wants now."""
+        """`forward`: whether the daemon's log lines go into the agent's log too; `rotate_bytes`: whether (past what
+        size) the agent rotates the file, as its daemon's owner; `wanted`: the ceilings the ledger wants now."""
         self._gpus = gpus
         self._log = log
         self._wanted = wanted
         self._wake = wake
         self._watch = CeilingWatch()
         self._reader = ControlLogReader()
-        self._daemon_log = DaemonLog(log_path, log, forward=forward, reader=self._read)
+        self._daemon_log = DaemonLog(log_path, log, forward=forward, rotate_bytes=rotate_bytes, reader=self._read)
         self._explained = False
         """A change seen in the log that no round has taken yet: the round sets every ceiling again, and what a
         round reads back of it is not counted again."""
