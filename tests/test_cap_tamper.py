@@ -4,23 +4,25 @@ Through the real control daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 import anyio
 import pytest
 
 from mpsagent.base.config import SharingConfig, check_config, parse_config
 from mpsagent.base.errors import DaemonCommandError
-from mpsagent.base.settings import MpsOnExit
+from mpsagent.base.settings import MpsDaemonOwner, MpsOnExit
 from mpsagent.domain.inventory import Inventory
-from mpsagent.domain.plan import build_plan
+from mpsagent.domain.plan import ResourcePlan, build_plan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.mps.commands import (
@@ -31,7 +33,9 @@ from mpsagent.mps.commands import (
     running_server_steps,
 )
 from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.control_log import LINE
 from mpsagent.mps.daemon import DaemonSupervisor
+from mpsagent.mps.keeper import DaemonKeeper
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.mps.state import StateFile, daemon_state
 from mpsagent_testing.agents import AgentLauncher, serve, start, status
@@ -55,6 +59,7 @@ require_real_control()  # the agents these tests start run the real MPS control 
 TAMPERED = "mps daemon ceiling changed behind the agent; restoring it"
 QUIET = "60"  # --probe-interval-seconds: no read-back round within a test, so only the daemon's log can restore
 STAMP = "%Y-%m-%d %H:%M:%S.%f"
+T = TypeVar("T")
 
 
 def tampered(agent) -> list[dict[str, object]]:
@@ -278,6 +283,114 @@ def test_a_truncated_log_is_read_again_from_its_start(
     wait_for(lambda: len(tampered(agent)) == 1, 5, "the change seen after the truncation")
     moves = [e["what"] for e in agent.log_events() if e.get("event") == "mps daemon log moved; followed"]
     assert any("was truncated; following it from its start" in m for m in moves)
+
+
+# --- the log cut back, and rotated past its bound -------------------------------------------------------------
+
+ROTATE_AT = 4096
+"""The bound these tests rotate the daemon's log at (the agent's is daemon_log.ROTATE_BYTES): a few sessions."""
+
+
+def _in_process_resource(short_dir: Path) -> tuple[ResourcePlan, SnapshotGpuSource]:
+    node = SnapshotGpuSource(small_node(short_dir / "node.json"))
+    plan = build_plan(_sharing(), node.discover(), short_dir / "mps")
+    prepare_directories(plan)
+    return plan.resources[0], node
+
+
+async def _eventually(condition: Callable[[], T], what: str, timeout: float = 10) -> T:
+    """`wait_for` in a worker thread: the agent's tasks, on this event loop, run meanwhile."""
+    return await anyio.to_thread.run_sync(wait_for, condition, timeout, what)
+
+
+def _in_process_supervisor(
+    resource: ResourcePlan, gpus: SnapshotGpuSource, owner: MpsDaemonOwner = MpsDaemonOwner.AGENT, **kwargs: Any
+) -> DaemonSupervisor:
+    supervisor = DaemonSupervisor(
+        resource=resource,
+        inventory=Inventory(resource),
+        gpu_source=gpus,
+        control_bin=str(REAL_BIN),
+        on_exit=MpsOnExit.QUIT if owner is MpsDaemonOwner.AGENT else MpsOnExit.KEEP,
+        probe_interval_s=60,  # no round but those the log wakes
+        owner=owner,
+        **kwargs,
+    )
+    supervisor.want_ceilings(resource.shares.smallest_caps())  # 25 %
+    return supervisor
+
+
+def _restored(pipe: Path) -> bool:
+    """Whether the tenant reads the thread percentage the ledger wants."""
+    return control(pipe, "get_default_active_thread_percentage") == "25.0"
+
+
+@pytest.mark.parametrize("owner", [MpsDaemonOwner.AGENT, MpsDaemonOwner.HOST])
+def test_a_log_past_its_bound_is_rotated_and_every_change_around_the_rotations_is_seen_and_restored(
+    short_dir: Path, owner: MpsDaemonOwner
+) -> None:
+    """The daemon's owner rotates its log (the agent's supervisor, or the daemon host's keeper with the agent's
+    supervisor reading behind it) while a tenant's changes keep coming, one after the other is restored: each is
+    seen and restored, whichever side of a rotation its lines fell on."""
+    resource, gpus = _in_process_resource(short_dir)
+    log, pipe = resource.log_directory / "control.log", resource.pipe_directory
+    kept = log.with_name("control.log.1")
+    supervisor = _in_process_supervisor(resource, gpus, owner, log_rotate_bytes=ROTATE_AT)
+    keeper = DaemonKeeper(resource=resource, control_bin=str(REAL_BIN), probe_interval_s=60, log_rotate_bytes=ROTATE_AT)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            if owner is MpsDaemonOwner.HOST:
+                await tg.start(keeper.run)
+            await tg.start(supervisor.run)
+            await _eventually(lambda: supervisor.status().up, "the daemon up")
+            sent, copies = 0, set()
+            while len(copies) < 3:  # each rotation writes a new control.log.1
+                await anyio.to_thread.run_sync(
+                    tenant, pipe, f"set_default_active_thread_percentage {90 - sent % 2 * 10}"
+                )
+                sent += 1
+                await _eventually(lambda n=sent: supervisor.status().cap_tamper == n, f"change {sent} seen")
+                await _eventually(lambda: _restored(pipe), f"change {sent} restored")
+                with contextlib.suppress(FileNotFoundError):
+                    copies.add((kept.stat().st_ino, kept.stat().st_mtime_ns))
+                assert sent < 100, f"control.log not rotated: {log.stat().st_size} bytes"
+            await _eventually(lambda: log.stat().st_size < ROTATE_AT, "control.log back under its bound")
+            status = supervisor.status()
+            assert status.control_log is not None and status.control_log.watched and status.control_log.moves == 0
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert kept.stat().st_size >= ROTATE_AT and (kept.stat().st_mode & 0o777) == 0o600
+    assert all(LINE.fullmatch(text) for text in kept.read_text().splitlines())
+
+
+def test_a_change_cut_from_the_log_before_it_was_read_is_read_back_and_restored_at_once(short_dir: Path) -> None:
+    """The log truncated between a tenant's command and the agent's next look, as logrotate's copytruncate cuts a
+    line written between its copy and its truncation (and the owner's rotation one written in the instant before
+    its truncation): the agent reads the ceilings back at once, not a probe interval later."""
+    resource, gpus = _in_process_resource(short_dir)
+    log, pipe = resource.log_directory / "control.log", resource.pipe_directory
+    supervisor = _in_process_supervisor(resource, gpus)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(supervisor.run)
+            await anyio.to_thread.run_sync(tenant, pipe, "set_default_active_thread_percentage 100")
+            await _eventually(lambda: supervisor.status().cap_tamper_in_log == 1, "the first change seen in the log")
+            await _eventually(lambda: _restored(pipe), "the first change restored")  # no session of the agent open
+            # Called without awaiting: the agent's follower, on this event loop, cannot look in between.
+            control(pipe, "set_default_active_thread_percentage 90")
+            wait_for(lambda: "Cmd:set_default_active_thread_percentage 90" in log.read_text(), 5, "the change logged")
+            os.truncate(log, 0)
+            await _eventually(lambda: supervisor.status().cap_tamper == 2, "the change read back", timeout=5)
+            await _eventually(lambda: _restored(pipe), "the second change restored")
+            status = supervisor.status()
+            assert status.cap_tamper_in_log == 1
+            assert status.last_cap_tamper is not None and status.last_cap_tamper.seen_by == "read_back"
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
 
 
 # --- running servers ---------------------------------------------------------------------------------------

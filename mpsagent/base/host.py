@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +219,27 @@ def write_atomically(path: Path, data: bytes, mode: int, *, what: str, durable: 
     dot, so that a reader listing the directory (node-feature-discovery does) never takes it for the real one.
     Raises OSError; leaves no temporary file behind when it does.
     """
+    with _replacing(path, mode, what=what, durable=durable) as fd:
+        left = memoryview(data)
+        while left:
+            left = left[os.write(fd, left) :]
+
+
+def copy_atomically(path: Path, source: int, start: int, end: int, mode: int, *, what: str) -> None:
+    """Replace `path` with the bytes from `start` to `end` of the file open as `source`, as `write_atomically` does;
+    copied by the kernel, never whole in the agent's memory."""
+    with _replacing(path, mode, what=what, durable=False) as fd:
+        offset = start
+        while offset < end:
+            sent = os.sendfile(fd, source, offset, end - offset)
+            if sent == 0:
+                break  # the source is shorter now: what it holds is copied
+            offset += sent
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, mode: int, *, what: str, durable: bool) -> Iterator[int]:
+    """A new private file beside `path` to write, which replaces `path` once the block ends (see write_atomically)."""
     with contextlib.suppress(FileNotFoundError):
         existing = os.lstat(path)
         if not stat.S_ISREG(existing.st_mode):
@@ -225,12 +247,13 @@ def write_atomically(path: Path, data: bytes, mode: int, *, what: str, durable: 
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = _create_exclusively(temporary, mode)
     try:
-        with os.fdopen(fd, "wb") as file:
-            os.fchmod(file.fileno(), mode)
-            file.write(data)
+        try:
+            os.fchmod(fd, mode)
+            yield fd
             if durable:
-                file.flush()
-                os.fsync(file.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
     except OSError:
         temporary.unlink(missing_ok=True)

@@ -3,7 +3,8 @@ and counts it; the daemon supervisor owns it and restores what it finds.
 
 - The daemon's log, as it happens: `daemon_log` follows the file, `control_log` reads each ceiling command and the
   daemon's verdict, `ceiling_watch` judges it against the ledger's wish. A change wakes the supervisor's round to
-  set every ceiling again; a line not understood wakes a read-back round.
+  set every ceiling again; a line not understood, or the file cut back (rotated, truncated: a line written in the
+  instant before may be in neither file), wakes a read-back round.
 - The read-back, the backstop: the supervisor's rounds read the values back; a difference the log has not already
   explained (it is read first) is counted here too.
 """
@@ -41,13 +42,15 @@ class CeilingGuard:
         gpus: Sequence[GpuSlots],
         log: FilteringBoundLogger,
         forward: bool,
+        rotate_bytes: int | None,
         wanted: Callable[[], Ceilings],
         wake: Wake,
         on_connection: Notify = lambda: None,
     ) -> None:
-        """`forward`: whether the daemon's log lines go into the agent's log too; `wanted`: the ceilings the ledger
-        wants now; `on_connection`: told when the log shows the daemon accepting a connection or opening a session
-        (the hold watch looks who holds its socket)."""
+        """`forward`: whether the daemon's log lines go into the agent's log too; `rotate_bytes`: whether (past what
+        size) the agent rotates the file, as its daemon's owner; `wanted`: the ceilings the ledger wants now;
+        `on_connection`: told when the log shows the daemon accepting a connection or opening a session (the hold
+        watch looks who holds its socket)."""
         self._gpus = gpus
         self._log = log
         self._wanted = wanted
@@ -55,7 +58,7 @@ class CeilingGuard:
         self._on_connection = on_connection
         self._watch = CeilingWatch()
         self._reader = ControlLogReader()
-        self._daemon_log = DaemonLog(log_path, log, forward=forward, reader=self._read)
+        self._daemon_log = DaemonLog(log_path, log, forward=forward, rotate_bytes=rotate_bytes, reader=self._read)
         self._explained = False
         """A change seen in the log that no round has taken yet: the round sets every ceiling again, and what a
         round reads back of it is not counted again."""
@@ -134,6 +137,8 @@ class CeilingGuard:
     def _read(self, chunk: Chunk) -> None:
         if any(opens_connection(line) for line in chunk.lines):
             self._on_connection()
+        if chunk.cut:
+            self._wake()  # a command written in the instant before the cut may be in neither file: read back
         for line in chunk.lines:
             for found in self._reader.feed(line):
                 if isinstance(found, UnknownLine):

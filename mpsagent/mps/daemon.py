@@ -1,5 +1,6 @@
 """The daemon supervisor of one resource: starts or adopts its `nvidia-cuda-mps-control`, holds the ceilings the
-ledger's live grants need (see mpsagent.domain.shares), watches it, restarts it with backoff, and forwards its log.
+ledger's live grants need (see mpsagent.domain.shares), watches it, restarts it with backoff, and forwards and
+rotates its log.
 
 The daemon runs in its own session with its output in `<resource>/log/control.log`, so an agent restart or crash
 never takes it (or its CUDA clients) down; the next agent adopts it. With `--mps-daemon host` the daemon host
@@ -54,6 +55,7 @@ from mpsagent.mps.commands import (
 )
 from mpsagent.mps.compute_mode import ComputeModes
 from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.daemon_log import ROTATE_BYTES
 from mpsagent.mps.daemon_status import (
     CeilingsStatus,
     DaemonBusy,
@@ -96,11 +98,13 @@ class DaemonSupervisor:
         owner: MpsDaemonOwner = MpsDaemonOwner.AGENT,
         control_hold_s: float = DEFAULT_CONTROL_HOLD_S,
         on_hold_ended: OnEnded = lambda ended: None,
+        log_rotate_bytes: int = ROTATE_BYTES,
     ) -> None:
         """Until `want_ceilings` says what the live grants need, a daemon starts at the ceilings for unknown
         grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own. `control_hold_s`: how long a
         process in a pod may hold the control socket (0: never ended); `on_hold_ended`: told of each connection the
-        hold watch ended (the pod's event, where the API server is reachable)."""
+        hold watch ended (the pod's event, where the API server is reachable); `log_rotate_bytes`: the size past
+        which the daemon's log is rotated, when the agent owns the daemon (else the daemon host rotates it)."""
         self._resource = resource
         self._inventory = inventory
         self._control_bin = control_bin
@@ -132,6 +136,7 @@ class DaemonSupervisor:
             gpus=resource.shares.gpus,
             log=self._log,
             forward=self._owns_daemon,
+            rotate_bytes=log_rotate_bytes if self._owns_daemon else None,
             wanted=lambda: self._wanted,
             wake=self._wake_round,
             on_connection=lambda: self._holds.look_soon(),  # noqa: PLW0108 (the watch is built below)

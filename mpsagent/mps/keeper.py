@@ -3,10 +3,11 @@ outside the agent's container, so that the agent's crash, OOM kill, failed liven
 the daemon, and with it every CUDA client on the node.
 
 The keeper starts the daemon (capped, as a new daemon is until the agent knows the live grants), records it in
-`daemon.json` for the agent to adopt, forwards its log, and restarts it only when it must: when it exited, or
-when it has been hung for `lifecycle.RESTART_AFTER_S` (mps.liveness: its socket greets no connection, for no reason
-the keeper can see: a session kept open by someone else, a connection that sends nothing or a debugger never cause
-a restart); each restart is logged with its reason. The agent (`--mps-daemon host`) drives the caps; the keeper never
+`daemon.json` for the agent to adopt, forwards and rotates its log (the agent, which follows it too, reads the lines
+a rotation took before it read them from the copy), and restarts it only when it must: when it exited, or when it
+has been hung for `lifecycle.RESTART_AFTER_S` (mps.liveness: its socket greets no connection, for no reason the
+keeper can see: a session kept open by someone else, a connection that sends nothing or a debugger never cause a
+restart); each restart is logged with its reason. The agent (`--mps-daemon host`) drives the caps; the keeper never
 changes them after the start, and opens no front-end session after it, so it never collides with the agent's.
 """
 
@@ -22,7 +23,7 @@ from mpsagent.base.values import DEFAULT_PROBE_INTERVAL_S
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.commands import daemon_default_steps
 from mpsagent.mps.control import ControlChannel
-from mpsagent.mps.daemon_log import DaemonLog
+from mpsagent.mps.daemon_log import ROTATE_BYTES, DaemonLog
 from mpsagent.mps.launch import CONTROL_LOG, decide_multi_user
 from mpsagent.mps.lifecycle import RESTART_BACKOFF_S, DaemonLifecycle
 from mpsagent.mps.liveness import Check, busy_episodes
@@ -36,8 +37,14 @@ QUIT_TIMEOUT_S = 20
 
 class DaemonKeeper:
     def __init__(
-        self, *, resource: ResourcePlan, control_bin: str, probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
+        self,
+        *,
+        resource: ResourcePlan,
+        control_bin: str,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+        log_rotate_bytes: int = ROTATE_BYTES,
     ) -> None:
+        """`log_rotate_bytes`: the size past which the daemon's log is rotated."""
         self._resource = resource
         self._control_bin = control_bin
         self._probe_interval = probe_interval_s
@@ -52,7 +59,7 @@ class DaemonKeeper:
         )
         self._multi_user = False
         self.restarts = 0
-        self._daemon_log = DaemonLog(resource.log_directory / CONTROL_LOG, self._log)
+        self._daemon_log = DaemonLog(resource.log_directory / CONTROL_LOG, self._log, rotate_bytes=log_rotate_bytes)
         self._busy = busy_episodes(self._log)
 
     @property
