@@ -5,6 +5,8 @@ most) of `nvidia.com/gpu-old`. The scenarios run in order on one node and one ag
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
 import tempfile
@@ -16,10 +18,11 @@ from typing import Any
 import pytest
 
 from mpsagent_testing.agents import AgentProcess
+from mpsagent_testing.cgroups import pod_cgroup
 from mpsagent_testing.cluster import claims, kubectl, node, pods
-from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, status
+from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, pipe_directory, status
 from mpsagent_testing.cluster.layout import KUBECONFIG
-from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.mps.daemon import require_real_control, silent_connection
 
 require_real_control()
 
@@ -69,6 +72,8 @@ def agents(cluster: str) -> Iterator[HostAgents]:
 
 RECOVERY_S = "3"
 """`--health-recovery-seconds`: a GPU whose Xid is over is healthy again after this quiet time."""
+PROBE_INTERVAL_S = "1"
+"""`--probe-interval-seconds`: a daemon that stops answering is seen within this and a second."""
 RECONCILE_S = "10"
 """`--reconcile-grace-seconds`, its least: a deleted pod's device-plugin grants are freed this long after, so that
 the next scenario finds its GPUs empty sooner."""
@@ -83,6 +88,7 @@ def start(agents: HostAgents, cluster: str) -> AgentProcess:
         "--metrics-address", "",
         "--health-recovery-seconds", RECOVERY_S,
         "--reconcile-grace-seconds", RECONCILE_S,
+        "--probe-interval-seconds", PROBE_INTERVAL_S,
     )  # fmt: skip
     agent.wait_log("dra driver serving", timeout=30)
     # A restarted agent may find its slice as it should be, and write nothing.
@@ -305,6 +311,53 @@ def test_an_xid_taints_the_device_and_the_claims_pod_shows_it_unhealthy_then_hea
     kubectl.wait_for(lambda: not _taints(0), 30, "the taint removed")
     kubectl.wait_for(lambda: claim_health("sick") == "Healthy", 30, "the pod's status to show the device Healthy")
     pods.wait_running("on-sick", timeout=SCHEDULER_S + 30)
+
+
+def test_a_stopped_daemon_taints_its_devices_within_2_s_untainted_within_1_s_of_answering(
+    cluster: str, agent: AgentProcess
+) -> None:
+    claims.create_pod("beside-stopped", {"memory": "4Gi"}, selector=_on_gpu(0))
+    pods.wait_running("beside-stopped")
+    daemon = int(json.loads((pipe_directory(GPU_MPS).parent / "daemon.json").read_text())["pid"])
+    os.kill(daemon, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        kubectl.wait_for(lambda: _taints(0) and _taints(1), 10, "both of its devices tainted")
+        tainted_after = time.monotonic() - stopped
+        kubectl.wait_for(lambda: claim_health("beside-stopped") == "Unhealthy", 10, "the pod's device Unhealthy")
+        logged = agent.log_events()
+        time.sleep(0.5)
+    finally:
+        os.kill(daemon, signal.SIGCONT)
+    continued = time.monotonic()
+    kubectl.wait_for(lambda: not _taints(0) and not _taints(1), 10, "the taints removed")
+    untainted_after = time.monotonic() - continued
+    print(f"stopped daemon: tainted after {tainted_after:.2f} s, untainted {untainted_after:.2f} s after SIGCONT")
+    assert tainted_after <= 2.0, tainted_after
+    assert untainted_after <= 1.0, untainted_after
+    assert not _taints(2), "the other resource's daemon answers: its device stays untainted"
+    assert any(e.get("event") == "mps daemon does not answer" for e in logged)
+    kubectl.wait_for(lambda: claim_health("beside-stopped") == "Healthy", 10, "the pod's device Healthy again")
+    assert json.loads((pipe_directory(GPU_MPS).parent / "daemon.json").read_text())["pid"] == daemon
+
+
+def test_a_pods_hold_on_the_control_socket_is_ended_and_told_on_the_pod(cluster: str, agent: AgentProcess) -> None:
+    claims.create_pod("holder", {"memory": "1Gi"}, selector=_on_gpu(0))
+    pods.wait_running("holder")
+    pod = pods.get("holder")
+    (status,) = pod["status"]["containerStatuses"]
+    # A process in the pod's container, as the kernel names it (the agent reads the pod and the container from it).
+    container_id = status["containerID"].rpartition("://")[2]
+    with (
+        pod_cgroup(pod_uid=pod["metadata"]["uid"], container_id=container_id) as cgroup,
+        silent_connection(pipe_directory(GPU_MPS), pod=cgroup) as held,
+    ):
+        assert held.stdout is not None and held.stdout.readline().strip() == "ended"
+    event = kubectl.wait_for(
+        lambda: [e for e in claims.events("holder") if e.startswith("MpsControlSocketHeld:")], 10, "the pod's Event"
+    )[0]
+    assert f"PID {held.pid}" in event and "the agent ended that connection" in event
+    assert any(e.get("event") == "pod event recorded" and e.get("container") == "app" for e in agent.log_events())
 
 
 def claim_health(pod: str) -> str | None:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from mpsagent_testing.cgroups import pod_cgroup
 from mpsagent_testing.cluster import kubectl, pods
 from mpsagent_testing.cluster.kube_route import (
     AGENT_DS,
     DAEMON_DS,
+    MPS_ROOT,
     NAMESPACE,
     daemon_pid,
     daemonset_ready,
@@ -25,7 +27,7 @@ from mpsagent_testing.cluster.kube_route import (
     pod_of,
     prepared_node,
 )
-from mpsagent_testing.mps.daemon import require_real_control
+from mpsagent_testing.mps.daemon import require_real_control, silent_connection
 
 require_real_control()
 
@@ -115,6 +117,21 @@ def test_a_rolling_update_of_the_agent_keeps_the_daemon_and_the_workload(cluster
     assert short_s < 30
     assert daemon_pid() == daemon
     assert _container_id("through-update") == workload
+
+
+def test_the_agent_in_its_pod_ends_a_pods_hold_on_the_daemon_hosts_control_socket(cluster: str, deployed: Path) -> None:
+    """The chart's hostPID and SYS_PTRACE let the agent see into the daemon host's daemon (another pod, other
+    capabilities): a connection that sends nothing, from a process in a pod's cgroup, is ended; the daemon kept."""
+    daemon = daemon_pid()
+    assert daemon is not None
+    pipe = MPS_ROOT / "nvidia.com" / "gpu" / "pipe"
+    with pod_cgroup() as pod, silent_connection(pipe, pod=pod) as holder:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "ended", "the agent did not end the pod's connection"
+    ended = [line for line in logs(AGENT_DS).splitlines() if "its connection is ended" in line]
+    assert ended and pod.pod_uid in ended[-1] and f'"holder_pid": {holder.pid}' in ended[-1]
+    assert "cannot be seen" not in logs(AGENT_DS)
+    assert daemon_pid() == daemon and "mps daemon restarting" not in logs(DAEMON_DS)
 
 
 def test_the_daemon_hosts_pod_deleted_starts_a_new_daemon_that_the_agent_adopts(cluster: str, deployed: Path) -> None:
