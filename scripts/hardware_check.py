@@ -969,6 +969,7 @@ class HardwareCheck:
             None,
         )
         self.server_values(f"server-values-{phase}", f"running MPS server while the {phase} client runs")
+        self.control_connections(phase)
         self.report.add(
             f"metrics-{phase}",
             f"agent metrics while the {phase} client runs",
@@ -981,6 +982,27 @@ class HardwareCheck:
                 ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
             )
             self.report.add(f"gpu-apps-{phase}", f"nvidia-smi compute apps, {phase} client running", "", apps[1], None)
+
+    def control_connections(self, phase: str) -> None:
+        """The agent ends a connection to the control socket held past --control-hold-seconds by a process in a pod:
+        a CUDA client must hold none for as long as it runs (it is handed to a server, and talks to that)."""
+        from mpsagent.mps import control_socket  # noqa: PLC0415 - the CUDA client needs no mpsagent
+
+        if self.daemon_pid is None:
+            return
+        daemon = self.daemon_pid
+        found = [
+            c
+            for c in control_socket.connections(daemon, self.pipe)
+            if c.peer_pid is None or daemon not in {c.peer_pid, *control_socket.ancestors(c.peer_pid)}
+        ]
+        self.report.add(
+            f"control-connections-{phase}",
+            f"connections to the daemon's control sockets from outside the daemon while the {phase} client runs",
+            "none: a running client holds no control connection",
+            [f"{c.socket} from PID {c.peer_pid}" for c in found] or "none",
+            not found,
+        )
 
     def server_values(self, id_: str, step: str) -> None:
         values = {}
