@@ -547,6 +547,16 @@ class HardwareCheck:
             "probe-b", "capped client without its cap variables allocates 50 %", _uncapped(envs), half, expect_ok=False
         )
         self.probe("probe-c", "capped client allocates 20 %", envs, fifth, expect_ok=True, observe="capped")
+        # The environment's old shape: an entry for an ordinal the client cannot see (it sees GPU 0 only). On driver
+        # 615 NVIDIA measured every pinned limit dropped by it; the daemon's ceiling must still hold the client.
+        unseen = {**envs, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={capped_mib}M,1={capped_mib}M"}
+        self.probe(
+            "probe-unseen-ordinal",
+            "capped client whose CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names an ordinal it cannot see allocates 50 %",
+            unseen,
+            half,
+            expect_ok=False,
+        )
 
         # The capped container ends (the kubelet lists it no more), then a full grant: every replica.
         self.pod_resources.set_containers()

@@ -293,7 +293,7 @@ def test_a_prepared_claim_gets_its_devices_cdi_spec_ledger_share_and_daemon_ceil
             assert (device.memory_mib, device.thread_percentage, device.whole) == (30720, 37, False)
 
             env = node.spec_env(UID_A)
-            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M,1=30720M"
+            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
             assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "37"
             assert env["NVIDIA_VISIBLE_DEVICES"] == GPU0
             assert env["CUDA_MPS_PIPE_DIRECTORY"]
@@ -1028,7 +1028,7 @@ def test_a_claims_memory_below_a_whole_mib_is_rounded_down_and_the_rounding_said
                 "gpu-0: 8192 MiB (the allocation rounded down to whole MiB: 1 byte left out), threads 10%"
             ]
             assert prepared[UID_B] == ["gpu-0: 9216 MiB, threads 11%"]
-            assert node.spec_env(UID_A)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M"
+            assert node.spec_env(UID_A)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
 
     node.run(main)
     by_uid = {claim.uid: claim for claim in agent.claims.status().claims}

@@ -188,8 +188,8 @@ def test_a_claim_of_30gi_is_capped_at_exactly_30gi_with_threads_in_proportion() 
     assert share.share.thread_percentage == 100 * 30720 // WHOLE_MIB == 37
     assert share.share.bounds == ((0, 30720),)
     assert [(g.ordinal, g.uuid, g.memory_mib) for g in share.share.gpus] == [(0, uuid(0), 30720)]
-    # Every ordinal of the two-GPU resource gets the claim's value: the container sees one GPU, ordinal 0.
-    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=30720M,1=30720M"
+    # The container sees one GPU, its ordinal 0: one entry, not one per GPU of the two-GPU resource.
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=30720M"
     assert share.edits.envs[ENV_THREAD_PERCENTAGE] == "37"
     assert ENV_CLIENT_PRIORITY not in share.edits.envs
 
@@ -205,13 +205,13 @@ def test_a_claim_on_the_second_gpu_of_a_resource_holds_its_ordinal() -> None:
     share = one_share(device("gpu-1", memory=10 * GIB))
     assert share.share.bounds == ((1, 10240),)
     assert [g.ordinal for g in share.share.gpus] == [1]
-    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=10240M,1=10240M"
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=10240M"  # the daemon's GPU 1 is the container's 0
     assert share.edits.envs[ENV_VISIBLE_DEVICES] == uuid(1)
 
 
 def test_a_claims_memory_is_counted_in_whole_mib() -> None:
     share = one_share(device("gpu-0", memory=MIB + MIB // 2))
-    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=1M,1=1M"
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=1M"
     assert share.share.thread_percentage == 1  # 100 * 1 // 81920 is 0: never below 1
 
 
@@ -221,7 +221,7 @@ def test_a_claims_compute_sets_its_threads_and_none_means_in_proportion(compute:
     assert share.share.kind is GrantKind.CAPPED
     assert share.share.thread_percentage == threads
     assert share.edits.envs[ENV_THREAD_PERCENTAGE] == str(threads)
-    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=30720M,1=30720M"
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == "0=30720M"
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ def test_a_claims_compute_sets_its_threads_and_none_means_in_proportion(compute:
 def test_a_claim_of_the_whole_gpu_gets_no_caps(memory: int | None, compute: int | None) -> None:
     share = one_share(device("gpu-0", memory=memory, compute=compute))
     assert share.share.full
-    assert share.share.env_memory_mib == ()
+    assert share.share.container_memory_mib == ()
     assert share.share.bounds == ((0, WHOLE_MIB),)
     assert not set(CAP_ENVS) & set(share.edits.envs)
     assert share.edits.envs[ENV_VISIBLE_DEVICES] == uuid(0)
@@ -249,7 +249,7 @@ def test_all_the_memory_with_half_the_compute_is_capped_at_half_the_threads(memo
     assert share.share.kind is GrantKind.CAPPED
     assert share.share.thread_percentage == 50
     assert share.edits.envs[ENV_THREAD_PERCENTAGE] == "50"
-    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == f"0={WHOLE_MIB}M,1={WHOLE_MIB}M"
+    assert share.edits.envs[ENV_PINNED_MEM_LIMIT] == f"0={WHOLE_MIB}M"
 
 
 @pytest.mark.parametrize(
@@ -278,7 +278,7 @@ def test_a_claim_of_two_gpus_gets_a_share_of_each() -> None:
         (uuid(2), OTHER_RESOURCE.name),
     ]
     first, second = shares
-    assert (first.edits.envs[ENV_PINNED_MEM_LIMIT], first.share.thread_percentage) == ("0=8192M,1=8192M", 10)
+    assert (first.edits.envs[ENV_PINNED_MEM_LIMIT], first.share.thread_percentage) == ("0=8192M", 10)
     assert (second.edits.envs[ENV_PINNED_MEM_LIMIT], second.share.thread_percentage) == (f"0={WHOLE_MIB}M", 40)
 
 
@@ -438,7 +438,8 @@ claims = st.tuples(
 
 
 def cap_on(share: Share, ordinal: int) -> int:
-    return share.env_memory_mib[ordinal] if share.env_memory_mib else WHOLE_MIB
+    cap = share.memory_cap(ordinal)
+    return WHOLE_MIB if cap is None else cap
 
 
 @settings(max_examples=150, deadline=None)
@@ -456,9 +457,9 @@ def test_a_claims_caps_are_what_it_consumed_and_the_ceilings_cover_every_live_cl
         if share.full:
             assert memory // MIB == WHOLE_MIB and compute in (None, 0, 100)
         else:
-            ordinals = len(got.resource.gpus)
-            assert share.env_memory_mib == (memory // MIB,) * ordinals
-            assert got.edits.envs[ENV_PINNED_MEM_LIMIT] == ",".join(f"{o}={memory // MIB}M" for o in range(ordinals))
+            # The container sees the claim's one GPU, as its ordinal 0, whatever the daemon's GPUs.
+            assert share.container_memory_mib == (memory // MIB,)
+            assert got.edits.envs[ENV_PINNED_MEM_LIMIT] == f"0={memory // MIB}M"
             assert got.edits.envs[ENV_THREAD_PERCENTAGE] == str(share.thread_percentage)
             proportional = max(1, 100 * (memory // MIB) // WHOLE_MIB)
             assert share.thread_percentage == (compute or proportional)

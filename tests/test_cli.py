@@ -67,7 +67,7 @@ def test_once_json_has_the_documented_shape() -> None:
     assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
     one, two, whole, every = resource["examples"]
     assert one["request"] == 1 and one["fullGrant"] is False
-    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=20389M,1=20389M")
+    assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M"  # its one GPU, not the node's eight
     assert (two["title"], two["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("2 replicas on one GPU", "50")
     assert two["ceilings"] == "threads 50%, memory 0=40779M," + ",".join(f"{o}=81559M" for o in range(1, 8))
     assert whole["request"] == 4 and whole["fullGrant"] is True and whole["share"] == "4/4 of GPU 0 (whole)"

@@ -308,7 +308,7 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
     _, high = plan(t4_node(8), *SPLIT, mps=EQUAL).resources
     grant = container_setup(high, ids((6, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
-    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M,1=8192M,2=8192M,3=8192M"
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M"  # the one GPU the container sees, as its ordinal 0
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "50"
 
 
@@ -372,6 +372,31 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
 def test_daemon_default_commands(memory_bytes: int, replicas: int, mode: str, expected: tuple[str, ...]) -> None:
     resource = only_resource(node(gpu(0, memory_bytes=memory_bytes)), f"{{name: gpu, replicas: {replicas}}}")
     assert daemon_default_commands(ceilings_of(resource, mode)) == expected
+
+
+H100_BYTES = 85520809984  # 81559 MiB: 1 of 4 is 20389 MiB, the NVIDIA plugin's figure
+
+
+@pytest.mark.parametrize("grants", ["proportional", "equal"])
+def test_a_container_is_capped_on_the_gpus_it_sees_only_numbered_as_it_sees_them(grants: str) -> None:
+    """1 of 4 replicas of GPU 3 on an 8-GPU node: one entry, `0=20389M`, never one for the 7 GPUs it cannot see (a
+    client whose variable names a GPU it cannot see drops every pinned limit: NVIDIA, driver 615)."""
+    h100s = node(*(gpu(i, name="NVIDIA H100 80GB HBM3", memory_bytes=H100_BYTES, cc=(9, 0)) for i in range(8)))
+    resource = only_resource(h100s, "{name: gpu, replicas: 4}", mps=f"grants: {grants}")
+    grant = container_setup(resource, ids((3, 0)), SHM)
+    assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(3)
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=20389M"
+    # The daemon's own per-ordinal defaults are unchanged: every GPU of the resource.
+    assert len(resource.shares.ceilings([grant.share]).memory_mib) == 8
+
+
+def test_a_container_holding_gpus_at_different_caps_gets_each_its_own_in_the_daemons_order() -> None:
+    gpus = node(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
+    resource = only_resource(gpus, "{name: gpu, replicas: 4}", mps="failRequestsGreaterThanOne: false")
+    # 3 of GPU 2's 4 and 1 of GPU 0's, named in that order: GPU 0 is the container's ordinal 0, GPU 2 its 1.
+    grant = container_setup(resource, (*ids((2, 0), (2, 1), (2, 2)), *ids((0, 3))), SHM)
+    assert grant.envs[ENV_VISIBLE_DEVICES] == f"{uuid(0)},{uuid(2)}"
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=12288M"
 
 
 def test_caps_cover_every_gpu_in_ordinal_order() -> None:
@@ -441,8 +466,9 @@ def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int
     assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
-    # Every GPU of the resource, by daemon ordinal, ascending - not only the granted ones.
-    assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=4096M,2=4096M,3=4096M"
+    # One entry per GPU the container sees (the NVIDIA rule's 1/4 on each), keyed by its ordinal there: the
+    # granted GPUs in the daemon's order, whatever order the request named them in.
+    assert grant.envs[ENV_PINNED_MEM_LIMIT] == ",".join(f"{o}=4096M" for o in range(len(visible)))
     assert grant.envs[ENV_VISIBLE_DEVICES] == ",".join(uuid(i) for i in visible)
 
 

@@ -218,7 +218,10 @@ def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Serv
     served.daemon.failing = "set_default_active_thread_percentage 25 did not hold"
     error = refused_allocate(served, ids(GPU0, 0, 1))
     assert error.status is Status.UNAVAILABLE
-    assert error.message == f"{RESOURCE}: set_default_active_thread_percentage 25 did not hold"
+    assert error.message == (
+        f"{RESOURCE}: set_default_active_thread_percentage 25 did not hold; nothing was granted (asked: "
+        f"'{GPU0}::0', '{GPU0}::1')"
+    )
     # The grant it recorded is gone, the grant it ended is live again, and the daemon was asked again for the
     # caps of what is left.
     assert served.live() == [tuple(ids(GPU0, 0))]

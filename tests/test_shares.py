@@ -94,12 +94,13 @@ def test_k_of_n_replicas_of_one_gpu(replicas: int) -> None:
         pytest.param(10, (7,), "70", "0=100639M", id="7-of-10"),
         pytest.param(48, (1,), "2", "0=2995M", id="1-of-48"),
         pytest.param(48, (47,), "97", "0=140775M", id="47-of-48"),
-        # Mixes: the thread percentage is the smallest share; memory per GPU; GPUs not held get the smallest cap.
+        # Mixes: the thread percentage is the smallest share; memory per GPU the container holds, keyed by its
+        # ordinal in the container (the held GPUs in the daemon's order); no entry for a GPU it does not hold.
         pytest.param(4, (1, 2), "25", "0=35942M,1=71885M", id="1+2-of-4"),
         pytest.param(4, (4, 1), "25", "0=143771M,1=35942M", id="whole+1-is-capped"),
-        pytest.param(4, (0, 3), "75", "0=107828M,1=107828M", id="held-gpu1-only"),
+        pytest.param(4, (0, 3), "75", "0=107828M", id="held-gpu1-only"),
         pytest.param(10, (5, 10, 2), "20", "0=71885M,1=143771M,2=28754M", id="three-gpus"),
-        pytest.param(4, (2, 0, 1), "25", "0=71885M,1=35942M,2=35942M", id="gpu0-and-gpu2"),
+        pytest.param(4, (2, 0, 1), "25", "0=71885M,1=35942M", id="gpu0-and-gpu2"),
     ],
 )
 def test_share_table(replicas: int, counts: tuple[int, ...], threads: str, memory: str) -> None:
@@ -121,7 +122,9 @@ def test_equal_grants_keep_the_nvidia_rule() -> None:
     plan = resource("{name: gpu, replicas: 4}", gpus=2, mps="grants: equal\nfailRequestsGreaterThanOne: false\n")
     for counts in [(1,), (2,), (4,), (4, 3)]:
         got = envs(plan, ids(*counts))
-        assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == ("25", "0=35942M,1=35942M"), counts
+        # The NVIDIA rule's 1/4 on each GPU the container holds (one entry each), whatever it holds.
+        expected = ",".join(f"{o}=35942M" for o in range(sum(1 for k in counts if k)))
+        assert (got[ENV_THREAD_PERCENTAGE], got[ENV_PINNED_MEM_LIMIT]) == ("25", expected), counts
     assert ENV_THREAD_PERCENTAGE not in envs(plan, ids(4, 4))
 
 
@@ -150,7 +153,7 @@ def test_a_capped_share_is_the_exact_figure_a_user_computes(entry: str, memory_b
     """No grid: the container's cap and the daemon's ceiling are the exact share, as the NVIDIA plugin gives it."""
     plan = resource(entry, memory_bytes=memory_bytes)
     share = plan.shares.share_of(ids(held))
-    assert share.env_memory_mib == (mib,)
+    assert share.container_memory_mib == (mib,)
     assert plan.shares.ceilings([share]).memory_mib == (mib,)
     assert envs(plan, ids(held))[ENV_PINNED_MEM_LIMIT] == f"0={mib}M"
 
@@ -169,13 +172,13 @@ def test_a_share_is_nvidias_arithmetic_for_any_gpu(replicas: int, held: int, mem
     mps = f"grants: {rule}\nfailRequestsGreaterThanOne: false\n"
     plan = resource(f"{{name: gpu, replicas: {replicas}}}", mps=mps, memory_bytes=memory_bytes)
     one = plan.shares.share_of(ids(1))
-    assert one.env_memory_mib == (memory_bytes // replicas // 1024 // 1024,)
+    assert one.container_memory_mib == (memory_bytes // replicas // 1024 // 1024,)
     assert one.thread_percentage == 100 // replicas
     if rule == "proportional":
         share = plan.shares.share_of(ids(held))
-        assert share.env_memory_mib == (memory_bytes * held // replicas // MIB,)
+        assert share.container_memory_mib == (memory_bytes * held // replicas // MIB,)
         assert share.thread_percentage == max(1, 100 * held // replicas)
-    assert plan.shares.smallest_caps().memory_mib == one.env_memory_mib
+    assert plan.shares.smallest_caps().memory_mib == one.container_memory_mib
 
 
 # --- IDs the resource does not advertise ----------------------------------------------------------------------
@@ -249,8 +252,11 @@ def test_no_listing_of_any_ids_lifts_a_ceiling_above_its_gpu(data: st.DataObject
     for share in live:
         assert 1 <= share.thread_percentage <= 100
         assert all(held.held <= held.of for held in share.gpus)
-        for ordinal, mib in (*share.bounds, *enumerate(share.env_memory_mib)):
+        caps = tuple((gpu.ordinal, mib) for gpu, mib in zip(share.gpus, share.container_memory_mib, strict=False))
+        for ordinal, mib in (*share.bounds, *caps):
             assert mib <= plan.shares.gpus[ordinal].memory_mib
+        # One entry per GPU the container holds, never one for a GPU it cannot see.
+        assert len(share.container_memory_mib) in (0, len(share.gpus))
     ceilings = plan.shares.ceilings(live)
     full = plan.shares.full_hardware()
     assert all(c <= f for c, f in zip(ceilings.memory_mib, full.memory_mib, strict=True))
@@ -299,9 +305,9 @@ def test_a_memory_unit_resource_advertises_what_fits() -> None:
     assert len(plan.device_ids) == 2 * (H200_BYTES // (8 * GIB)) == 34
     assert plan.device_ids[0] == f"{uuid(0)}::0" and plan.device_ids[-1] == f"{uuid(1)}::16"
     got = envs(plan, ids(2))
-    assert got[ENV_PINNED_MEM_LIMIT] == "0=16384M,1=16384M"
+    assert got[ENV_PINNED_MEM_LIMIT] == "0=16384M"
     assert got[ENV_THREAD_PERCENTAGE] == str(100 * 2 // 17)
-    assert envs(plan, ids(7))[ENV_PINNED_MEM_LIMIT] == "0=57344M,1=57344M"
+    assert envs(plan, ids(7))[ENV_PINNED_MEM_LIMIT] == "0=57344M"
     assert ENV_PINNED_MEM_LIMIT not in envs(plan, ids(17))
 
 

@@ -282,10 +282,10 @@ def test_a_new_grant_waits_for_its_container_and_a_gone_container_says_since_whe
     )
     assert cli.run(["--status", "--mps-root", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-2:] == [
-        "    #1 capped waiting for the kubelet to list its container (granted 2 s ago) [1/4 of GPU 0, threads 25%]: "
-        "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
-        "    #2 capped ml/web/main (not listed by the kubelet since 2025-12-01T00:00:00Z) [1/4 of GPU 0, threads 25%]: "
-        "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::1",
+        "    #1 capped waiting for the kubelet to list its container (granted 2 s ago) [1/4 of GPU 0, threads 25%, "
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M]: GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::0",
+        "    #2 capped ml/web/main (not listed by the kubelet since 2025-12-01T00:00:00Z) [1/4 of GPU 0, threads 25%, "
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M]: GPU-00000000-aaaa-bbbb-cccc-dddddddddddd::1",
     ]
 
 

@@ -144,6 +144,7 @@ def _grant_status(grant: Grant) -> GrantStatus:
         unlisted_since=_wall(grant.missing_since),
         device_ids=grant.replica_ids,
         claim=str(grant.claim) if grant.claim else None,
+        memory_limit=grant.share.memory_limit_env() or None,
     )
 
 
@@ -422,7 +423,8 @@ def _holder(grant: GrantStatus, now: float) -> str:
 def _grant_line(grant: GrantStatus, now: float) -> str:
     ids = grant.device_ids
     shown = ", ".join(ids) if len(ids) <= 2 else f"{ids[0]} ... ({len(ids)} replicas)"
-    share = f" [{grant.share}]" if grant.share else ""
+    limit = f", CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={grant.memory_limit}" if grant.memory_limit else ""
+    share = f" [{grant.share}{limit}]" if grant.share else ""
     return f"    #{grant.grant_id} {grant.kind:<6} {_holder(grant, now)}{share}" + (f": {shown}" if ids else "")
 
 

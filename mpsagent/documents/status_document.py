@@ -193,6 +193,8 @@ class GrantStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     device_ids: tuple[str, ...]
     claim: str | None = None
     """The DRA claim (`namespace/name`) whose share of a GPU this is; None for a device-plugin grant."""
+    memory_limit: str | None = None
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT as its container has it (`0=20389M`: the GPUs it sees); None uncapped."""
 
 
 class ResourceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -83,7 +83,7 @@ def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> Co
         envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
     if not share.full:
         envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
-        envs[ENV_PINNED_MEM_LIMIT] = ",".join(f"{o}={m}M" for o, m in enumerate(share.env_memory_mib))
+        envs[ENV_PINNED_MEM_LIMIT] = share.memory_limit_env()
     mounts = (
         Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),

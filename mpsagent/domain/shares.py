@@ -98,8 +98,11 @@ class Share:
     kind: GrantKind
     thread_percentage: int
     """Its thread cap; 100 for a full grant."""
-    env_memory_mib: tuple[int, ...]
-    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT per daemon ordinal (every ordinal of the resource); empty for a full grant."""
+    container_memory_mib: tuple[int, ...]
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT of each GPU the container holds, in `gpus`' order (the daemon's, which is how
+    the container's CUDA numbers the GPUs it sees: the k-th is its ordinal k); empty for a full grant. Never an entry
+    for a GPU the container does not see: a client naming one drops every pinned limit (driver 615, measured by
+    NVIDIA)."""
     bounds: tuple[tuple[int, int], ...]
     """(ordinal, MiB) it needs the daemon's ceilings to allow: its held GPUs (under `equal`, a capped grant's
     uniform value on every GPU of the resource, as the NVIDIA rule sets it)."""
@@ -108,6 +111,19 @@ class Share:
     @property
     def full(self) -> bool:
         return self.kind is GrantKind.FULL
+
+    def memory_cap(self, ordinal: int) -> int | None:
+        """Its pinned-memory cap on the daemon's GPU `ordinal`; None where it has none (a full grant, a GPU it
+        does not hold)."""
+        for gpu, mib in zip(self.gpus, self.container_memory_mib, strict=False):
+            if gpu.ordinal == ordinal:
+                return mib
+        return None
+
+    def memory_limit_env(self) -> str:
+        """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT as the container gets it (`0=20389M`): one entry per GPU it holds, keyed
+        by the ordinal the container sees; empty for a full grant."""
+        return ",".join(f"{ordinal}={mib}M" for ordinal, mib in enumerate(self.container_memory_mib))
 
     def describe(self) -> str:
         held = ", ".join(gpu.describe() for gpu in self.gpus)
@@ -324,16 +340,16 @@ class ShareModel:
             return self._equal_share(held)
         if all(share.held >= share.of for share in held):
             full_bounds = tuple((share.ordinal, self.gpus[share.ordinal].memory_mib) for share in held)
-            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=full_bounds)
+            return Share(
+                gpus=held, kind=GrantKind.FULL, thread_percentage=100, container_memory_mib=(), bounds=full_bounds
+            )
         thread = max(1, min(FULL_THREAD_PERCENTAGE * share.held // share.of for share in held))
-        smallest = min(share.memory_mib for share in held)
-        by_ordinal = {share.ordinal: share.memory_mib for share in held}
         return Share(
             gpus=held,
             kind=GrantKind.CAPPED,
             thread_percentage=thread,
-            env_memory_mib=tuple(by_ordinal.get(gpu.ordinal, smallest) for gpu in self.gpus),
-            bounds=tuple(by_ordinal.items()),
+            container_memory_mib=tuple(share.memory_mib for share in held),
+            bounds=tuple((share.ordinal, share.memory_mib) for share in held),
         )
 
     def capacity_share(self, ordinal: int, memory_mib: int, thread_percentage: int, *, compute: int = 0) -> Share:
@@ -359,7 +375,7 @@ class ShareModel:
                 gpus=held,
                 kind=GrantKind.FULL,
                 thread_percentage=100,
-                env_memory_mib=(),
+                container_memory_mib=(),
                 bounds=bounds,
                 route=Route.CLAIM,
             )
@@ -367,7 +383,7 @@ class ShareModel:
             gpus=held,
             kind=GrantKind.CAPPED,
             thread_percentage=threads,
-            env_memory_mib=tuple(memory for _ in self.gpus),
+            container_memory_mib=(memory,),
             bounds=((ordinal, memory),),
             route=Route.CLAIM,
         )
@@ -389,12 +405,11 @@ class ShareModel:
                 if gpu.ordinal not in held or gpu.held > held[gpu.ordinal].held:
                     held[gpu.ordinal] = gpu
         full = all(share.full for share in shares)
-        smallest = min(memory.values())
         return Share(
             gpus=tuple(held[ordinal] for ordinal in sorted(held)),
             kind=GrantKind.of(full),
             thread_percentage=max(share.thread_percentage for share in shares),
-            env_memory_mib=() if full else tuple(memory.get(gpu.ordinal, smallest) for gpu in self.gpus),
+            container_memory_mib=() if full else tuple(memory[ordinal] for ordinal in sorted(held)),
             bounds=tuple(sorted(memory.items())),
         )
 
@@ -402,13 +417,13 @@ class ShareModel:
         """The NVIDIA rule: every ID of the resource is a full grant; anything else 1/replicas of every GPU."""
         if held and sum(share.held for share in held) >= sum(gpu.id_count for gpu in self.gpus):
             bounds = tuple((gpu.ordinal, gpu.memory_mib) for gpu in self.gpus)
-            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, env_memory_mib=(), bounds=bounds)
+            return Share(gpus=held, kind=GrantKind.FULL, thread_percentage=100, container_memory_mib=(), bounds=bounds)
         smallest = self.smallest_caps()
         return Share(
             gpus=held,
             kind=GrantKind.CAPPED,
             thread_percentage=smallest.thread_percentage,
-            env_memory_mib=smallest.memory_mib,
+            container_memory_mib=tuple(smallest.memory_mib[share.ordinal] for share in held),
             bounds=tuple(enumerate(smallest.memory_mib)),
         )
 
@@ -475,7 +490,8 @@ class ShareModel:
         return tuple(bounds)
 
     def _cap_on(self, share: Share, ordinal: int) -> int:
-        return share.env_memory_mib[ordinal] if share.env_memory_mib else self.gpus[ordinal].memory_mib
+        cap = share.memory_cap(ordinal)
+        return self.gpus[ordinal].memory_mib if cap is None else cap
 
     def clients_over_limit(
         self, live: ShareTally, ending: Iterable[Share], added: Iterable[Share]

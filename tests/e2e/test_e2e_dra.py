@@ -144,8 +144,8 @@ def test_claims_are_placed_by_capacity_capped_at_their_memory_and_the_ceilings_f
     got = {name: pods.report(name) for name in ("c30", "c40") if pods.wait_running(name)}
     first = claims.allocated_device("c30")
     assert claims.allocated_device("c40") == first, "30Gi and 40Gi fit one 80Gi GPU: the scheduler packs them"
-    assert got["c30"].env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M,1=30720M"
-    assert got["c40"].env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M,1=40960M"
+    assert got["c30"].env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
+    assert got["c40"].env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M"
     assert got["c30"].env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "37"  # in proportion to 30 of 80 GiB
     assert got["c40"].env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert got["c30"].pipe, "the daemon's pipe directory is mounted"
@@ -169,7 +169,7 @@ def test_claims_are_placed_by_capacity_capped_at_their_memory_and_the_ceilings_f
     wait_unprepared("c40")
     pods.wait_running("c75", timeout=SCHEDULER_S + 30)  # the capacity freed is the next claim's
     assert claims.allocated_device("c75") == first
-    assert pods.report("c75").env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=76800M,1=76800M"
+    assert pods.report("c75").env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=76800M"
     assert gpu_status(GPU_MPS, ordinal)["memoryCeilingMiB"] == 76800, "the ceilings follow the live shares down"
 
     pods.delete("c75", "c20")
@@ -253,7 +253,7 @@ def test_a_device_plugin_grant_then_a_claim_never_hold_more_than_the_gpu(cluster
     assert "claim" in reason.lower(), reason
     claims.create_pod("fits", {"memory": "40Gi"}, selector=_on_gpu(gpu))
     pods.wait_running("fits")
-    assert pods.report("fits").env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M,1=40960M"
+    assert pods.report("fits").env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=40960M"
     held = gpu_status(GPU_MPS, gpu)
     assert held["grantMemoryMiB"] + held["claimMemoryMiB"] == 81920
     assert pods.get("too-big")["status"].get("phase") == "Pending"
