@@ -571,15 +571,24 @@ def test_ceilings_are_set_and_read_back_in_one_session_and_a_value_that_did_not_
         steps = daemon_default_steps(Ceilings(thread_percentage=37, memory_mib=(30720, 81920)))
         wrong = (*steps[:1], replace(steps[1], expected="31G"))
 
+        def sessions() -> int:
+            return log.read_text().count("NEW UI")
+
+        def settled(count: int) -> int:
+            """The sessions the log shows once it shows `count` or more: the daemon writes its log lines a moment
+            after it has answered (CI read one short)."""
+            found: int = wait_for(lambda: (n := sessions()) >= count and n, 5, f"{count} sessions in the daemon's log")
+            return found
+
         async def main() -> None:
-            before = log.read_text().count("NEW UI")
+            before = sessions()
             assert await channel.apply_with_servers(steps) == []
-            assert log.read_text().count("NEW UI") == before + 1
+            assert settled(before + 1) == before + 1
             assert control(pipe, "get_default_device_pinned_mem_limit 0") == "30G"
             with pytest.raises(DaemonCommandError, match=r"reads '30G', expected '31G'"):
                 await channel.apply_with_servers(wrong)
             # Sessions since: the `get_` above, the wrong apply, and its values read again before the error.
-            assert log.read_text().count("NEW UI") == before + 4
+            assert settled(before + 4) == before + 4
 
         anyio.run(main)
 

@@ -537,7 +537,10 @@ def test_a_prepare_while_the_daemon_is_down_holds_nothing(node: Node) -> None:
         # A daemon that is down before its resource knows it: the ceilings cannot be held, and nothing is.
         agent.resource.inventory.set_resource_problem("mps daemon", False)
         outcome = await prepare_one(agent, CLAIM_A)
-        assert outcome.error == f"the MPS daemon of {RESOURCE} is not running"
+        assert outcome.error == (
+            f"claim ml/train: the MPS daemon of GPU {GPU0} did not take the ceilings the claim needs (the MPS daemon "
+            f"of {RESOURCE} is not running); nothing was prepared: the kubelet retries"
+        )
         assert agent.claim_grants() == []
         assert agent.resource.allocator.ceilings() == Ceilings(thread_percentage=100, memory_mib=(81920, 81920))
         assert node.spec_uids() == set()

@@ -124,11 +124,15 @@ def test_a_holder_keeps_its_first_sighting_and_one_gone_is_forgotten() -> None:
 
 def test_a_silent_connection_is_seen_with_its_process_and_ended_without_touching_the_daemon(short_dir: Path) -> None:
     with plain_daemon(short_dir) as (pipe, daemon), silent_connection(pipe) as holder:
-        wait_for(lambda: control_socket.activity(daemon.pid) is not None, 5, "the daemon's state")
         (connection,) = control_socket.connections(daemon.pid, pipe)
         assert (connection.socket, connection.peer_pid, connection.peer_uid) == ("control", holder.pid, 0)
-        doing = control_socket.activity(daemon.pid)
-        assert doing is not None and doing.reading_fd == connection.fd and not doing.stopped
+        # The daemon logs the connection, then waits for its credentials: a moment after the holder got its hello.
+        doing = wait_for(
+            lambda: (a := control_socket.activity(daemon.pid)) is not None and a.reading_fd == connection.fd and a,
+            5,
+            "the daemon waiting on the connection",
+        )
+        assert not doing.stopped
         assert control_socket.end(daemon.pid, connection)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ended"
         assert holder.poll() is None, "the holder's process is not touched, only its connection"
