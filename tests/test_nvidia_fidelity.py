@@ -357,9 +357,10 @@ CASES = [
         "pinned-memory-limit-of-a-partial-grant",
         "version: v1\nsharing:\n  mps:\n    grants: equal\n    resources:\n    - name: nvidia.com/gpu\n"
         "      replicas: 4\n",
-        "accepted: `set_default_device_pinned_mem_limit 0 20389M` (81559 MiB / 4)",
+        "accepted: `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20389M,1=20389M,...,7=20389M` (81559 MiB / 4, every GPU)",
         False,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20389M,",  # the same figure: no difference
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20389M\n",  # the same figure, for the one GPU the container sees
+        difference="a partial grant's pinned-memory variable",
     ),
     Case(
         "unknown-key",

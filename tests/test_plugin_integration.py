@@ -48,7 +48,7 @@ def test_one_replica_is_a_capped_grant(plugin: Plugin, short_dir: Path) -> None:
         "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe",
         "NVIDIA_VISIBLE_DEVICES": GPU1,
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={MIB_PER_REPLICA}M,1={MIB_PER_REPLICA}M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={MIB_PER_REPLICA}M",  # its one GPU, not the daemon's two
     }
     mounts = {(m.host_path, m.container_path) for m in response.container_responses[0].mounts}
     assert mounts == {

@@ -277,5 +277,5 @@ def test_status_names_a_new_grant_s_container_soon_after_the_kubelet_lists_it(
     # the listing past it), published within the next 0.5 s; about 0.95 s measured here, under load.
     assert wait_for(named_after, 5, "the status file to name the new grant's container") < 3.0
     text = status(short_dir).stdout
-    assert "ml/new/worker [1/4 of GPU 1, threads 25%]" in text
+    assert "ml/new/worker [1/4 of GPU 1, threads 25%, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M]" in text
     assert "waiting for the kubelet" not in text

@@ -76,7 +76,7 @@ def test_per_ordinal_ceilings_follow_the_grants_as_they_come_and_go(
     ]
     shown = status(short_dir).stdout
     assert f"GPU 0 ({GPU0}): 2 live grants; ceilings 8192 of 16384 MiB, threads 100%; escape bound: +4096 MiB" in shown
-    assert f"[2/4 of GPU 0, threads 50%]: {GPU0}::1, {GPU0}::2" in shown
+    assert f"[2/4 of GPU 0, threads 50%, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M]: {GPU0}::1, {GPU0}::2" in shown
     gpu0 = res["gpus"][GPU0]
     assert (gpu0["liveGrants"], gpu0["memoryCeilingMiB"], gpu0["memoryEscapeMiB"], gpu0["threadEscape"]) == (
         2,
