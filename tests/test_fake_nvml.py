@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
+from mpsagent_testing.cgroups import PodCgroup
 from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
 from mpsagent_testing.nvml.control import (
     EVENT_DOUBLE_BIT_ECC_ERROR,
@@ -47,9 +50,12 @@ A100 = {
     "computeMode": 2,
 }
 CONFIG = {"driverVersion": "550.54.15", "gpus": [H100, A100]}
+LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX
 
 # Every snippet starts with this: emit() prints the result, error() runs a call and names its NVMLError,
-# event() flattens what nvmlEventSetWait returns.
+# event() flattens what nvmlEventSetWait returns, handles(n) initializes and gives the first n handles,
+# set_limits() / get_limits() call the per-cgroup memory limits (nameSpace: a str, or None for NULL) and give
+# the error, or [softLimit, hardLimit, currentUsed].
 PRELUDE = textwrap.dedent(
     """
     import json
@@ -69,6 +75,19 @@ PRELUDE = textwrap.dedent(
         # An nvmlEventData_t as [UUID through its device handle, type, data, GPU/compute instance].
         return [pynvml.nvmlDeviceGetUUID(ev.device), ev.eventType, ev.eventData, ev.gpuInstanceId,
                 ev.computeInstanceId]
+
+    def handles(count):
+        pynvml.nvmlInit()
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+
+    def set_limits(h, namespace, soft, hard):
+        ns = namespace.encode() if isinstance(namespace, str) else namespace
+        return error(pynvml.nvmlDeviceSetMemoryLimits_v1, h, pynvml.c_nvmlSetMemoryLimits_v1_t(ns, soft, hard))
+
+    def get_limits(h, namespace):
+        limits = pynvml.c_nvmlGetMemoryLimits_v1_t(namespace.encode() if isinstance(namespace, str) else namespace)
+        failed = error(pynvml.nvmlDeviceGetMemoryLimits_v1, h, limits)
+        return failed or [limits.softLimit, limits.hardLimit, limits.currentUsed]
     """
 )
 
@@ -84,15 +103,19 @@ class FakeNvml:
         self.driver = FakeNvmlDriver(self.state_path, self.events_path)
         self.last_stderr = ""
 
-    def _env(self, config: dict[str, Any] | str) -> dict[str, str]:
+    def _env(self, config: dict[str, Any] | str, shared_state: bool = True) -> dict[str, str]:
         self.config_path.write_text(config if isinstance(config, str) else json.dumps(config))
-        return fake_nvml_env(self.library, self.config_path, self.state_path, events=self.events_path)
+        state = self.state_path if shared_state else None
+        return fake_nvml_env(self.library, self.config_path, state, events=self.events_path)
 
-    def run(self, config: dict[str, Any] | str, code: str) -> Any:
-        """Write config (a dict, or raw text), run PRELUDE + code, return what it emit()ted."""
+    def run(self, config: dict[str, Any] | str, code: str, shared_state: bool = True) -> Any:
+        """Write config (a dict, or raw text), run PRELUDE + code, return what it emit()ted.
+
+        Without ``shared_state`` the snippet has no FAKE_NVML_STATE: what it changes stays in its process.
+        """
         proc = subprocess.run(
             [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-            env=self._env(config),
+            env=self._env(config, shared_state),
             capture_output=True,
             text=True,
             timeout=SUBPROCESS_TIMEOUT_S,
@@ -457,8 +480,19 @@ def test_config_is_reread_on_every_init(nvml: FakeNvml) -> None:
         {"gpus": [{"pciBusId": "not-a-bus-id"}]},
         {"gpus": [H100, H100]},
         {"gpus": [{}] * 65},
+        {"memoryLimits": "yes"},
+        {"cgroupLayout": "v1"},
+        {"cgroupRoot": "sys/fs/cgroup"},
     ],
-    ids=["wrong-type", "bad-bus-id", "duplicate-uuid", "too-many-gpus"],
+    ids=[
+        "wrong-type",
+        "bad-bus-id",
+        "duplicate-uuid",
+        "too-many-gpus",
+        "memory-limits-not-bool",
+        "unknown-cgroup-layout",
+        "relative-cgroup-root",
+    ],
 )
 def test_bad_config_fails_init_loudly(nvml: FakeNvml, config: dict[str, Any]) -> None:
     out = nvml.run(config, "emit(error(pynvml.nvmlInit))")
@@ -612,6 +646,10 @@ def test_compute_mode_writes_keep_the_rest_of_the_state(nvml: FakeNvml) -> None:
     nvml.driver.lose(A100["uuid"])
     nvml.driver.set_processes(H100["uuid"], [(1234, 1 << 20)])
     nvml.driver.set_processes(H100["uuid"], [(1234, None)], mps=True)
+    # Above 2**63 - 1: the fake must read and write back all 64 bits.
+    limits = {"/sys/fs/cgroup/gone": {H100["uuid"]: {"soft": 1 << 63, "hard": LIMIT_MAX, "setAt": 1.5, "setBy": 7}}}
+    with nvml.driver.update() as state:
+        state["memoryLimits"] = limits
     out = nvml.run(
         CONFIG,
         """
@@ -627,6 +665,7 @@ def test_compute_mode_writes_keep_the_rest_of_the_state(nvml: FakeNvml) -> None:
         "lost": [A100["uuid"]],
         "processes": {H100["uuid"]: [{"pid": 1234, "usedGpuMemory": 1 << 20}]},
         "mpsProcesses": {H100["uuid"]: [{"pid": 1234, "usedGpuMemory": None}]},
+        "memoryLimits": limits,
     }
 
 
@@ -691,7 +730,307 @@ def test_running_processes_from_the_state(nvml: FakeNvml) -> None:
         assert out["mps_v3"] == [[99, 0, NO_INSTANCE, NO_INSTANCE]]
 
 
-def test_bad_state_file_fails_loudly(nvml: FakeNvml) -> None:
-    nvml.state_path.write_text(json.dumps({"lost": "GPU-not-a-list"}))
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"lost": "GPU-not-a-list"}, '"lost" must be an array'),
+        ({"memoryLimits": {"/sys/fs/cgroup/a": {H100["uuid"]: {"soft": -1, "hard": 1}}}}, '"memoryLimits"'),
+        ({"memoryLimits": {"/sys/fs/cgroup/a": [H100["uuid"]]}}, '"memoryLimits"'),
+    ],
+    ids=["lost-not-a-list", "negative-limit", "limits-not-by-uuid"],
+)
+def test_bad_state_file_fails_loudly(nvml: FakeNvml, state: dict[str, Any], message: str) -> None:
+    nvml.state_path.write_text(json.dumps(state))
     assert nvml.run(CONFIG, "emit(error(pynvml.nvmlInit))")[:2] == ["NVMLError_Unknown", 999]
-    assert '"lost" must be an array' in nvml.last_stderr
+    assert message in nvml.last_stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-cgroup memory limits (nvmlDevice{Set,Get}MemoryLimits_v1, driver r615 and later)
+# ------------------------------------------------------------------------------------------------
+
+needs_limits_in_pynvml = pytest.mark.skipif(
+    not hasattr(pynvml, "nvmlDeviceSetMemoryLimits_v1"), reason="nvidia-ml-py before 13.615 cannot call them"
+)
+GIB = 1 << 30
+PLAIN = {"uuid": "GPU-99999999-8888-7777-6666-555555555555", "name": "NVIDIA H100 80GB HBM3", "migMode": 0}
+UNIFIED_V2 = Path("/sys/fs/cgroup/unified")  # the hybrid layout's cgroup v2 hierarchy, as on these machines
+
+
+def limits_config(cgroup_root: Path | None, **keys: Any) -> dict[str, Any]:
+    """A driver with memory limits, GPUs H100, A100 (MIG enabled) and PLAIN, cgroup v2 under ``cgroup_root``."""
+    config = {"memoryLimits": True, "gpus": [H100, A100, PLAIN], **keys}
+    if cgroup_root is not None:
+        config["cgroupRoot"] = str(cgroup_root)
+    return config
+
+
+def cgroup_dirs(root: Path, *names: str) -> list[str]:
+    """Directories ``root/<name>`` made for the fake to find (it only checks that they exist)."""
+    for name in names:
+        (root / name).mkdir(parents=True)
+    return [str(root / name) for name in names]
+
+
+HANDLES = "h0, mig, h2 = handles(3)\n"  # before a one-line snippet
+
+
+@needs_limits_in_pynvml
+def test_memory_limits_are_read_back_kept_by_cgroup_and_gpu_and_cleared(nvml: FakeNvml, tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    ctr, other = cgroup_dirs(root, "kubepods/pod1/ctr", "kubepods/pod1/other")
+    nvml.driver.set_processes(H100["uuid"], [(1234, GIB)])
+    before = time.time()
+    out = nvml.run(
+        limits_config(root),
+        f"""
+        import os
+        h0, mig, h2 = handles(3)
+        emit({{
+            "pid": os.getpid(),
+            "set": [set_limits(h0, {ctr + "/"!r}, 4 * {GIB}, 8 * {GIB}), set_limits(h2, {ctr!r}, 0, 2 * {GIB})],
+            "get": [get_limits(h0, {ctr!r}), get_limits(h2, {ctr + "/"!r}), get_limits(h0, {other!r})],
+        }})
+        """,
+    )
+    after = time.time()
+    assert out["set"] == [None, None]
+    assert out["get"] == [[4 * GIB, 8 * GIB, 0], [0, 2 * GIB, 0], [0, LIMIT_MAX, 0]]
+    stored = nvml.driver.memory_limits()
+    assert set(stored) == {ctr}  # the path without its trailing slash
+    assert set(stored[ctr]) == {H100["uuid"], PLAIN["uuid"]}
+    for uuid, soft, hard in ((H100["uuid"], 4 * GIB, 8 * GIB), (PLAIN["uuid"], 0, 2 * GIB)):
+        limit = stored[ctr][uuid]
+        assert before <= limit["setAt"] <= after
+        assert limit == {"soft": soft, "hard": hard, "setAt": limit["setAt"], "setBy": out["pid"]}
+    assert nvml.driver.memory_limit(ctr + "/", H100["uuid"]) == stored[ctr][H100["uuid"]]
+    assert nvml.driver.memory_limit(other, H100["uuid"]) is None
+    state = nvml.driver.read()
+    assert state["processes"] == {H100["uuid"]: [{"pid": 1234, "usedGpuMemory": GIB}]}
+    assert "computeModes" not in state  # a limit's write leaves the compute modes to the config
+
+    out = nvml.run(
+        limits_config(root),
+        f"""
+        h0, mig, h2 = handles(3)
+        clear = pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX
+        emit([set_limits(h0, {ctr!r}, 0, clear), get_limits(h0, {ctr!r}), get_limits(h2, {ctr!r}),
+              set_limits(h2, {ctr!r}, 0, clear)])
+        """,
+    )
+    assert out == [None, [0, LIMIT_MAX, 0], [0, 2 * GIB, 0], None]
+    assert nvml.driver.memory_limits() == {}
+    assert "memoryLimits" not in nvml.driver.read()
+
+
+@needs_limits_in_pynvml
+def test_memory_limits_are_seen_by_another_process(nvml: FakeNvml, tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    (ctr,) = cgroup_dirs(root, "kubepods/pod1/ctr")
+    code = HANDLES + f"emit(get_limits(h0, {ctr!r}))\nproceed()\nemit(get_limits(h0, {ctr!r}))\n"
+    with nvml.start(limits_config(root), code) as child:
+        assert child.recv() == [0, LIMIT_MAX, 0]
+        # Above 2**63 - 1 on purpose: the state file carries all 64 bits.
+        soft, hard = (1 << 63) + 1, LIMIT_MAX - 1
+        assert nvml.run(limits_config(root), HANDLES + f"emit(set_limits(h0, {ctr!r}, {soft}, {hard}))") is None
+        child.go()
+        assert child.recv() == [soft, hard, 0]
+    limit = nvml.driver.memory_limit(ctr, H100["uuid"])
+    assert limit is not None
+    assert [limit["soft"], limit["hard"]] == [soft, hard]
+
+
+@needs_limits_in_pynvml
+def test_removing_the_cgroup_clears_its_limits(nvml: FakeNvml, tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    ctr, other = cgroup_dirs(root, "kubepods/pod1/ctr", "kubepods/pod2/ctr")
+    config = limits_config(root)
+    code = HANDLES + f"emit([set_limits(h0, {ctr!r}, 0, {GIB}), set_limits(h0, {other!r}, 0, {GIB})])"
+    assert nvml.run(config, code) == [None, None]
+    assert set(nvml.driver.memory_limits()) == {ctr, other}
+
+    Path(ctr).rmdir()
+    # Any call that reads the limits drops those of a cgroup that is gone, whichever cgroup it asks about.
+    assert nvml.run(config, HANDLES + f"emit(get_limits(h0, {other!r}))") == [0, GIB, 0]
+    assert set(nvml.driver.memory_limits()) == {other}
+    out = nvml.run(config, HANDLES + f"emit([get_limits(h0, {ctr!r}), set_limits(h0, {ctr!r}, 0, {GIB})])")
+    assert out == [["NVMLError_NotFound", 6, "Not Found"]] * 2
+    Path(ctr).mkdir()
+    assert nvml.run(config, HANDLES + f"emit(get_limits(h0, {ctr!r}))") == [0, LIMIT_MAX, 0]
+
+
+@needs_limits_in_pynvml
+def test_memory_limit_errors_change_nothing(nvml: FakeNvml, tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    ctr, missing = str(root / "kubepods/pod1/ctr"), str(root / "kubepods/pod1/missing")
+    cgroup_dirs(root, "kubepods/pod1/ctr")
+    (root / "kubepods/pod1/memory.max").write_text("max\n")
+    nvml.driver.lose(PLAIN["uuid"])
+    bad_names = [None, "", "kubepods/pod1/ctr", "/" + "a" * 4095]  # PATH_MAX (4096) counts the NUL
+    not_found = [
+        str(tmp_path),  # exists, outside the cgroup root
+        str(root),  # the root cgroup itself
+        missing,
+        str(root / "kubepods/pod1/memory.max"),  # not a directory
+        str(root / "kubepods/../kubepods/pod1/ctr"),  # the fake takes paths as they are written
+        "/" + "a" * 4094,
+    ]
+    out = nvml.run(
+        limits_config(root),
+        f"""
+        h0, mig, h2 = handles(3)
+        lib = pynvml.nvmlLib
+        both = lambda h, ns: [set_limits(h, ns, 0, {GIB}), get_limits(h, ns)]
+        results = {{
+            "nullStruct": [lib.nvmlDeviceSetMemoryLimits_v1(h0, None), lib.nvmlDeviceGetMemoryLimits_v1(h0, None)],
+            "badNames": [both(h0, ns) for ns in {bad_names!r}],
+            "notFound": [both(h0, ns) for ns in {not_found!r}],
+            "softAboveHard": set_limits(h0, {ctr!r}, 2 * {GIB}, {GIB}),
+            "hardZero": set_limits(h0, {ctr!r}, 0, 0),
+            "mig": both(mig, {ctr!r}),
+            "lost": both(h2, {ctr!r}),
+        }}
+        pynvml.nvmlShutdown()
+        results["uninitialized"] = both(h0, {ctr!r})
+        emit(results)
+        """,
+    )
+    invalid = ["NVMLError_InvalidArgument", 2, "Invalid Argument"]
+    assert out["nullStruct"] == [2, 2]
+    assert out["badNames"] == [[invalid, invalid]] * len(bad_names)
+    assert out["notFound"] == [[["NVMLError_NotFound", 6, "Not Found"]] * 2] * len(not_found)
+    assert out["softAboveHard"] == out["hardZero"] == invalid
+    assert out["mig"] == [["NVMLError_NotSupported", 3, "Not Supported"]] * 2
+    assert out["lost"] == [["NVMLError_GpuIsLost", 15, "GPU is lost"]] * 2
+    assert [e[:2] for e in out["uninitialized"]] == [["NVMLError_Uninitialized", 1]] * 2
+    assert nvml.driver.read() == {"lost": [PLAIN["uuid"]]}
+
+
+@needs_limits_in_pynvml
+def test_setting_a_memory_limit_needs_root_and_without_a_state_file_stays_in_the_process(
+    nvml: FakeNvml, tmp_path: Path
+) -> None:
+    root = tmp_path / "cgroup"
+    (ctr,) = cgroup_dirs(root, "kubepods/pod1/ctr")
+    out = nvml.run(
+        limits_config(root),
+        f"""
+        import os
+        h0, mig, h2 = handles(3)
+        was_root = os.geteuid() == 0
+        if was_root:
+            os.seteuid(65534)  # no state file to read: nothing else needs root's access to the test's files
+        refused = set_limits(h0, {ctr!r}, 0, {GIB})
+        if was_root:
+            os.seteuid(0)
+        emit({{"refused": refused, "unset": get_limits(h0, {ctr!r}), "set": set_limits(h0, {ctr!r}, 0, {GIB}),
+              "readBack": get_limits(h0, {ctr!r})}})
+        """,
+        shared_state=False,
+    )
+    assert out == {
+        "refused": ["NVMLError_NoPermission", 4, "Insufficient Permissions"],
+        "unset": [0, LIMIT_MAX, 0],
+        "set": None,
+        "readBack": [0, GIB, 0],
+    }
+    assert not nvml.state_path.exists()
+    assert nvml.run(limits_config(root), HANDLES + f"emit(get_limits(h0, {ctr!r}))", shared_state=False) == [
+        0,
+        LIMIT_MAX,
+        0,
+    ]
+
+
+@needs_limits_in_pynvml
+@pytest.mark.parametrize("config", [CONFIG, {**CONFIG, "memoryLimits": False}], ids=["default", "false"])
+def test_memory_limits_are_function_not_found_before_driver_r615(nvml: FakeNvml, config: dict[str, Any]) -> None:
+    out = nvml.run(
+        config,
+        """
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        emit([set_limits(h, "/sys/fs/cgroup", 0, 1 << 30), get_limits(h, "/sys/fs/cgroup")])
+        """,
+    )
+    assert [e[:2] for e in out] == [["NVMLError_FunctionNotFound", 13]] * 2
+
+
+@needs_limits_in_pynvml
+def test_the_cgroup_layout_says_where_cgroup_v2_is(nvml: FakeNvml, tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    (ctr,) = cgroup_dirs(root, "kubepods/pod1/ctr")
+    code = HANDLES + f"emit([set_limits(h0, {ctr!r}, 0, {GIB}), get_limits(h0, {ctr!r})])"
+    # No cgroup v2 at all: not supported, whatever the directory.
+    out = nvml.run(limits_config(root, cgroupLayout="legacy"), code)
+    assert out == [["NVMLError_NotSupported", 3, "Not Supported"]] * 2
+    # Pure cgroup v2 (the default): cgroups are below /sys/fs/cgroup, which the test's directory is not.
+    out = nvml.run(limits_config(None), code)
+    assert out == [["NVMLError_NotFound", 6, "Not Found"]] * 2
+
+
+@pytest.fixture
+def v2_cgroup() -> Iterator[PodCgroup]:
+    """A real cgroup v2 directory under /sys/fs/cgroup/unified, removed afterwards."""
+    if not (UNIFIED_V2 / "cgroup.procs").is_file():
+        pytest.skip(f"no cgroup v2 hierarchy at {UNIFIED_V2} (the hybrid layout)")
+    try:
+        cgroup = PodCgroup(UNIFIED_V2)
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup under {UNIFIED_V2}: {exc}")
+    try:
+        yield cgroup
+    finally:
+        cgroup.remove()
+
+
+@needs_limits_in_pynvml
+def test_current_used_counts_the_processes_in_the_cgroup_and_below(nvml: FakeNvml, v2_cgroup: PodCgroup) -> None:
+    ctr, pod = v2_cgroup.path, v2_cgroup.path.parent
+    sibling = pod / "sibling"
+    sibling.mkdir()
+    sleepers: list[subprocess.Popen[bytes]] = []
+    try:
+        for cgroup in (ctr, ctr, pod, None):
+            sleepers.append(subprocess.Popen(["sleep", str(SUBPROCESS_TIMEOUT_S)]))
+            if cgroup is not None:
+                (cgroup / "cgroup.procs").write_text(f"{sleepers[-1].pid}\n")
+        in_ctr, in_ctr_unknown, in_pod, gone = (p.pid for p in sleepers)
+        sleepers[-1].kill()
+        sleepers[-1].wait(timeout=SUBPROCESS_TIMEOUT_S)
+        driver = nvml.driver
+        driver.set_processes(
+            H100["uuid"], [(in_ctr, GIB), (in_ctr_unknown, None), (os.getpid(), 2 * GIB), (gone, 5 * GIB)]
+        )
+        driver.set_processes(H100["uuid"], [(in_ctr, GIB), (in_pod, 3 * GIB)], mps=True)  # in_ctr counts once
+        driver.set_processes(PLAIN["uuid"], [(in_ctr, 7 * GIB)])
+        # The hybrid layout: cgroup v2 at /sys/fs/cgroup/unified, whatever /proc/<pid>/cgroup's "0::" line says.
+        out = nvml.run(
+            limits_config(None, cgroupLayout="hybrid"),
+            f"""
+            h0, mig, h2 = handles(3)
+            emit({{
+                "pod": get_limits(h0, {str(pod)!r}),
+                "ctr": get_limits(h0, {str(ctr)!r}),
+                "sibling": get_limits(h0, {str(sibling)!r}),
+                "otherGpu": get_limits(h2, {str(pod)!r}),
+                "set": set_limits(h0, {str(ctr)!r}, {GIB}, 2 * {GIB}),
+                "limited": get_limits(h0, {str(ctr)!r}),
+                "outsideRoot": get_limits(h0, "/sys/fs/cgroup"),
+            }})
+            """,
+        )
+        assert out == {
+            "pod": [0, LIMIT_MAX, 4 * GIB],
+            "ctr": [0, LIMIT_MAX, GIB],
+            "sibling": [0, LIMIT_MAX, 0],
+            "otherGpu": [0, LIMIT_MAX, 7 * GIB],
+            "set": None,
+            "limited": [GIB, 2 * GIB, GIB],
+            "outsideRoot": ["NVMLError_NotFound", 6, "Not Found"],
+        }
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait(timeout=SUBPROCESS_TIMEOUT_S)
+        sibling.rmdir()

@@ -13,7 +13,7 @@ from typing import Any
 from mpsagent_testing.agents import AgentProcess, spawn_agent, status_of
 from mpsagent_testing.cluster.layout import RUN
 from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
-from mpsagent_testing.nvml.control import FakeNvmlDriver
+from mpsagent_testing.nvml.control import CgroupLayout, FakeNvmlDriver
 from mpsagent_testing.processes import kill_processes_using
 from mpsagent_testing.repo import BUILD
 
@@ -33,20 +33,39 @@ def fake_gpu(index: int, memory_bytes: int = 16 * GIB) -> dict[str, Any]:
     }
 
 
-def fake_nvml_config(gpus: list[dict[str, Any]]) -> str:
-    """The fake NVML library's config (FAKE_NVML_CONFIG) for these GPUs, on a driver 580 node."""
-    return json.dumps({"driverVersion": "580.95.05", "cudaDriverVersion": 13000, "gpus": gpus})
+def fake_nvml_config(
+    gpus: list[dict[str, Any]], *, memory_limits: bool = False, cgroup_layout: CgroupLayout = "unified"
+) -> str:
+    """The fake NVML library's config (FAKE_NVML_CONFIG) for these GPUs, on a driver 580 node; `memory_limits` adds
+    the per-cgroup memory limits of driver r615 (nvmlDevice{Set,Get}MemoryLimits_v1) on the node's cgroup v2, which
+    `cgroup_layout` places (see the header of fake_nvml.c)."""
+    return json.dumps(
+        {
+            "driverVersion": "580.95.05",
+            "cudaDriverVersion": 13000,
+            "memoryLimits": memory_limits,
+            "cgroupLayout": cgroup_layout,
+            "gpus": gpus,
+        }
+    )
 
 
 class HostAgents:
     """Starts agents on the node (each with its own JSON log in `directory`) and ends whatever is still running."""
 
-    def __init__(self, directory: Path, gpus: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        gpus: list[dict[str, Any]],
+        *,
+        memory_limits: bool = False,
+        cgroup_layout: CgroupLayout = "unified",
+    ) -> None:
         self.directory = directory
         self.gpus = gpus
         self.started: list[AgentProcess] = []
         nvml_config = directory / "nvml.json"
-        nvml_config.write_text(fake_nvml_config(gpus))
+        nvml_config.write_text(fake_nvml_config(gpus, memory_limits=memory_limits, cgroup_layout=cgroup_layout))
         self.driver = FakeNvmlDriver(directory / "nvml-state.json", directory / "nvml-events.jsonl")
         self.env = fake_nvml_env(
             build_fake_nvml(BUILD), nvml_config, self.driver.state_path, events=self.driver.events_path

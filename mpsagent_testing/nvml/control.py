@@ -6,7 +6,8 @@ The fake reads two files that stand in for the driver (see the header of fake_nv
 
     {"computeModes": {"GPU-...": 3}, "lost": ["GPU-..."],
      "processes": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
-     "mpsProcesses": {"GPU-...": [...]}}
+     "mpsProcesses": {"GPU-...": [...]},
+     "memoryLimits": {"/sys/fs/cgroup/...": {"GPU-...": {"soft": 0, "hard": 1073741824, ...}}}}
 
   Changed here read-modify-write under an exclusive flock of ``<state>.lock`` (the lock the C code
   takes) and replaced atomically (temp file + rename), so readers never see half a file.
@@ -23,7 +24,10 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+CgroupLayout = Literal["unified", "hybrid", "legacy"]
+"""The config's "cgroupLayout": cgroup v2 at /sys/fs/cgroup, at /sys/fs/cgroup/unified, or none."""
 
 # nvmlEventType* bits, as in nvml.h and pynvml.
 EVENT_SINGLE_BIT_ECC_ERROR = 0x1
@@ -104,6 +108,19 @@ class FakeNvmlDriver:
         """What another process's nvmlDeviceSetComputeMode would leave behind."""
         with self.update() as state:
             state.setdefault("computeModes", {})[uuid] = mode
+
+    def memory_limits(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The per-cgroup memory limits nvmlDeviceSetMemoryLimits_v1 left: {cgroup path: {uuid: limit}}.
+
+        Each limit is ``{"soft": bytes, "hard": bytes, "setAt": epoch seconds, "setBy": pid}``; a path is stored as
+        the caller gave it, without a trailing slash.
+        """
+        limits: dict[str, dict[str, dict[str, Any]]] = self.read().get("memoryLimits", {})
+        return limits
+
+    def memory_limit(self, namespace: str, uuid: str) -> dict[str, Any] | None:
+        """The limit set on the GPU ``uuid`` for the cgroup directory ``namespace``; None when there is none."""
+        return self.memory_limits().get(namespace.rstrip("/"), {}).get(uuid)
 
     def read(self) -> dict[str, Any]:
         """The state file's contents; {} while it does not exist."""

@@ -4,6 +4,7 @@
  * Configuration (read by every nvmlInit*):
  *   FAKE_NVML_CONFIG  path to a JSON file:
  *     {"driverVersion": "550.54.15", "cudaDriverVersion": 12040, "initError": 0,
+ *      "memoryLimits": false, "cgroupLayout": "unified", "cgroupRoot": "/sys/fs/cgroup",
  *      "gpus": [{"uuid": "GPU-...", "name": "...", "memoryTotal": 85520809984, "memoryUsed": 0,
  *                "major": 9, "minor": 0, "pciBusId": "00000000:18:00.0",
  *                "pciDeviceId": 2335379678, "pciSubSystemId": 381751518, "minorNumber": 0,
@@ -15,12 +16,15 @@
  *     returns. supportedEventTypes is what nvmlDeviceGetSupportedEventTypes reports (default 0xF:
  *     SingleBitEccError 0x1 | DoubleBitEccError 0x2 | PState 0x4 | XidCriticalError 0x8);
  *     registering any other type fails with NVML_ERROR_NOT_SUPPORTED.
+ *     memoryLimits (default false) and cgroupLayout / cgroupRoot: see "Per-cgroup memory limits" below.
  *
  *   FAKE_NVML_STATE   optional path of the shared state that stands in for the driver:
  *     {"computeModes": {"GPU-...": 3},
  *      "lost": ["GPU-..."],
  *      "processes": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
- *      "mpsProcesses": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]}}
+ *      "mpsProcesses": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
+ *      "memoryLimits": {"/sys/fs/cgroup/kubepods.slice/...": {"GPU-...":
+ *                       {"soft": 0, "hard": 8589934592, "setAt": 1764547200.25, "setBy": 1234}}}}
  *     Every key is optional; a missing file is an empty state. It is re-read by nvmlInit* and by
  *     every call that takes a device handle (except nvmlDeviceGetHandleBy*), so changes written
  *     by other processes show up at once:
@@ -35,7 +39,9 @@
  *       mpsProcesses  what nvmlDeviceGetMPSComputeRunningProcesses{,_v2,_v3} report. Per process:
  *                     "pid"; "usedGpuMemory" (default 0, null = NVML_VALUE_NOT_AVAILABLE);
  *                     "gpuInstanceId" / "computeInstanceId" (default 0xFFFFFFFF, i.e. not MIG).
+ *       memoryLimits  the per-cgroup memory limits set (below), by cgroup path and GPU UUID.
  *     Writers other than this library must take the same flock and replace the file atomically.
+ *     Integers may go up to 2^64-1 (NVML_DEVICE_MEMORY_LIMIT_MAX); the fake writes back what it read.
  *
  *   FAKE_NVML_EVENTS  optional path of an append-only JSON-lines file of events, e.g.
  *       {"uuid": "GPU-...", "xid": 79}            XidCriticalError (0x8) with eventData 79
@@ -56,11 +62,47 @@
  *     nvmlEventSetWait fills the older layout without the instance IDs. Registrations are kept
  *     by GPU index, so a set outlives nvmlShutdown/nvmlInit only while "gpus" keeps its order.
  *   mpsagent_testing/nvml/control.py (FakeNvmlDriver) writes both files from Python.
+ *
+ * Per-cgroup memory limits (driver r615 and later): nvmlDeviceSetMemoryLimits_v1(device,
+ * nvmlSetMemoryLimits_v1_t *) and nvmlDeviceGetMemoryLimits_v1(device, nvmlGetMemoryLimits_v1_t *), whose
+ * nameSpace is a cgroup v2 directory (the driver's "full path to sysfs cgroup file name").
+ *   Config:
+ *     memoryLimits  false (the default) is a driver before r615: both calls return
+ *                   NVML_ERROR_FUNCTION_NOT_FOUND, as pynvml reports a missing symbol.
+ *     cgroupLayout  where the node has cgroup v2, i.e. the fake's "cgroup root": "unified" (the default; pure
+ *                   cgroup v2 at /sys/fs/cgroup), "hybrid" (v1 controllers, v2 at /sys/fs/cgroup/unified, as
+ *                   on the machines these tests run on) or "legacy" (no cgroup v2: both calls return
+ *                   NVML_ERROR_NOT_SUPPORTED).
+ *     cgroupRoot    an absolute path in place of the layout's root (trailing slashes dropped), e.g. a
+ *                   scratch directory whose subdirectories stand in for cgroups: the fake only checks that a
+ *                   nameSpace is a directory below it.
+ *   Both calls check, in this order, and return the first failure, changing nothing:
+ *     not initialized: UNINITIALIZED; memoryLimits false: FUNCTION_NOT_FOUND; a bad handle:
+ *     INVALID_ARGUMENT; a lost GPU: GPU_IS_LOST; the legacy layout, or a GPU whose config migMode is 1
+ *     (MIG handles are not supported): NOT_SUPPORTED; a NULL struct, or a nameSpace that is NULL, empty,
+ *     not absolute or without room for its NUL in PATH_MAX (4096 bytes): INVALID_ARGUMENT; then Set only:
+ *     hardLimit 0 or softLimit > hardLimit: INVALID_ARGUMENT; geteuid() != 0: NO_PERMISSION.
+ *   Then, under the state file's flock, the state is read and the limits of every cgroup whose directory no
+ *   longer exists are dropped (removing a cgroup clears its limits), and written back even if the call then
+ *   fails with NOT_FOUND: a nameSpace (taken without its trailing slashes) that is not strictly below the
+ *   cgroup root as written (an empty, "." or ".." component counts as outside), or not an existing directory.
+ *   Otherwise:
+ *     Set  stores {"soft", "hard", "setAt": CLOCK_REALTIME epoch seconds (a real number), "setBy": pid} as
+ *          "memoryLimits"[nameSpace][uuid], in place of what was there, and replaces the file (temp file +
+ *          rename) keeping every other key. softLimit 0 with hardLimit NVML_DEVICE_MEMORY_LIMIT_MAX clears
+ *          the entry instead; a cgroup left without entries is dropped, and "memoryLimits" once empty.
+ *     Get  fills softLimit / hardLimit (0 / NVML_DEVICE_MEMORY_LIMIT_MAX when none is set) and currentUsed:
+ *          the usedGpuMemory (null counts 0) of the GPU's "processes" and "mpsProcesses" entries whose
+ *          process is in the cgroup or below it, by the "0::<path>" line of /proc/<pid>/cgroup read as
+ *          <cgroup root><path>. A pid listed more than once counts once (its first entry, "processes"
+ *          first); a process that is gone counts nothing.
+ *   Without FAKE_NVML_STATE the limits live in this process only (and currentUsed is 0: no processes).
  */
 
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -175,6 +217,22 @@ typedef struct {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
 
+/* nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 (driver r615 and later). */
+typedef struct {
+    const char *nameSpace; /* a cgroup v2 directory */
+    unsigned long long softLimit;
+    unsigned long long hardLimit;
+} nvmlSetMemoryLimits_v1_t;
+
+typedef struct {
+    const char *nameSpace; /* in */
+    unsigned long long softLimit;
+    unsigned long long hardLimit;
+    unsigned long long currentUsed;
+} nvmlGetMemoryLimits_v1_t;
+
+#define NVML_DEVICE_MEMORY_LIMIT_MAX 0xFFFFFFFFFFFFFFFFULL
+
 #define NVML_VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
 #define NVML_NO_INSTANCE_ID 0xFFFFFFFFU
 
@@ -244,6 +302,9 @@ struct fake_system {
     char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
     int cuda_driver_version;
     int init_error;
+    int memory_limits;           /* nvmlDevice{Set,Get}MemoryLimits_v1 exist (driver r615+) */
+    int cgroup_v2;               /* 0: the "legacy" layout, no cgroup v2 */
+    char cgroup_root[PATH_MAX];  /* where cgroup v2 directories are, without a trailing slash ("/" as is) */
     unsigned int gpu_count;
     struct fake_gpu gpus[MAX_GPUS];
 };
@@ -254,6 +315,7 @@ static struct fake_system g_sys;    /* handles point into g_sys.gpus, so it is u
 static struct fake_system g_scratch; /* config being loaded; copied to g_sys on success */
 static struct json *g_state;        /* FAKE_NVML_STATE as last read by enter_device(); may be NULL */
 static struct fake_event_set *g_event_sets; /* live event sets, to validate handles */
+static struct json *g_own_state;    /* the memory limits, when FAKE_NVML_STATE is unset */
 
 static void complain(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -278,8 +340,10 @@ struct json {
     char *key;          /* member name, when inside an object */
     char *str;          /* J_STRING */
     double num;         /* J_NUMBER */
-    long long inum;     /* J_NUMBER, when is_int */
+    long long inum;     /* J_NUMBER, when is_int (LLONG_MAX when is_big) */
+    unsigned long long unum; /* J_NUMBER, when is_int and not negative: the value, up to 2^64-1 */
     int is_int;
+    int is_big;         /* an integer above LLONG_MAX, held by unum only */
     int boolean;        /* J_BOOL */
     struct json *child; /* J_ARRAY / J_OBJECT: first element or member */
     struct json *next;  /* next sibling */
@@ -497,9 +561,14 @@ static int parse_number(struct parser *p, struct json *v)
     v->type = J_NUMBER;
     v->is_int = strcspn(start, ".eE") >= n;
     errno = 0;
-    if (v->is_int) {
+    if (v->is_int && *start == '-') {
         v->inum = strtoll(start, &end, 10);
         v->num = (double)v->inum;
+    } else if (v->is_int) {
+        v->unum = strtoull(start, &end, 10);
+        v->is_big = v->unum > LLONG_MAX;
+        v->inum = v->is_big ? LLONG_MAX : (long long)v->unum;
+        v->num = (double)v->unum;
     } else {
         v->num = strtod(start, &end);
         v->inum = (long long)v->num;
@@ -640,7 +709,7 @@ static int get_int(const struct json *obj, const char *key, long long lo, long l
     const struct json *v = json_get(obj, key);
     if (!v || v->type == J_NULL)
         return 0;
-    if (v->type != J_NUMBER || !v->is_int || v->inum < lo || v->inum > hi) {
+    if (v->type != J_NUMBER || !v->is_int || v->is_big || v->inum < lo || v->inum > hi) {
         complain("%s: \"%s\" must be an integer in [%lld, %lld]", where, key, lo, hi);
         return -1;
     }
@@ -659,6 +728,84 @@ static int get_bool(const struct json *obj, const char *key, int *out, const cha
     }
     *out = v->boolean;
     return 0;
+}
+
+/* Building and editing values, for the state that the setters write back. */
+
+static struct json *json_new(enum json_type type)
+{
+    struct json *v = calloc(1, sizeof(*v));
+    if (v)
+        v->type = type;
+    return v;
+}
+
+static struct json *json_new_uint(unsigned long long n)
+{
+    struct json *v = json_new(J_NUMBER);
+    if (v) {
+        v->is_int = 1;
+        v->unum = n;
+        v->is_big = n > LLONG_MAX;
+        v->inum = v->is_big ? LLONG_MAX : (long long)n;
+        v->num = (double)n;
+    }
+    return v;
+}
+
+static struct json *json_new_real(double x)
+{
+    struct json *v = json_new(J_NUMBER);
+    if (v) {
+        v->num = x;
+        v->inum = (long long)x;
+    }
+    return v;
+}
+
+/* Makes value (which it takes, NULL or not) obj's member key, in place of one of that name. Returns value, or
+ * NULL when out of memory. */
+static struct json *json_put(struct json *obj, const char *key, struct json *value)
+{
+    struct json **link = &obj->child;
+    if (!value)
+        return NULL;
+    value->key = strdup(key);
+    if (!value->key) {
+        json_free(value);
+        return NULL;
+    }
+    while (*link && strcmp((*link)->key, key) != 0)
+        link = &(*link)->next;
+    if (*link) {
+        value->next = (*link)->next;
+        (*link)->next = NULL;
+        json_free(*link);
+    }
+    *link = value;
+    return value;
+}
+
+/* The member key of obj as an object to edit: a missing (or null) one is added. NULL when out of memory. */
+static struct json *json_object_member(struct json *obj, const char *key)
+{
+    for (struct json *m = obj->child; m; m = m->next)
+        if (strcmp(m->key, key) == 0 && m->type == J_OBJECT)
+            return m;
+    return json_put(obj, key, json_new(J_OBJECT));
+}
+
+static void json_remove(struct json *obj, const char *key)
+{
+    for (struct json **link = &obj->child; *link; link = &(*link)->next) {
+        if (strcmp((*link)->key, key) == 0) {
+            struct json *gone = *link;
+            *link = gone->next;
+            gone->next = NULL;
+            json_free(gone);
+            return;
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -734,6 +881,37 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     return 0;
 }
 
+/* "cgroupLayout" and "cgroupRoot": where the driver finds cgroup v2 directories, if anywhere. */
+static int load_cgroup_layout(const struct json *root, struct fake_system *sys)
+{
+    char layout[16] = "unified";
+    size_t len;
+
+    if (get_string(root, "cgroupLayout", layout, sizeof(layout), "config") == 0) {
+        if (strcmp(layout, "unified") == 0)
+            strcpy(sys->cgroup_root, "/sys/fs/cgroup");
+        else if (strcmp(layout, "hybrid") == 0)
+            strcpy(sys->cgroup_root, "/sys/fs/cgroup/unified");
+        else if (strcmp(layout, "legacy") != 0)
+            layout[0] = '\0';
+    } else
+        layout[0] = '\0';
+    if (!layout[0]) {
+        complain("config: \"cgroupLayout\" must be \"unified\", \"hybrid\" or \"legacy\"");
+        return -1;
+    }
+    sys->cgroup_v2 = strcmp(layout, "legacy") != 0;
+    if (get_string(root, "cgroupRoot", sys->cgroup_root, sizeof(sys->cgroup_root), "config") != 0)
+        return -1;
+    if (json_get(root, "cgroupRoot") && sys->cgroup_root[0] != '/') {
+        complain("config: \"cgroupRoot\" must be an absolute path");
+        return -1;
+    }
+    for (len = strlen(sys->cgroup_root); len > 1 && sys->cgroup_root[len - 1] == '/';)
+        sys->cgroup_root[--len] = '\0';
+    return 0;
+}
+
 /* Loads FAKE_NVML_CONFIG into *sys. */
 static int load_config(struct fake_system *sys)
 {
@@ -762,6 +940,8 @@ static int load_config(struct fake_system *sys)
     rc |= get_string(root, "driverVersion", sys->driver_version, sizeof(sys->driver_version), where);
     rc |= get_int(root, "cudaDriverVersion", 0, INT32_MAX, &cuda, where);
     rc |= get_int(root, "initError", 0, INT32_MAX, &init_error, where);
+    rc |= get_bool(root, "memoryLimits", &sys->memory_limits, where);
+    rc |= load_cgroup_layout(root, sys);
     sys->cuda_driver_version = (int)cuda;
     sys->init_error = (int)init_error;
 
@@ -825,6 +1005,31 @@ static int check_processes(const char *path, const struct json *procs)
     return rc ? -1 : 0;
 }
 
+static int is_byte_count(const struct json *v)
+{
+    return v && v->type == J_NUMBER && v->is_int && v->inum >= 0;
+}
+
+/* Checks the "memoryLimits" member: {cgroup path: {uuid: {"soft": N, "hard": N, ...}}}. */
+static int check_memory_limits(const char *path, const struct json *limits)
+{
+    if (!limits || limits->type == J_NULL)
+        return 0;
+    if (limits->type != J_OBJECT)
+        goto bad;
+    for (const struct json *cgroup = limits->child; cgroup; cgroup = cgroup->next) {
+        if (cgroup->type != J_OBJECT)
+            goto bad;
+        for (const struct json *l = cgroup->child; l; l = l->next)
+            if (l->type != J_OBJECT || !is_byte_count(json_get(l, "soft")) || !is_byte_count(json_get(l, "hard")))
+                goto bad;
+    }
+    return 0;
+bad:
+    complain("%s: \"memoryLimits\" must be {cgroup path: {uuid: {\"soft\": bytes, \"hard\": bytes, ...}}}", path);
+    return -1;
+}
+
 /* Reads FAKE_NVML_STATE (if set and present) into *out; NULL means "no state". */
 static nvmlReturn_t read_state(struct json **out)
 {
@@ -866,7 +1071,8 @@ static nvmlReturn_t read_state(struct json **out)
         }
     }
     if (check_processes(path, json_get(root, "processes")) ||
-        check_processes(path, json_get(root, "mpsProcesses")))
+        check_processes(path, json_get(root, "mpsProcesses")) ||
+        check_memory_limits(path, json_get(root, "memoryLimits")))
         goto bad;
     *out = root;
     return NVML_SUCCESS;
@@ -934,10 +1140,15 @@ static void write_json_value(FILE *f, const struct json *v)
     case J_NULL: fputs("null", f); break;
     case J_BOOL: fputs(v->boolean ? "true" : "false", f); break;
     case J_NUMBER:
-        if (v->is_int)
+        if (v->is_big)
+            fprintf(f, "%llu", v->unum);
+        else if (v->is_int)
             fprintf(f, "%lld", v->inum);
-        else
-            fprintf(f, "%.17g", v->num);
+        else {
+            char text[32];
+            snprintf(text, sizeof(text), "%.17g", v->num);
+            fprintf(f, "%s%s", text, strpbrk(text, ".e") ? "" : ".0"); /* stays a real number when read */
+        }
         break;
     case J_STRING: write_json_string(f, v->str); break;
     case J_ARRAY:
@@ -957,14 +1168,11 @@ static void write_json_value(FILE *f, const struct json *v)
     }
 }
 
-/* Writes all compute modes (ours, plus other UUIDs already in the file) and every other member of
- * the old state ("lost", "processes", ...) unchanged, via temp file + rename. */
-static nvmlReturn_t write_state(const char *path, const struct json *old_state)
+/* Replaces the state file with the JSON object state, via temp file + rename. */
+static nvmlReturn_t write_state(const char *path, const struct json *state)
 {
-    const struct json *old_modes = json_get(old_state, "computeModes");
     size_t tmp_len = strlen(path) + 32;
     char *tmp = malloc(tmp_len);
-    const char *sep = "";
     FILE *f;
     int ok;
 
@@ -977,34 +1185,8 @@ static nvmlReturn_t write_state(const char *path, const struct json *old_state)
         free(tmp);
         return NVML_ERROR_UNKNOWN;
     }
-    fputs("{\"computeModes\": {", f);
-    for (unsigned int i = 0; i < g_sys.gpu_count; i++) {
-        fputs(sep, f);
-        write_json_string(f, g_sys.gpus[i].uuid);
-        fprintf(f, ": %u", g_sys.gpus[i].compute_mode);
-        sep = ", ";
-    }
-    for (const struct json *m = old_modes ? old_modes->child : NULL; m; m = m->next) {
-        int ours = 0;
-        for (unsigned int i = 0; i < g_sys.gpu_count; i++)
-            ours |= strcmp(g_sys.gpus[i].uuid, m->key) == 0;
-        if (ours)
-            continue;
-        fputs(sep, f);
-        write_json_string(f, m->key);
-        fprintf(f, ": %lld", m->inum);
-        sep = ", ";
-    }
-    fputc('}', f);
-    for (const struct json *m = old_state ? old_state->child : NULL; m; m = m->next) {
-        if (strcmp(m->key, "computeModes") == 0)
-            continue;
-        fputs(", ", f);
-        write_json_string(f, m->key);
-        fputs(": ", f);
-        write_json_value(f, m);
-    }
-    fputs("}\n", f);
+    write_json_value(f, state);
+    fputc('\n', f);
     ok = fflush(f) == 0 && !ferror(f);
     ok &= fclose(f) == 0;
     if (!ok || rename(tmp, path) != 0) {
@@ -1049,14 +1231,12 @@ static nvmlReturn_t enter(void)
     return g_init_count ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
 }
 
-/* Locks the library, resolves a handle and re-reads the state file; lost GPUs fail unless allow_lost. */
-static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
+/* Resolves a handle and re-reads the state file (g_lock held); lost GPUs fail unless allow_lost. */
+static nvmlReturn_t check_device(nvmlDevice_t device, int allow_lost)
 {
-    nvmlReturn_t rc = enter();
     uintptr_t offset = (uintptr_t)device - (uintptr_t)g_sys.gpus;
+    nvmlReturn_t rc;
 
-    if (rc != NVML_SUCCESS)
-        return rc;
     if (!device || offset % sizeof(struct fake_gpu) != 0 || offset / sizeof(struct fake_gpu) >= g_sys.gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
     rc = refresh_state();
@@ -1065,6 +1245,13 @@ static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
     if (device->lost && !allow_lost)
         return NVML_ERROR_GPU_IS_LOST;
     return NVML_SUCCESS;
+}
+
+/* Locks the library, resolves a handle and re-reads the state file; lost GPUs fail unless allow_lost. */
+static nvmlReturn_t enter_device(nvmlDevice_t device, int allow_lost)
+{
+    nvmlReturn_t rc = enter();
+    return rc == NVML_SUCCESS ? check_device(device, allow_lost) : rc;
 }
 
 static nvmlReturn_t leave(nvmlReturn_t rc)
@@ -1401,6 +1588,21 @@ nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mo
     return leave(rc);
 }
 
+/* Writes every one of our GPUs' compute mode into the state's "computeModes" (made when *state is NULL), keeping
+ * other UUIDs' entries and every other member. */
+static nvmlReturn_t put_compute_modes(struct json **state)
+{
+    struct json *modes;
+
+    if (!*state && !(*state = json_new(J_OBJECT)))
+        return NVML_ERROR_MEMORY;
+    modes = json_object_member(*state, "computeModes");
+    for (unsigned int i = 0; modes && i < g_sys.gpu_count; i++)
+        if (!json_put(modes, g_sys.gpus[i].uuid, json_new_uint(g_sys.gpus[i].compute_mode)))
+            return NVML_ERROR_MEMORY;
+    return modes ? NVML_SUCCESS : NVML_ERROR_MEMORY;
+}
+
 nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, nvmlComputeMode_t mode)
 {
     const char *path = getenv("FAKE_NVML_STATE");
@@ -1427,7 +1629,9 @@ nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t device, nvmlComputeMode_t mod
         if (state)
             apply_state(&g_sys, state);
         device->compute_mode = mode;
-        rc = write_state(path, state);
+        rc = put_compute_modes(&state);
+        if (rc == NVML_SUCCESS)
+            rc = write_state(path, state);
         json_free(state);
     }
     close(lock_fd);
@@ -1524,6 +1728,257 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, uns
                                                         nvmlProcessInfo_t *infos)
 {
     return list_processes(device, "mpsProcesses", 2, infoCount, infos);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Per-cgroup memory limits: the state's "memoryLimits", by cgroup v2 directory and GPU
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Checks nameSpace and copies it to path (PATH_MAX bytes) without its trailing slashes. */
+static nvmlReturn_t cgroup_path(const char *nameSpace, char *path)
+{
+    size_t len;
+
+    if (!nameSpace || nameSpace[0] != '/')
+        return NVML_ERROR_INVALID_ARGUMENT; /* NULL, empty or relative */
+    len = strnlen(nameSpace, PATH_MAX);
+    if (len == PATH_MAX)
+        return NVML_ERROR_INVALID_ARGUMENT; /* no room for its NUL in PATH_MAX */
+    memcpy(path, nameSpace, len + 1);
+    while (len > 1 && path[len - 1] == '/')
+        path[--len] = '\0';
+    return NVML_SUCCESS;
+}
+
+static int is_directory(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* path is strictly below the cgroup root as written (no empty, "." or ".." component) and a directory. */
+static int is_cgroup(const char *path)
+{
+    const char *root = g_sys.cgroup_root;
+    size_t n = strcmp(root, "/") == 0 ? 0 : strlen(root);
+
+    if (strncmp(path, root, n) != 0 || path[n] != '/')
+        return 0;
+    for (const char *c = path + n; *c;) {
+        const char *name = c + 1;
+        size_t len = strcspn(name, "/");
+        if (len == 0 || (len == 1 && name[0] == '.') || (len == 2 && name[0] == '.' && name[1] == '.'))
+            return 0;
+        c = name + len;
+    }
+    return is_directory(path);
+}
+
+/* Whether the process pid is in the cgroup path or below it, by the cgroup v2 line ("0::<dir>") of its
+ * /proc/<pid>/cgroup, <dir> taken below the cgroup root. A process that is gone is in none. */
+static int process_in_cgroup(unsigned int pid, const char *path)
+{
+    char proc[32], line[PATH_MAX + 8], where[2 * PATH_MAX + 8];
+    const char *root = strcmp(g_sys.cgroup_root, "/") == 0 ? "" : g_sys.cgroup_root;
+    size_t n = strlen(path), len;
+    int inside = 0;
+    FILE *f;
+
+    snprintf(proc, sizeof(proc), "/proc/%u/cgroup", pid);
+    f = fopen(proc, "re");
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "0::", 3) != 0)
+            continue;
+        line[strcspn(line, "\n")] = '\0';
+        snprintf(where, sizeof(where), "%s%s", root, line + 3);
+        for (len = strlen(where); len > 1 && where[len - 1] == '/';)
+            where[--len] = '\0'; /* "0::/": the root itself */
+        inside = strncmp(where, path, n) == 0 && (where[n] == '\0' || where[n] == '/');
+        break;
+    }
+    fclose(f);
+    return inside;
+}
+
+/* Whether an entry before entry (lists[0] first, then lists[1]) names pid. */
+static int listed_before(const struct json *const lists[2], const struct json *entry, unsigned int pid)
+{
+    for (int l = 0; l < 2; l++)
+        for (const struct json *p = lists[l] ? lists[l]->child : NULL; p; p = p->next) {
+            if (p == entry)
+                return 0;
+            if ((unsigned int)json_ull(p, "pid", 0, 0) == pid)
+                return 1;
+        }
+    return 0;
+}
+
+/* GPU memory that the state's "processes" and "mpsProcesses" of the GPU uuid use in the cgroup path or below
+ * it; a process listed twice counts once, by its first entry; "usedGpuMemory": null counts 0. */
+static unsigned long long cgroup_used(const struct json *state, const char *uuid, const char *path)
+{
+    const struct json *lists[2] = {json_get(json_get(state, "processes"), uuid),
+                                   json_get(json_get(state, "mpsProcesses"), uuid)};
+    unsigned long long used = 0;
+
+    for (int l = 0; l < 2; l++)
+        for (const struct json *p = lists[l] ? lists[l]->child : NULL; p; p = p->next) {
+            unsigned int pid = (unsigned int)json_ull(p, "pid", 0, 0);
+            if (!listed_before(lists, p, pid) && process_in_cgroup(pid, path))
+                used += json_ull(p, "usedGpuMemory", 0, 0);
+        }
+    return used;
+}
+
+/* Drops the limits of cgroups whose directory is gone: removing a cgroup clears its limits. Returns how many. */
+static int drop_removed_cgroups(struct json *state)
+{
+    struct json *limits = (struct json *)json_get(state, "memoryLimits");
+    int dropped = 0;
+
+    if (!limits || limits->type != J_OBJECT)
+        return 0;
+    for (struct json **link = &limits->child; *link;) {
+        struct json *cgroup = *link;
+        if (is_directory(cgroup->key)) {
+            link = &cgroup->next;
+            continue;
+        }
+        *link = cgroup->next;
+        cgroup->next = NULL;
+        json_free(cgroup);
+        dropped++;
+    }
+    if (dropped && !limits->child)
+        json_remove(state, "memoryLimits");
+    return dropped;
+}
+
+/* Sets the GPU's limit for the cgroup path in state, or clears it (soft 0, hard NVML_DEVICE_MEMORY_LIMIT_MAX),
+ * dropping what is left empty. */
+static nvmlReturn_t put_memory_limit(struct json *state, nvmlDevice_t device, const char *path,
+                                     const nvmlSetMemoryLimits_v1_t *set)
+{
+    struct json *limits, *cgroup, *limit;
+    struct timespec now;
+
+    if (set->softLimit == 0 && set->hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX) {
+        limits = (struct json *)json_get(state, "memoryLimits");
+        cgroup = (struct json *)json_get(limits, path);
+        if (cgroup && cgroup->type == J_OBJECT)
+            json_remove(cgroup, device->uuid);
+        if (cgroup && !cgroup->child)
+            json_remove(limits, path);
+        if (limits && !limits->child)
+            json_remove(state, "memoryLimits");
+        return NVML_SUCCESS;
+    }
+    clock_gettime(CLOCK_REALTIME, &now);
+    limits = json_object_member(state, "memoryLimits");
+    cgroup = limits ? json_object_member(limits, path) : NULL;
+    limit = cgroup ? json_put(cgroup, device->uuid, json_new(J_OBJECT)) : NULL;
+    if (!limit || !json_put(limit, "soft", json_new_uint(set->softLimit)) ||
+        !json_put(limit, "hard", json_new_uint(set->hardLimit)) ||
+        !json_put(limit, "setAt", json_new_real((double)now.tv_sec + (double)now.tv_nsec / 1e9)) ||
+        !json_put(limit, "setBy", json_new_uint((unsigned long long)getpid())))
+        return NVML_ERROR_MEMORY;
+    return NVML_SUCCESS;
+}
+
+/* Reads, and with set changes, the limits of the cgroup path on device, under the state file's lock (without
+ * FAKE_NVML_STATE: in this process's own state). Cgroups that are gone are dropped first, so a path that is no
+ * longer a cgroup is NOT_FOUND. get (when not NULL) is filled on success. */
+static nvmlReturn_t use_memory_limits(nvmlDevice_t device, const char *path, const nvmlSetMemoryLimits_v1_t *set,
+                                      nvmlGetMemoryLimits_v1_t *get)
+{
+    const char *file = getenv("FAKE_NVML_STATE");
+    struct json *state = NULL;
+    int lock_fd = -1, changed;
+    nvmlReturn_t rc = NVML_SUCCESS, written;
+
+    if (!file || !*file) {
+        file = NULL;
+        if (!g_own_state && !(g_own_state = json_new(J_OBJECT)))
+            return NVML_ERROR_MEMORY;
+        state = g_own_state;
+    } else {
+        lock_fd = lock_state(file);
+        if (lock_fd < 0)
+            return NVML_ERROR_UNKNOWN;
+        rc = read_state(&state);
+        if (rc == NVML_SUCCESS && !state && !(state = json_new(J_OBJECT)))
+            rc = NVML_ERROR_MEMORY;
+    }
+    if (rc == NVML_SUCCESS) {
+        changed = drop_removed_cgroups(state);
+        if (!is_cgroup(path))
+            rc = NVML_ERROR_NOT_FOUND;
+        else if (set) {
+            rc = put_memory_limit(state, device, path, set);
+            changed = 1;
+        } else {
+            const struct json *limit = json_get(json_get(json_get(state, "memoryLimits"), path), device->uuid);
+            get->softLimit = limit ? json_get(limit, "soft")->unum : 0; /* checked by read_state() */
+            get->hardLimit = limit ? json_get(limit, "hard")->unum : NVML_DEVICE_MEMORY_LIMIT_MAX;
+            get->currentUsed = cgroup_used(state, device->uuid, path);
+        }
+        if (file && changed && (written = write_state(file, state)) != NVML_SUCCESS && rc == NVML_SUCCESS)
+            rc = written;
+    }
+    if (file) {
+        json_free(state);
+        close(lock_fd);
+    }
+    return rc;
+}
+
+/* What both calls check before the nameSpace, in this order (g_lock held). */
+static nvmlReturn_t check_memory_limits_call(nvmlDevice_t device, const void *limits)
+{
+    nvmlReturn_t rc;
+
+    if (!g_sys.memory_limits)
+        return NVML_ERROR_FUNCTION_NOT_FOUND; /* a driver before r615: pynvml finds no such symbol */
+    rc = check_device(device, 0);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!g_sys.cgroup_v2 || device->mig_mode == 1)
+        return NVML_ERROR_NOT_SUPPORTED;
+    return limits ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, const nvmlSetMemoryLimits_v1_t *limits)
+{
+    char path[PATH_MAX];
+    nvmlReturn_t rc = enter();
+
+    if (rc == NVML_SUCCESS)
+        rc = check_memory_limits_call(device, limits);
+    if (rc == NVML_SUCCESS)
+        rc = cgroup_path(limits->nameSpace, path);
+    if (rc == NVML_SUCCESS && (limits->hardLimit == 0 || limits->softLimit > limits->hardLimit))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && geteuid() != 0)
+        rc = NVML_ERROR_NO_PERMISSION;
+    if (rc == NVML_SUCCESS)
+        rc = use_memory_limits(device, path, limits, NULL);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits)
+{
+    char path[PATH_MAX];
+    nvmlReturn_t rc = enter();
+
+    if (rc == NVML_SUCCESS)
+        rc = check_memory_limits_call(device, limits);
+    if (rc == NVML_SUCCESS)
+        rc = cgroup_path(limits->nameSpace, path);
+    if (rc == NVML_SUCCESS)
+        rc = use_memory_limits(device, path, NULL, limits);
+    return leave(rc);
 }
 
 /* ------------------------------------------------------------------------------------------------
