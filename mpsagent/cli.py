@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 
 from mpsagent import __version__
 from mpsagent.base.config import resolve_settings, status_mps_root
-from mpsagent.base.devices import NodeGpus
 from mpsagent.base.errors import (
     AgentLockedError,
     ConfigError,
@@ -82,9 +83,22 @@ def _gpu_source(settings: Settings) -> GpuSource:
     return NvmlGpuSource()
 
 
-def _plan(settings: Settings, source: GpuSource) -> tuple[NodeGpus, NodePlan]:
+def cdi_hook(setting: Path | None) -> tuple[Path | None, str | None]:
+    """The agent's CDI hook as the runtime runs it (a bare name: beside the agent's Python), or why there is none."""
+    if setting is None:
+        return None, "the agent has no CDI hook to set them with (--cdi-hook is empty)"
+    path = setting if len(setting.parts) > 1 else Path(sys.executable).parent / setting
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        return None, f"the agent's CDI hook {path} is not an executable file here (--cdi-hook)"
+    return path, None
+
+
+def _plan(settings: Settings, source: GpuSource) -> tuple[NodePlan, Path | None]:
     node = source.discover()
-    return node, build_plan(settings.sharing, node, settings.mps_root)
+    hook, missing = cdi_hook(settings.cdi_hook)
+    if missing is not None:
+        node = node.without_memory_limits(missing)
+    return build_plan(settings.sharing, node, settings.mps_root), hook
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -101,7 +115,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         for key in settings.sharing.ignored_keys:
             log.info("config key ignored", key=key, reason="no meaning for MPS sharing through mpsagent")
         source = _gpu_source(settings)
-        _, plan = _plan(settings, source)
+        plan, hook = _plan(settings, source)
         if settings.once:
             report = plan_report(
                 plan,
@@ -119,7 +133,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         from mpsagent.supervisor.app import run_agent  # noqa: PLC0415
 
-        anyio.run(run_agent, settings, plan, source)
+        anyio.run(run_agent, settings, plan, source, hook)
         return EXIT_OK
     except (UsageError, ConfigError, SnapshotError) as exc:
         print(f"mpsagent: error: {exc}", file=sys.stderr)

@@ -32,9 +32,9 @@ class PodCgroup:
         return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh", *argv]
 
     def remove(self) -> None:
-        """Remove the cgroups once the processes in them have ended (a bounded wait)."""
+        """Remove the cgroups once the processes in them have ended (a bounded wait); again: nothing."""
         deadline = time.monotonic() + EMPTY_WAIT_S
-        while (self.path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        while self.path.exists() and (self.path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
             time.sleep(0.05)
         for directory in (self.path, *self.path.parents):
             with contextlib.suppress(OSError):
@@ -44,10 +44,13 @@ class PodCgroup:
 
 
 @contextmanager
-def pod_cgroup(*, pod_uid: str | None = None, container_id: str | None = None) -> Iterator[PodCgroup]:
-    """A cgroup named like a pod's container (a real pod's, given its UID and container ID; else made up); removed
-    when the block ends (its processes must have ended)."""
-    for root in HIERARCHIES:
+def pod_cgroup(
+    *, pod_uid: str | None = None, container_id: str | None = None, under: Path | None = None
+) -> Iterator[PodCgroup]:
+    """A cgroup named like a pod's container (a real pod's, given its UID and container ID; else made up), under the
+    hierarchy `under` (else the first writable of HIERARCHIES); removed when the block ends (its processes must
+    have ended)."""
+    for root in HIERARCHIES if under is None else (under,):
         if (root / "cgroup.procs").is_file():
             try:
                 made = PodCgroup(root, pod_uid=pod_uid, container_id=container_id)

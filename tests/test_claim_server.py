@@ -35,6 +35,7 @@ from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.claim_object import claim_allocation
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.gpu.snapshot import SnapshotGpuSource
+from mpsagent.kubelet.cdi_spec import CdiDevice
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
 from mpsagent.supervisor.resource_server import ResourceServer
@@ -759,7 +760,7 @@ def test_a_restarted_agent_holds_the_checkpointed_claims_again_and_writes_their_
     cdi.spec_path(node.cdi_dir, UID_A).unlink()
     cdi.spec_path(node.cdi_dir, UID_B).write_text("")
     # And a spec of a claim the checkpoint does not list (its unprepare was lost), and another driver's.
-    cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [cdi.CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
+    cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
     (node.cdi_dir / "nvidia.com-gpu.yaml").write_text("cdiVersion: 0.6.0\n")
     node.api.claims.clear()  # the restarted agent must not need the API server for claims it prepared
 
@@ -1057,7 +1058,7 @@ def test_a_claims_memory_below_a_whole_mib_is_rounded_down_and_the_rounding_said
 def test_at_start_what_is_not_a_spec_file_of_the_agent_is_skipped_not_a_reason_to_stop(node: Node) -> None:
     """A directory, or a link, named like one of the agent's specs: skipped with a warning each (a link never
     removed through); a stale spec file of the agent is still removed."""
-    cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [cdi.CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
+    cdi.write_claim_spec(node.cdi_dir, STRAY_UID, [CdiDevice(name=f"{STRAY_UID}-gpu-0", envs={}, mounts=())])
     directory = cdi.spec_path(node.cdi_dir, UID_A)
     directory.mkdir()
     target = node.directory / "elsewhere.json"

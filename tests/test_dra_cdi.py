@@ -13,7 +13,8 @@ from structlog.testing import capture_logs
 
 from mpsagent.base.errors import HostError, RequestError
 from mpsagent.domain.container import Mount
-from mpsagent.dra.cdi import CdiDevice, cdi_device_id, claim_spec_uids, remove_claim_spec, write_claim_spec
+from mpsagent.dra.cdi import cdi_device_id, claim_spec_uids, remove_claim_spec, write_claim_spec
+from mpsagent.kubelet.cdi_spec import CdiDevice
 
 UID = "0b3c6a5e-7f1d-4c2b-9a8e-1d2f3a4b5c6d"
 OTHER_UID = "ffffffff-0000-4000-8000-000000000001"

@@ -4,6 +4,7 @@ container grants (`container`) and node labels (`nfd`)."""
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -538,8 +539,18 @@ def test_labels_for_four_t4s(mps: str, product: str) -> None:
         "nvidia.com/gpu.replicas": "4",
         "nvidia.com/gpu.sharing-strategy": "mps",
         "nvidia.com/mps.capable": "true",
+        # Who holds a capped container to its memory on each GPU: MPS alone where the driver has no limits.
+        **{f"mpsagent.io/memory-enforcement.gpu-{i}": "mps" for i in range(4)},
     }
     assert sum(len(r.device_ids) for r in result.resources) == 16
+
+
+def test_a_gpu_whose_driver_limits_memory_is_labelled_so() -> None:
+    gpus = node(gpu(0), replace(gpu(1), memory_limits_unavailable=None))
+    result = plan(gpus, "{name: nvidia.com/gpu, replicas: 4}")
+    labels = node_labels(result.gpus, result.resources)
+    assert labels["mpsagent.io/memory-enforcement.gpu-0"] == "mps"
+    assert labels["mpsagent.io/memory-enforcement.gpu-1"] == "driver"
 
 
 @pytest.mark.parametrize(

@@ -42,3 +42,26 @@ def pod_container(cgroup_text: str) -> PodContainer | None:
         if pod and container:
             return PodContainer(pod_uid=pod.group(1).replace("_", "-"), container_id=container.group(1))
     return None
+
+
+def cgroup2_mount(mountinfo_text: str) -> str | None:
+    """Where cgroup v2 is mounted, from `/proc/self/mountinfo` (`/sys/fs/cgroup` on a unified node,
+    `/sys/fs/cgroup/unified` on a hybrid one); None when it is not."""
+    for line in mountinfo_text.splitlines():
+        fields = line.split()
+        if " - " in line and len(fields) > 4:
+            fstype = line.split(" - ", 1)[1].split()[0]
+            if fstype == "cgroup2":
+                return fields[4].replace("\\040", " ")
+    return None
+
+
+def cgroup2_path(cgroup_text: str) -> str | None:
+    """A process's cgroup v2 path (`/kubepods/.../<container id>`), from its `/proc/<pid>/cgroup`; None when it has
+    none (a cgroup v1 only node)."""
+    for line in cgroup_text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            return path
+    return None

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NewType
 
 from mpsagent.base.errors import shown
-from mpsagent.base.values import MIB
+from mpsagent.base.values import MIB, Enforcement
 
 GpuUuid = NewType("GpuUuid", str)
 ReplicaId = NewType("ReplicaId", str)
@@ -52,6 +52,13 @@ class Gpu:
     pci_bus_id: str
     numa_node: int | None
     mig_enabled: bool
+    memory_limits_unavailable: str | None = "not asked"
+    """Why the driver cannot limit a container's memory on this GPU (per cgroup); None when it can."""
+
+    @property
+    def enforcement(self) -> Enforcement:
+        """Who holds a capped container to its memory here: the driver where it can, else MPS alone."""
+        return Enforcement.MPS if self.memory_limits_unavailable else Enforcement.DRIVER
 
     @property
     def memory_mib(self) -> int:
@@ -116,6 +123,15 @@ class NodeGpus:
     driver_version: str
     gpus: tuple[Gpu, ...]
     source: str
+
+    def without_memory_limits(self, reason: str) -> NodeGpus:
+        """The same GPUs, none of them limited by the driver (`reason`, where the driver could): the agent has no
+        hook to set the limits with."""
+        gpus = tuple(
+            gpu if gpu.memory_limits_unavailable else replace(gpu, memory_limits_unavailable=reason)
+            for gpu in self.gpus
+        )
+        return replace(self, gpus=gpus)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)

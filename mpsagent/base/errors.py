@@ -7,6 +7,7 @@ MpsAgentError                 base, never raised itself
 ├── DocumentError             a YAML/JSON text is malformed or too big to expand (aliases, nesting, numbers)
 ├── GpuDiscoveryError         NVML could not describe the GPUs (exit 1)
 │   ├── GpuHealthError        NVML's event wait failed: the GPUs' health cannot be known
+│   ├── MemoryLimitError      the driver did not set or give a container cgroup's memory limit on a GPU
 │   └── SnapshotError         a node snapshot file is unreadable or malformed (exit 2)
 ├── RequestError              a kubelet request the agent refuses (gRPC INVALID_ARGUMENT); changes nothing
 │   └── GrantRefusedError     a grant or a claim that does not fit its GPU beside the live shares of both routes
@@ -115,6 +116,10 @@ class GpuDiscoveryError(MpsAgentError):
 
 class GpuHealthError(GpuDiscoveryError):
     """NVML's event wait failed: the GPUs' health cannot be known."""
+
+
+class MemoryLimitError(GpuDiscoveryError):
+    """The driver did not set, clear or give a container cgroup's memory limit on a GPU; the message names both."""
 
 
 class SnapshotError(GpuDiscoveryError):

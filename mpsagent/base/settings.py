@@ -42,6 +42,7 @@ DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/feature
 DEFAULT_PROC_ROOT = Path("/proc")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
+DEFAULT_CDI_HOOK = Path("mpsagent-cdi-hook")
 # Longer than this, a tenant keeps every cap switch out and lifted caps in force for minutes at a time.
 MAX_CONTROL_HOLD_S = 300.0
 MAX_NODE_NAME_CHARS = 253
@@ -435,7 +436,20 @@ class Settings:
         parse=_path,
         default=DEFAULT_CDI_SPEC_DIR,
         metavar="DIR",
-        help="where prepared claims' CDI specs are written for the container runtime, for --dra on",
+        help="where the CDI specs are written for the container runtime: prepared claims' (--dra on), and the "
+        "memory-limit devices where the driver limits memory per cgroup",
+    )
+    cdi_hook: Path | None = setting(
+        flag="--cdi-hook",
+        env="CDI_HOOK",
+        key="cdiHook",
+        parse=_path,
+        default=DEFAULT_CDI_HOOK,
+        metavar="PATH",
+        help="the agent's CDI hook (mpsagent-cdi-hook) as the container runtime runs it on the host, which sets a "
+        "capped container's memory limits where the driver has them; a bare name is looked for beside the agent's "
+        "Python; empty: the driver's limits are not used",
+        empty_turns_off=True,
     )
     dra_taint_effect: TaintEffect = setting(
         flag="--dra-taint-effect",

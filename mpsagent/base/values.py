@@ -119,6 +119,16 @@ class DraMode(enum.StrEnum):
     ON = "on"
 
 
+class Enforcement(enum.StrEnum):
+    """Who holds a capped container to its memory on a GPU."""
+
+    DRIVER = "driver"
+    """The driver, per container cgroup (NVML memory limits, r615+, cgroup v2, no MIG), set by the agent's CDI hook
+    before the container's first process runs; MPS's ceilings stay as the second layer."""
+    MPS = "mps"
+    """MPS alone: the client's CUDA_MPS_* environment, and the daemon's ceilings."""
+
+
 class TaintEffect(enum.StrEnum):
     """What a device taint does to claims that do not tolerate it (KEP-5055)."""
 

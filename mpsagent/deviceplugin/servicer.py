@@ -24,7 +24,7 @@ from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
 from mpsagent.base.errors import DaemonError, MpsAgentError
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator, describe_ids
-from mpsagent.domain.container import ContainerSetup
+from mpsagent.domain.container import ContainerSetup, MemoryLimitDevice
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
 from mpsagent.kubelet.wire import Refuse, answering, receive_message, unary_handler
@@ -41,6 +41,9 @@ class SetCeilings(Protocol):
     async def __call__(self, *, verify: bool = False) -> None: ...
 
 
+EnsureLimitDevices = Callable[[Sequence[MemoryLimitDevice | None]], None]
+"""Have the memory-limit devices' CDI spec hold these (None: a share the driver does not limit) before the answer
+names them; raises HostError when it cannot be written."""
 RpcTimer = Callable[[str, float, str], None]
 """Told how long an RPC took (`allocate`, `preferred_allocation`) and its outcome: `ok`, `refused` (the request
 was wrong) or `failed` (the node, or a bug)."""
@@ -55,6 +58,10 @@ async def _no_daemon(*, verify: bool = False) -> None:
 
 
 def _nothing_on_granted(allocations: Sequence[ContainerAllocation]) -> None:
+    return None
+
+
+def _no_limit_devices(devices: Sequence[MemoryLimitDevice | None]) -> None:
     return None
 
 
@@ -118,8 +125,10 @@ class DevicePluginServicer:
         set_ceilings: SetCeilings = _no_daemon,
         on_granted: OnGranted = _nothing_on_granted,
         rpc_timer: RpcTimer | None = None,
+        ensure_limit_devices: EnsureLimitDevices | None = None,
     ) -> None:
         self._allocator = allocator
+        self._ensure_limit_devices = ensure_limit_devices or _no_limit_devices
         self._inventory = inventory
         self._pre_start_required = pre_start_required
         self._set_ceilings = set_ceilings
@@ -200,6 +209,7 @@ class DevicePluginServicer:
         with self._answering("Allocate", "allocate", containers=len(requests)):
             allocations = self._allocator.allocate(requests)
             try:
+                self._ensure_limit_devices([a.setup.memory_limits for a in allocations])
                 await self._set_ceilings()
             except BaseException as exc:
                 await self._withdraw(allocations)

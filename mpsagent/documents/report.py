@@ -183,6 +183,8 @@ def plan_report(
                 pci_bus_id=gpu.pci_bus_id,
                 numa_node=gpu.numa_node,
                 mig_enabled=gpu.mig_enabled,
+                enforcement=gpu.enforcement.value,
+                enforcement_reason=gpu.memory_limits_unavailable,
             )
             for gpu in plan.gpus
         ),
@@ -265,6 +267,8 @@ def render_text(report: PlanReport) -> str:
             f"  {gpu.index}  {gpu.uuid}  {gpu.name}  {gpu.memory_bytes // MIB} MiB  "
             f"cc {gpu.compute_capability}  numa {numa}{'  MIG' if gpu.mig_enabled else ''}"
         )
+        why = f" ({gpu.enforcement_reason})" if gpu.enforcement_reason else ""
+        lines.append(f"     memory enforced by: {gpu.enforcement}{why}")
     for res in report.resources:
         lines += _resource_lines(res)
     lines += ["", "Node labels:", *(f"  {k}={v}" for k, v in report.labels.items())]

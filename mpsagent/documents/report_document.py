@@ -23,6 +23,10 @@ class GpuReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pci_bus_id: str
     numa_node: int | None
     mig_enabled: bool
+    enforcement: str = "mps"
+    """Who holds a capped container to its memory on it: `driver` (its cgroup's limit, then MPS) or `mps`."""
+    enforcement_reason: str | None = None
+    """Why the driver does not (`mps`)."""
 
 
 class ComputeModeReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

@@ -18,9 +18,10 @@ import msgspec
 from mpsagent import __version__
 from mpsagent.base.cgroups import short_id
 from mpsagent.base.clock import ago, parse_utc, utc, utc_of_monotonic
-from mpsagent.base.devices import GpuUuid, Health, gpu_of
+from mpsagent.base.devices import Gpu, GpuUuid, Health, gpu_of
 from mpsagent.base.errors import FileRefusedError, UsageError
 from mpsagent.base.host import pid_alive, process_started, read_regular_file, write_atomically
+from mpsagent.base.values import MIB
 from mpsagent.base.words import counted
 from mpsagent.documents.status_document import (
     DraStatus,
@@ -37,6 +38,7 @@ from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
+from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import ControlHolderStatus, DaemonStatus
 
@@ -82,15 +84,20 @@ def _gpu_entries(
         counts.setdefault(uuid, [0, 0])
     withheld = {held.uuid: held for held in view.inventory.withheld()}
     tally = view.allocator.ledger.tally
+    gpus = {gpu.uuid: gpu for gpu in view.allocator.resource.gpus}
     return {
         uuid: GpuStatus(replicas=replicas, healthy=healthy)
         if (bound := bounds.get(uuid)) is None
-        else _gpu_status(replicas, healthy, bound, gpu_use(shares, tally, bound.ordinal), withheld.get(uuid))
+        else _gpu_status(
+            replicas, healthy, bound, gpu_use(shares, tally, bound.ordinal), withheld.get(uuid), gpu=gpus.get(uuid)
+        )
         for uuid, (replicas, healthy) in counts.items()
     }
 
 
-def _gpu_status(replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, withheld: Withheld | None) -> GpuStatus:
+def _gpu_status(
+    replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, withheld: Withheld | None, *, gpu: Gpu | None
+) -> GpuStatus:
     return GpuStatus(
         replicas=replicas,
         healthy=healthy,
@@ -107,6 +114,8 @@ def _gpu_status(replicas: int, healthy: int, bound: EscapeBound, use: GpuUse, wi
         claim_compute=use.claim_compute,
         withheld=0 if withheld is None else len(withheld.replica_ids),
         withheld_reason=None if withheld is None else withheld.reason,
+        enforcement=None if gpu is None else gpu.enforcement.value,
+        enforcement_reason=None if gpu is None else gpu.memory_limits_unavailable,
     )
 
 
@@ -183,6 +192,7 @@ def status_document(
     resources: Sequence[ResourceView],
     dra: DraStatus | None = None,
     grant_entries: GrantEntries | None = None,
+    container_limits: Sequence[ContainerLimit] = (),
 ) -> StatusDocument:
     """`grant_entries`: the entries the last document's builder kept (the publisher's own); none, built anew."""
     entries = grant_entries or GrantEntries()
@@ -194,6 +204,7 @@ def status_document(
         unhealthy_gpus=dict(sorted(unhealthy_gpus.items())),
         resources=tuple(_resource_status(view, entries) for view in resources),
         dra=dra,
+        container_limits=tuple(container_limits),
     )
 
 
@@ -404,6 +415,23 @@ def _gpu_lines(gpus: dict[str, GpuStatus]) -> list[str]:
             lines.append(
                 f"    {counted(gpu.withheld, 'free replica')} WITHHELD from the kubelet: {gpu.withheld_reason}"
             )
+        if gpu.enforcement is not None:
+            why = f" ({gpu.enforcement_reason})" if gpu.enforcement_reason else ""
+            lines.append(f"    memory enforced by: {gpu.enforcement}{why}")
+    return lines
+
+
+def _container_limit_lines(limits: Sequence[ContainerLimit]) -> list[str]:
+    """Each container the hook limited: the driver's limit on each of its GPUs, and its use there."""
+    if not limits:
+        return []
+    lines = ["", f"container memory limits set by the driver: {counted(len(limits), 'limit')}"]
+    for limit in limits:
+        pod = f" (pod {limit.pod_uid})" if limit.pod_uid else ""
+        lines.append(
+            f"  {short_id(limit.container_id)}{pod} on {limit.gpu}: {limit.limit_bytes // MIB} MiB, using "
+            f"{limit.used_bytes // MIB} MiB, since {limit.set_at}"
+        )
     return lines
 
 
@@ -467,6 +495,7 @@ def render_status_text(document: StatusDocument) -> str:
             f"  grants: {len(res.grants)}",
             *(_grant_line(grant, now) for grant in res.grants),
         ]
+    lines += _container_limit_lines(document.container_limits)
     if document.dra is not None:
         lines += _dra_lines(document.dra)
     return "\n".join(lines)

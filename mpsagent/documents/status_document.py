@@ -16,8 +16,9 @@ import msgspec
 
 from mpsagent.base.bounded import Count, Pid
 from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
-from mpsagent.base.values import MIB
+from mpsagent.base.values import MIB, Enforcement
 from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.mps.daemon_status import DAEMON_METRICS, DaemonStatus
 
 
@@ -54,6 +55,10 @@ class GpuStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_
     withheld: Count = 0
     """Free replicas ListAndWatch does not offer: their share no longer fits beside the claims."""
     withheld_reason: str | None = None
+    enforcement: str | None = None
+    """Who holds a capped container to its memory on the GPU: `driver` (its cgroup's limit, then MPS) or `mps`."""
+    enforcement_reason: str | None = None
+    """Why the driver does not limit memory on it (`mps`)."""
 
     def bound(self) -> GpuBound | None:
         """The ceilings and escape bound, when the file holds them all."""
@@ -86,6 +91,7 @@ GPU_REPLICA_METRICS: tuple[MetricRow[GpuStatus], ...] = (
     ),
 )
 ROUTES = ("device-plugin", "claim")
+ENFORCEMENTS = tuple(layer.value for layer in Enforcement)
 
 
 def _held(gpu: GpuStatus, route: str, memory: bool) -> int:
@@ -112,6 +118,13 @@ GPU_HELD_METRICS: tuple[MetricRow[GpuStatus], ...] = (
         "Per cent of the GPU's SMs the live shares hold, by route",
         each(ROUTES, lambda gpu, route: _held(gpu, route, memory=False)),
         labels=("route",),
+    ),
+    gauge(
+        "mpsagent_gpu_enforcement",
+        "1 for who holds a capped container to its memory on the GPU: the driver (per container cgroup, then MPS's "
+        "ceilings) or MPS alone",
+        each(ENFORCEMENTS, lambda gpu, layer: gpu.enforcement == layer),
+        labels=("layer",),
     ),
     gauge(
         "mpsagent_replicas_withheld",
@@ -334,6 +347,8 @@ class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     resources: tuple[ResourceStatus, ...]
     dra: DraStatus | None = None
     """Absent unless the agent runs with --dra on."""
+    container_limits: tuple[ContainerLimit, ...] = ()
+    """The driver's memory limit of each container the agent's hook limited, on each GPU, and its use there."""
     written_at: str | None = None
     """Set by write_status."""
 
@@ -342,9 +357,27 @@ def _resources(document: StatusDocument) -> Iterable[tuple[Labels, ResourceStatu
     return (((res.name,), res) for res in document.resources)
 
 
+def _container_limits(document: StatusDocument) -> Iterable[tuple[Labels, ContainerLimit]]:
+    return (((limit.gpu, limit.pod_uid or "", limit.container_id), limit) for limit in document.container_limits)
+
+
+CONTAINER_LIMIT_METRICS: tuple[MetricRow[ContainerLimit], ...] = (
+    gauge(
+        "mpsagent_container_gpu_memory_limit_bytes",
+        "The driver's memory limit of a container's cgroup on the GPU (set by the agent's CDI hook)",
+        one(lambda limit: limit.limit_bytes),
+    ),
+    gauge(
+        "mpsagent_container_gpu_memory_used_bytes",
+        "GPU memory a container's processes use, as the driver counts it against the container's limit",
+        one(lambda limit: limit.used_bytes),
+    ),
+)
+
 STATUS_METRICS: tuple[MetricRow[StatusDocument], ...] = (
     *within(("resource",), _resources, RESOURCE_METRICS),
     *within((), lambda document: (((), document.pod_resources),), POD_RESOURCES_METRICS),
     *within((), lambda document: (((), document.dra),) if document.dra else (), DRA_METRICS),
+    *within(("gpu", "pod_uid", "container_id"), _container_limits, CONTAINER_LIMIT_METRICS),
 )
 """Every family `/metrics` reads from the status document, in the order it shows them."""

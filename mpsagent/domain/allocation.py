@@ -14,7 +14,7 @@ from typing import cast
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import GrantRefusedError, RequestError, shown
 from mpsagent.domain.accounting import GpuProblem, GpuRefusal, Withheld, admit, healthy, withheld_replicas
-from mpsagent.domain.container import ContainerEdits, ContainerSetup, setup_of, share_edits
+from mpsagent.domain.container import ContainerEdits, ContainerSetup, MemoryLimitDevice, setup_of, share_edits
 from mpsagent.domain.ledger import Ledger, Recorded
 from mpsagent.domain.placement import preferred_replicas
 from mpsagent.domain.plan import ResourcePlan
@@ -196,6 +196,11 @@ class ResourceAllocator:
             equal_grants=self.resource.shares.equal,
             full_gpus=self.resource.shares.full_gpus(self.ledger.tally),
         )
+
+    def memory_limit_devices(self) -> list[MemoryLimitDevice]:
+        """The driver's memory-limit devices of the live grants (and claims) of the resource."""
+        found = (self._edits_of(grant.share).memory_limits for grant in self.ledger.live_grants())
+        return [device for device in found if device is not None]
 
     def ceilings(self) -> Ceilings:
         """The ceilings the resource's daemon must hold for the grants the ledger believes live (every Allocate asks:

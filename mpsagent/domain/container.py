@@ -1,6 +1,10 @@
 """What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
 devices. `--once`'s examples call `container_setup`; `Allocate` (through `allocation`, which works a share's edits out
 once) builds the same with `setup_of`; a DRA claim's CDI spec takes the same edits for its share (`share_edits`).
+
+Where the driver limits memory per cgroup (a GPU whose `enforcement` is the driver's), a capped container also gets
+the driver's hard limit of its share on each such GPU, set on its cgroup before its first process runs: the CDI device
+`mpsagent.io/memory-limit=<limits>` (`MemoryLimitDevice`), whose spec carries the agent's hook, on both routes.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from mpsagent.base.devices import Gpu, ReplicaId
-from mpsagent.base.values import DeviceIdStrategy, DeviceListStrategy
+from mpsagent.base.devices import Gpu, GpuUuid, ReplicaId
+from mpsagent.base.values import DeviceIdStrategy, DeviceListStrategy, Enforcement
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Share
 
@@ -21,6 +25,8 @@ ENV_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 CDI_KIND = "nvidia.com/gpu"
+MEMORY_LIMIT_CDI_KIND = "mpsagent.io/memory-limit"
+"""The agent's own CDI kind: a device of it is a set of the driver's memory limits, set by its hook."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +49,8 @@ class ContainerSetup:
     envs: dict[str, str]
     mounts: tuple[Mount, ...]
     cdi_devices: tuple[str, ...]
+    memory_limits: MemoryLimitDevice | None = None
+    """The driver's limits on its cgroup, which `cdi_devices` names."""
 
     @property
     def full(self) -> bool:
@@ -60,6 +68,43 @@ def _visible_devices(resource: ResourcePlan, gpus: Iterable[Gpu]) -> str:
     return ",".join(gpu.uuid for gpu in gpus)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class MemoryLimit:
+    """The driver's hard limit on a container cgroup's memory on one GPU."""
+
+    uuid: GpuUuid
+    mib: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryLimitDevice:
+    """A set of the driver's memory limits as a device of the agent's CDI kind: its spec's hook sets them on the
+    cgroup of the container given it, before its first process runs."""
+
+    limits: tuple[MemoryLimit, ...]
+
+    @property
+    def name(self) -> str:
+        """`GPU-..._20389M`, one part a GPU: what the limits are, in the characters a CDI device name allows."""
+        return "-".join(f"{limit.uuid}_{limit.mib}M" for limit in self.limits)
+
+    @property
+    def cdi_id(self) -> str:
+        return f"{MEMORY_LIMIT_CDI_KIND}={self.name}"
+
+
+def memory_limit_device(resource: ResourcePlan, share: Share) -> MemoryLimitDevice | None:
+    """The driver's limits a container holding `share` gets: its cap on each of its GPUs the driver can limit;
+    None for a full grant, or where the driver limits none of its GPUs."""
+    enforced = {gpu.uuid for gpu in resource.gpus if gpu.enforcement is Enforcement.DRIVER}
+    limits = tuple(
+        MemoryLimit(uuid=gpu.uuid, mib=mib)
+        for gpu, mib in zip(share.gpus, share.container_memory_mib, strict=False)
+        if gpu.uuid in enforced
+    )
+    return MemoryLimitDevice(limits=limits) if limits else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContainerEdits:
     """What a container holding a share gets, through an Allocate answer or a claim's CDI spec alike."""
@@ -67,7 +112,11 @@ class ContainerEdits:
     envs: dict[str, str]
     mounts: tuple[Mount, ...]
     cdi_devices: tuple[str, ...]
-    """NVIDIA's CDI devices of its GPUs (`cdi-cri`); empty when NVIDIA_VISIBLE_DEVICES names them."""
+    """NVIDIA's CDI devices of its GPUs (`cdi-cri`; empty when NVIDIA_VISIBLE_DEVICES names them), and the agent's
+    memory-limit device when the driver limits its memory."""
+    memory_limits: MemoryLimitDevice | None = None
+    """The driver's limits on its cgroup, which `cdi_devices` names: the device's spec must exist before the
+    container does."""
 
 
 def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> ContainerEdits:
@@ -81,14 +130,18 @@ def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> Co
         cdi = tuple(f"{CDI_KIND}={gpu.uuid}" for gpu in gpus)
     else:
         envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
+    limits = None
     if not share.full:
         envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
         envs[ENV_PINNED_MEM_LIMIT] = share.memory_limit_env()
+        limits = memory_limit_device(resource, share)
+        if limits is not None:
+            cdi = (*cdi, limits.cdi_id)
     mounts = (
         Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
     )
-    return ContainerEdits(envs=envs, mounts=mounts, cdi_devices=cdi)
+    return ContainerEdits(envs=envs, mounts=mounts, cdi_devices=cdi, memory_limits=limits)
 
 
 def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
@@ -101,5 +154,10 @@ def setup_of(replica_ids: tuple[ReplicaId, ...], share: Share, edits: ContainerE
     """A container's set-up from its replicas' share and that share's edits: the edits depend on the share alone, so
     an allocator works them out once per share (`share_edits`) and gives each container a copy of the environment."""
     return ContainerSetup(
-        replica_ids=replica_ids, share=share, envs=dict(edits.envs), mounts=edits.mounts, cdi_devices=edits.cdi_devices
+        replica_ids=replica_ids,
+        share=share,
+        envs=dict(edits.envs),
+        mounts=edits.mounts,
+        cdi_devices=edits.cdi_devices,
+        memory_limits=edits.memory_limits,
     )

@@ -13,63 +13,22 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
-
-from mpsagent.base.errors import FileRefusedError, HostError, RequestError, shown
-from mpsagent.base.host import file_kind, os_reason, write_atomically
+from mpsagent.base.errors import HostError, RequestError, shown
+from mpsagent.base.host import file_kind, os_reason
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import CDI_VENDOR_CLASS, CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS
-from mpsagent.domain.container import Mount
+from mpsagent.kubelet.cdi_spec import CdiDevice, write_spec
 
-CDI_VERSION = "0.6.0"
-SPEC_MODE = 0o644
-"""The container runtime reads the specs, possibly as another user."""
-DIRECTORY_MODE = 0o755
 _FILE_PREFIX = CDI_VENDOR_CLASS.replace("/", "-") + "_"
 """`mpsagent.io-mps-share_`: CDI's convention for spec file names, `<vendor>-<class>_<suffix>.json`."""
 _SPEC_FILE = re.compile(re.escape(_FILE_PREFIX) + r"(?P<uid>[0-9a-f][0-9a-f-]*)\.json")
-_DEVICE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
-"""A CDI device name: letters, digits, `_`, `.`, `:` and `-`, from and to a letter or digit."""
 _WHAT = "the CDI spec"
 _NOT_OUR_NAME = f"its name is not a spec file name of the agent ({_FILE_PREFIX}<claim UID>.json)"
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CdiDevice:
-    """One device of a claim's spec: what a container given it sees."""
-
-    name: str
-    """Unique in the spec and among the driver's devices: `<claim UID>-gpu-0`."""
-    envs: Mapping[str, str]
-    mounts: Sequence[Mount]
-
-
-class _CdiMount(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    host_path: str
-    container_path: str
-    options: tuple[str, ...]
-
-
-class _ContainerEdits(msgspec.Struct, frozen=True, kw_only=True):
-    env: tuple[str, ...]
-    mounts: tuple[_CdiMount, ...]
-
-
-class _SpecDevice(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    name: str
-    container_edits: _ContainerEdits
-
-
-class _Spec(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
-    cdi_version: str
-    kind: str
-    devices: tuple[_SpecDevice, ...]
 
 
 def cdi_device_id(name: str) -> str:
@@ -92,40 +51,6 @@ def spec_path(directory: Path, claim_uid: str) -> Path:
     return directory / f"{_FILE_PREFIX}{_checked_uid(claim_uid)}.json"
 
 
-def _spec_device(device: CdiDevice) -> _SpecDevice:
-    if len(device.name) > 2 * MAX_CLAIM_UID_CHARS or _DEVICE_NAME.fullmatch(device.name) is None:
-        raise RequestError(
-            f"CDI device name `{shown(device.name)}` is not valid: letters, digits, '_', '.', ':' and '-', "
-            "from and to a letter or digit"
-        )
-    mounts = tuple(
-        _CdiMount(
-            host_path=mount.host_path,
-            container_path=mount.container_path,
-            options=("rbind", "ro" if mount.read_only else "rw"),
-        )
-        for mount in device.mounts
-    )
-    envs = tuple(f"{key}={value}" for key, value in device.envs.items())
-    return _SpecDevice(name=device.name, container_edits=_ContainerEdits(env=envs, mounts=mounts))
-
-
-def spec_json(devices: Sequence[CdiDevice]) -> bytes:
-    """The spec file's content for these devices."""
-    spec = _Spec(cdi_version=CDI_VERSION, kind=CDI_VENDOR_CLASS, devices=tuple(_spec_device(d) for d in devices))
-    return msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
-
-
-def _make_directory(directory: Path) -> None:
-    try:
-        directory.mkdir(mode=DIRECTORY_MODE)
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
-    os.chmod(directory, DIRECTORY_MODE)  # whatever the umask: the container runtime reads it
-
-
 def write_claim_spec(directory: Path, claim_uid: str, devices: Sequence[CdiDevice]) -> Path:
     """Write (or replace) the claim's spec in `directory`, created when missing; readers see the old file or the
     new one, never part of one. Returns its path. Raises RequestError for a UID or a device name CDI cannot carry,
@@ -135,14 +60,7 @@ def write_claim_spec(directory: Path, claim_uid: str, devices: Sequence[CdiDevic
     writes the spec of every claim it holds again from it, so a spec lost with a power cut is whole again before
     the kubelet asks."""
     path = spec_path(directory, claim_uid)
-    data = spec_json(devices)
-    try:
-        _make_directory(directory)
-        write_atomically(path, data, SPEC_MODE, what=_WHAT)
-    except FileRefusedError as exc:
-        raise HostError(f"cannot write {_WHAT} {path}: it {exc.problem}") from exc
-    except OSError as exc:
-        raise HostError(f"cannot write {_WHAT} {path}: {os_reason(exc)}") from exc
+    write_spec(path, CDI_VENDOR_CLASS, devices, what=_WHAT)
     return path
 
 

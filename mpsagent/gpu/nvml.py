@@ -11,9 +11,10 @@ from typing import TypeVar
 
 import pynvml
 
+from mpsagent.base.cgroups import cgroup2_mount, cgroup2_path
 from mpsagent.base.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
-from mpsagent.base.errors import GpuDiscoveryError, GpuHealthError, shown
-from mpsagent.gpu.port import ComputeMode, GpuProcess, XidEvent
+from mpsagent.base.errors import GpuDiscoveryError, GpuHealthError, MemoryLimitError, shown
+from mpsagent.gpu.port import CgroupMemory, ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")
 
@@ -30,6 +31,120 @@ def read_numa_node(sysfs_root: Path, nvml_bus_id: str) -> int | None:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
+NO_LIMIT = 0xFFFFFFFFFFFFFFFF
+"""NVML_DEVICE_MEMORY_LIMIT_MAX: the hard limit that means none."""
+_SET_LIMITS = "nvmlDeviceSetMemoryLimits_v1"
+_GET_LIMITS = "nvmlDeviceGetMemoryLimits_v1"
+NO_CGROUP2 = "the node has no cgroup v2, which the driver's memory limits need"
+MIG_ON = "MIG is on: the driver limits a cgroup's memory on whole GPUs only"
+
+
+def own_cgroup2_directory(proc: Path = Path("/proc")) -> str | None:
+    """This process's cgroup v2 directory (`/sys/fs/cgroup/...`): where the driver's memory limits are asked about
+    at start; None without cgroup v2."""
+    try:
+        mount = cgroup2_mount((proc / "self" / "mountinfo").read_text())
+        path = cgroup2_path((proc / "self" / "cgroup").read_text())
+    except OSError:
+        return None
+    if mount is None or path is None:
+        return None
+    return mount.rstrip("/") + path if path != "/" else mount
+
+
+def _limits_function(name: str) -> Callable[..., None]:
+    found: Callable[..., None] | None = getattr(pynvml, name, None)
+    if found is None:  # an nvidia-ml-py older than 13.615
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    return found
+
+
+def _read_limits(handle: object, cgroup: str) -> tuple[int, int, int]:
+    """(soft, hard, used) bytes of the cgroup on the GPU; raises pynvml.NVMLError."""
+    limits = pynvml.c_nvmlGetMemoryLimits_v1_t()
+    limits.nameSpace = cgroup.encode()
+    _limits_function(_GET_LIMITS)(handle, limits)
+    return int(limits.softLimit), int(limits.hardLimit), int(limits.currentUsed)
+
+
+def _memory_limits_unavailable(handle: object, mig_enabled: bool, probe: str | None, driver: str) -> str | None:
+    """Why the driver cannot limit a cgroup's memory on this GPU; None when it can (it answers about `probe`, the
+    agent's own cgroup)."""
+    if mig_enabled:
+        return MIG_ON
+    if probe is None:
+        return NO_CGROUP2
+    try:
+        _read_limits(handle, probe)
+    except pynvml.NVMLError_NotFound:
+        return None  # it limits cgroups, and has no entry for this one (the root cgroup, where a host agent runs)
+    except pynvml.NVMLError_FunctionNotFound:
+        return (
+            f"driver {driver} has no per-cgroup memory limits (drivers from r615 have them, with nvidia-ml-py 13.615)"
+        )
+    except pynvml.NVMLError_NotSupported:
+        return (
+            "the driver does not limit memory per cgroup on this node: it needs cgroup v2 and the kernel's dmem "
+            "controller (6.14 or newer) or its own misc backend"
+        )
+    except pynvml.NVMLError as exc:
+        return f"NVML did not give the memory limits of {probe} ({exc})"
+    return None
+
+
+class NvmlMemoryLimits:
+    """The driver's memory limits per cgroup, through NVML (r615+); each call initialises NVML for itself."""
+
+    def set_hard_limit(self, uuid: GpuUuid, cgroup: str, hard_bytes: int) -> None:
+        def call() -> None:
+            limits = pynvml.c_nvmlSetMemoryLimits_v1_t()
+            limits.nameSpace = cgroup.encode()
+            limits.softLimit = 0
+            limits.hardLimit = hard_bytes
+            _limits_function(_SET_LIMITS)(_handle(uuid), limits)
+
+        _limit_call(f"set the memory limit of {cgroup} on {uuid} to {hard_bytes} bytes", call)
+
+    def read(self, uuid: GpuUuid, cgroup: str) -> CgroupMemory | None:
+        def call() -> CgroupMemory | None:
+            try:
+                soft, hard, used = _read_limits(_handle(uuid), cgroup)
+            except pynvml.NVMLError_NotFound:
+                return None
+            return CgroupMemory(hard_bytes=None if hard == NO_LIMIT else hard, soft_bytes=soft, used_bytes=used)
+
+        return _limit_call(f"read the memory limit of {cgroup} on {uuid}", call)
+
+    def clear(self, uuid: GpuUuid, cgroup: str) -> None:
+        def call() -> None:
+            limits = pynvml.c_nvmlSetMemoryLimits_v1_t()
+            limits.nameSpace = cgroup.encode()
+            limits.softLimit = 0
+            limits.hardLimit = NO_LIMIT
+            with contextlib.suppress(pynvml.NVMLError_NotFound):  # gone: its limit went with it
+                _limits_function(_SET_LIMITS)(_handle(uuid), limits)
+
+        _limit_call(f"clear the memory limit of {cgroup} on {uuid}", call)
+
+
+def _handle(uuid: GpuUuid) -> object:
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+
+
+def _limit_call(what: str, fn: Callable[[], _T]) -> _T:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise MemoryLimitError(f"NVML could not be initialised to {what} ({exc})") from exc
+    try:
+        return fn()
+    except pynvml.NVMLError as exc:
+        raise MemoryLimitError(f"NVML failed to {what}: {exc}") from exc
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
 
 
 # As the NVIDIA device plugin: subscribe to ECC events too, act on critical Xids only.
@@ -88,9 +203,11 @@ class NvmlGpuSource:
 
     manages_compute_mode = True
 
-    def __init__(self, sysfs_root: Path = Path("/sys")) -> None:
+    def __init__(self, sysfs_root: Path = Path("/sys"), proc_root: Path = Path("/proc")) -> None:
         self._sysfs = sysfs_root
+        self._proc = proc_root
         self._lock = threading.Lock()
+        self.memory_limits = NvmlMemoryLimits()
 
     @contextmanager
     def _session(self) -> Iterator[None]:
@@ -122,6 +239,8 @@ class NvmlGpuSource:
         if count > MAX_GPUS_PER_NODE:
             raise GpuDiscoveryError(f"NVML reports {count} GPUs; mpsagent serves at most {MAX_GPUS_PER_NODE} per node")
         gpus = []
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        probe = own_cgroup2_directory(self._proc)
         for index in range(count):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
@@ -145,11 +264,12 @@ class NvmlGpuSource:
                     pci_bus_id=bus_id,
                     numa_node=read_numa_node(self._sysfs, bus_id),
                     mig_enabled=mig_enabled,
+                    memory_limits_unavailable=_memory_limits_unavailable(handle, mig_enabled, probe, driver),
                 )
             )
         if not gpus:
             raise GpuDiscoveryError("NVML reports no GPUs on this node")
-        return NodeGpus(driver_version=pynvml.nvmlSystemGetDriverVersion(), gpus=tuple(gpus), source="NVML")
+        return NodeGpus(driver_version=driver, gpus=tuple(gpus), source="NVML")
 
     @property
     def health(self) -> NvmlGpuSource:

@@ -34,6 +34,33 @@ class GpuProcess:
     mps_client: bool
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CgroupMemory:
+    """A cgroup's memory limit on one GPU as the driver holds it, and what its processes use there."""
+
+    hard_bytes: int | None
+    """None: no limit."""
+    soft_bytes: int
+    used_bytes: int
+
+
+class MemoryLimits(Protocol):
+    """The driver's memory limits per cgroup v2 directory (`cgroup`: its full path, `/sys/fs/cgroup/...`), r615+;
+    blocking calls. Each raises MemoryLimitError naming the GPU, the cgroup and what the driver said."""
+
+    def set_hard_limit(self, uuid: GpuUuid, cgroup: str, hard_bytes: int) -> None:
+        """Limit the cgroup's processes to `hard_bytes` of the GPU's memory, together (no soft limit)."""
+        ...
+
+    def read(self, uuid: GpuUuid, cgroup: str) -> CgroupMemory | None:
+        """The cgroup's limit and use on the GPU; None when the cgroup is gone (its limit went with it)."""
+        ...
+
+    def clear(self, uuid: GpuUuid, cgroup: str) -> None:
+        """No limit for the cgroup on the GPU any more (a cgroup that is gone has none)."""
+        ...
+
+
 class GpuEventWatch(Protocol):
     """A blocking NVML event subscription; used from one worker thread at a time."""
 
@@ -71,6 +98,11 @@ class GpuSource(Protocol):
 
     @property
     def manages_compute_mode(self) -> bool: ...
+
+    @property
+    def memory_limits(self) -> MemoryLimits | None:
+        """The driver's per-cgroup memory limits; None where GPUs do not come from NVML."""
+        ...
 
     def compute_mode(self, uuid: GpuUuid) -> ComputeMode: ...
 

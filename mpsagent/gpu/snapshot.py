@@ -27,6 +27,7 @@ from mpsagent.gpu.port import ComputeMode
 MAX_SNAPSHOT_BYTES = 4 << 20
 """`nvidia-smi -q -x` writes 10-30 KB per GPU: room for the most GPUs a node may have, at twice that."""
 _NO_NUMA_NODE = -1  # as sysfs says it
+NOT_ASKED = "GPUs from a node snapshot: the driver's memory limits are asked through NVML when the agent runs"
 
 
 class _SnapshotGpu(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
@@ -101,6 +102,7 @@ def _from_document(document: object, source: str) -> NodeGpus:
             pci_bus_id=entry.pci_bus_id,
             numa_node=None if entry.numa_node in (None, _NO_NUMA_NODE) else entry.numa_node,
             mig_enabled=entry.mig_enabled,
+            memory_limits_unavailable=NOT_ASKED,
         )
         for position, entry in enumerate(snapshot.gpus)
     )
@@ -155,6 +157,7 @@ def _from_smi_xml(text: str, source: str) -> NodeGpus:
                 pci_bus_id=_text(gpu, "pci/pci_bus_id", gpu.get("id", "")),
                 numa_node=None,
                 mig_enabled=_text(gpu, "mig_mode/current_mig").lower() == "enabled",
+                memory_limits_unavailable=NOT_ASKED,
             )
         )
     return _checked(tuple(gpus), _text(root, "driver_version", UNKNOWN_DRIVER_VERSION), source)
@@ -183,6 +186,7 @@ class SnapshotGpuSource:
 
     manages_compute_mode = False
     health = None  # no NVML, no health to watch
+    memory_limits = None  # nor any driver to limit memory
 
     def __init__(self, path: Path) -> None:
         self._path = path

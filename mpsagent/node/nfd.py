@@ -24,6 +24,11 @@ WHAT = "the node-feature-discovery file"
 _LABEL_VALUE_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
+ENFORCEMENT_LABEL_PREFIX = "mpsagent.io/memory-enforcement.gpu-"
+"""`mpsagent.io/memory-enforcement.gpu-<index>`: `driver` or `mps`, who holds a capped container to its memory on
+that GPU (a node selector for workloads that need the driver's limit)."""
+
+
 def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> dict[str, str]:
     """The labels the NVIDIA GPU feature discovery would set for this plan (first resource decides replicas)."""
     first = resources[0]
@@ -36,6 +41,7 @@ def node_labels(gpus: tuple[Gpu, ...], resources: tuple[ResourcePlan, ...]) -> d
         "nvidia.com/gpu.replicas": str(first.replicas),
         "nvidia.com/gpu.sharing-strategy": "mps",
         "nvidia.com/mps.capable": "true",
+        **{f"{ENFORCEMENT_LABEL_PREFIX}{gpu.index}": gpu.enforcement.value for gpu in gpus},
     }
 
 

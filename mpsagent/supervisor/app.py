@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -33,6 +34,7 @@ from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_dir
 from mpsagent.node.nfd import node_labels, remove_features, write_features
 from mpsagent.node.systemd import SystemdNotifier
 from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
+from mpsagent.supervisor.driver_limits import DriverLimits, driver_limits
 from mpsagent.supervisor.pod_events import PodEvents
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
 from mpsagent.supervisor.resource_server import ResourceServer
@@ -104,7 +106,11 @@ def _web_endpoint(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> 
 
 
 def _claim_server(
-    settings: Settings, plan: NodePlan, resources: Sequence[ResourceServer], web: WebEndpoint | None
+    settings: Settings,
+    plan: NodePlan,
+    resources: Sequence[ResourceServer],
+    web: WebEndpoint | None,
+    driver: DriverLimits | None,
 ) -> ClaimServer | None:
     if settings.dra is not DraMode.ON:
         refusal = live_claims_without_dra(plan.mps_root / CHECKPOINT_FILE)
@@ -120,6 +126,7 @@ def _claim_server(
         kubeconfig=settings.kubeconfig,
         prepare_timer=web.metrics.claim_timer() if web else None,
         unhealthy_effect=settings.dra_taint_effect,
+        limit_devices=None if driver is None else driver.devices,
     )
 
 
@@ -148,6 +155,7 @@ def _resource_servers(
     web: WebEndpoint | None,
     reconciler: PodResourcesReconciler,
     pod_events: PodEvents | None,
+    driver: DriverLimits | None,
 ) -> list[ResourceServer]:
     """Each resource's server, built whole, its ledger reconciled by `reconciler`."""
     resources = [
@@ -159,6 +167,7 @@ def _resource_servers(
             rpc_timer=web.metrics.rpc_timer(resource_plan.name) if web else None,
             reconcile_soon=reconciler.request,
             on_hold_ended=pod_events.report if pod_events is not None else lambda ended: None,
+            limit_devices=None if driver is None else driver.devices,
         )
         for resource_plan in plan.resources
     ]
@@ -169,11 +178,16 @@ def _resource_servers(
     return resources
 
 
-async def _start_claims(tg: TaskGroup, claims: ClaimServer, pod_events: PodEvents | None) -> None:
-    """The DRA driver, then the pod events told through its API client."""
-    await tg.start(claims.run)
-    if pod_events is not None:
-        tg.start_soon(pod_events.run, claims.api)
+async def _start_node_layers(
+    tg: TaskGroup, claims: ClaimServer | None, pod_events: PodEvents | None, driver: DriverLimits | None
+) -> None:
+    """The DRA driver, then the pod events told through its API client; the driver's memory limits' read-back."""
+    if claims is not None:
+        await tg.start(claims.run)
+        if pod_events is not None:
+            tg.start_soon(pod_events.run, claims.api)
+    if driver is not None:
+        tg.start_soon(driver.watch.run)
 
 
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
@@ -183,8 +197,26 @@ async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> No
     task_group.cancel_scope.cancel()
 
 
-async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -> None:
-    """Run until a signal or a failure; raises MpsAgentError for a failure the operator must see."""
+async def _read_grants(
+    resources: Sequence[ResourceServer],
+    claims: ClaimServer | None,
+    reconciler: PodResourcesReconciler,
+    driver: DriverLimits | None,
+) -> None:
+    """What the node holds since before this start, before any daemon holds ceilings: containers that run must keep
+    their caps (the prepared claims' too), and a container the kubelet restarts must find its memory-limit device."""
+    if claims is not None:
+        claims.restore()
+    if await reconciler.reconcile_once():
+        for resource in resources:
+            resource.grants_known()
+    if driver is not None:
+        driver.devices.rewrite()
+
+
+async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource, cdi_hook: Path | None = None) -> None:
+    """Run until a signal or a failure; raises MpsAgentError for a failure the operator must see. `cdi_hook`: the
+    agent's CDI hook, where the driver's memory limits are used."""
     reason = "signal"
     notifier = SystemdNotifier()
     notifier.status("starting")
@@ -195,15 +227,14 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
         reconciler = PodResourcesReconciler(socket=settings.pod_resources_socket, grace_s=settings.reconcile_grace_s)
         # Where the API server is reachable, a control-socket hold the agent ends is told on the holder's pod too.
         pod_events = PodEvents(node=node_name(settings.node_name)) if settings.dra is DraMode.ON else None
-        resources = _resource_servers(settings, plan, gpu_source, web=web, reconciler=reconciler, pod_events=pod_events)
-        claims = _claim_server(settings, plan, resources, web)
-        # Before any daemon holds ceilings: containers that run since before this start must keep their caps (the
-        # prepared claims' too).
-        if claims is not None:
-            claims.restore()
-        if await reconciler.reconcile_once():
-            for resource in resources:
-                resource.grants_known()
+        servers: list[ResourceServer] = []
+        driver = driver_limits(settings, plan, gpu_source, cdi_hook, servers)
+        servers += _resource_servers(
+            settings, plan, gpu_source, web=web, reconciler=reconciler, pod_events=pod_events, driver=driver
+        )
+        resources = tuple(servers)
+        claims = _claim_server(settings, plan, resources, web, driver)
+        await _read_grants(resources, claims, reconciler, driver)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg, notifier)
@@ -216,8 +247,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                 await tg.start(health.run)
                 for resource in resources:
                     await tg.start(resource.run)
-                if claims is not None:
-                    await _start_claims(tg, claims, pod_events)
+                await _start_node_layers(tg, claims, pod_events, driver)
                 await tg.start(reconciler.run)
                 publisher = StatePublisher(
                     mps_root=settings.mps_root,
@@ -228,6 +258,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource) -
                     notifier=notifier,
                     web=web,
                     dra=claims.status if claims is not None else lambda: None,
+                    container_limits=(lambda: driver.watch.limits) if driver is not None else tuple,
                 )
                 tg.start_soon(publisher.run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))

@@ -39,6 +39,8 @@ from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import DeviceHealth
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.dra.slice_publisher import SlicePublisher
+from mpsagent.kubelet.cdi_spec import CdiDevice
+from mpsagent.kubelet.memory_limit_devices import MemoryLimitDevices
 from mpsagent.supervisor.resource_server import ResourceServer
 
 log = get_logger("mpsagent.claim_server")
@@ -66,6 +68,7 @@ class ClaimServer:
         prepare_timer: Callable[[float, str], None] | None = None,
         api: KubeApi | None = None,
         unhealthy_effect: TaintEffect = TaintEffect.NO_SCHEDULE,
+        limit_devices: MemoryLimitDevices | None = None,
     ) -> None:
         """`prepare_timer`: called with each claim's prepare time in seconds and its outcome (ok, refused); `api`:
         the API server's client (None: `run` connects with `kubeconfig`, or the pod's service account)."""
@@ -85,6 +88,7 @@ class ClaimServer:
         )
         self._live: dict[str, LiveClaim] = {}
         self._lock = anyio.Lock()
+        self._limit_devices = limit_devices
         self._api = api
         self._publisher: SlicePublisher | None = None
         self.slice: NodeSlice = node_slice(plan, node)
@@ -289,6 +293,11 @@ class ClaimServer:
             return {}
         earlier = [live.prepared for live in self._live.values()]
         daemon_failure: list[DaemonError] = []
+        if self._limit_devices is not None:
+            try:  # before the kubelet hands the runtime a name the spec does not have
+                self._limit_devices.ensure([d.edits.memory_limits for live in batch for d in live.cdi_devices])
+            except HostError as exc:
+                return await self._undo(batch, exc, {})
 
         async def hold_ceilings() -> None:
             try:
@@ -439,8 +448,8 @@ def _ceilings_not_held(live: LiveClaim, failure: DaemonError) -> DaemonError:
     )
 
 
-def _spec_devices(live: LiveClaim) -> list[cdi.CdiDevice]:
-    return [cdi.CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in live.cdi_devices]
+def _spec_devices(live: LiveClaim) -> list[CdiDevice]:
+    return [CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in live.cdi_devices]
 
 
 def _claim_status(prepared: PreparedClaim) -> ClaimStatus:

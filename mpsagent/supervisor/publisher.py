@@ -27,6 +27,7 @@ from mpsagent.documents.status import (
     write_status,
 )
 from mpsagent.documents.status_document import DraStatus, PodResourcesStatus, StatusDocument
+from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.kubelet.podresources import PodResourcesReconciler
 from mpsagent.node.systemd import SystemdNotifier
 
@@ -54,8 +55,10 @@ class StatePublisher:
         notifier: SystemdNotifier,
         web: WebEndpoint | None,
         dra: Callable[[], DraStatus | None] = lambda: None,
+        container_limits: Callable[[], Sequence[ContainerLimit]] = tuple,
     ) -> None:
-        """`dra`: the DRA driver's status (None without --dra on)."""
+        """`dra`: the DRA driver's status (None without --dra on); `container_limits`: the driver's memory limit
+        of each container the agent's hook limited (none where the driver's limits are not used)."""
         self._mps_root = mps_root
         self._pod_resources_socket = pod_resources_socket
         self._resources = resources
@@ -64,6 +67,7 @@ class StatePublisher:
         self._notifier = notifier
         self._web = web
         self._dra = dra
+        self._container_limits = container_limits
         self._grant_entries = GrantEntries()
         self._unwritten = FailureEpisodes(
             log,
@@ -89,6 +93,7 @@ class StatePublisher:
             resources=views,
             dra=dra,
             grant_entries=self._grant_entries,
+            container_limits=self._container_limits(),
         )
 
     def _fingerprint(
@@ -97,6 +102,7 @@ class StatePublisher:
         """Cheap to take, and different whenever the document would be: most cycles build nothing."""
         return (
             dra,
+            tuple(self._container_limits()),
             len(asyncio.all_tasks()),
             self._reconciler.available,
             self._reconciler.successes,

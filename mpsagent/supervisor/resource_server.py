@@ -24,6 +24,7 @@ from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.gpu.port import GpuSource
+from mpsagent.kubelet.memory_limit_devices import MemoryLimitDevices
 from mpsagent.mps.daemon import DaemonSupervisor
 from mpsagent.mps.hold_watch import OnEnded
 
@@ -43,6 +44,7 @@ class ResourceServer:
         rpc_timer: RpcTimer | None,
         reconcile_soon: Callable[[], None],
         on_hold_ended: OnEnded = lambda ended: None,
+        limit_devices: MemoryLimitDevices | None = None,
     ) -> None:
         """`reconcile_soon`: called after each answered Allocate, to have the kubelet's listing read soon;
         `on_hold_ended`: told of each control-socket connection the daemon supervisor ended."""
@@ -68,6 +70,7 @@ class ResourceServer:
             set_ceilings=self.set_ceilings,
             on_granted=self._on_granted,
             rpc_timer=rpc_timer,
+            ensure_limit_devices=None if limit_devices is None else limit_devices.ensure,
         )
         self.endpoint = PluginEndpoint(
             resource_name=plan.name,
