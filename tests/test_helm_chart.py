@@ -351,7 +351,7 @@ def on_both_pods(changes: dict[str, Any]) -> dict[str, Any]:
     return {f"{pod}.{path}": value for pod in PODS for path, value in changes.items()}
 
 
-AGENT_ENV = 9  # the base's variables: extra ones follow
+AGENT_ENV = 10  # the base's variables: extra ones follow
 HOST_ENV = 5
 
 # Each case: values (with monitoring on, as for the render it is compared with) -> every path that changes, with its
@@ -396,7 +396,7 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "metrics port": (
         {"metricsPort": 9500},
         {
-            f"{AGENT}: {POD}.containers[0].env[5].value": "0.0.0.0:9500",
+            f"{AGENT}: {POD}.containers[0].env[6].value": "0.0.0.0:9500",
             f"{AGENT}: {POD}.containers[0].ports[0].containerPort": 9500,
             f"{AGENT}: {POD}.containers[0].livenessProbe.httpGet.port": 9500,
             f"{AGENT}: {POD}.containers[0].readinessProbe.httpGet.port": 9500,
