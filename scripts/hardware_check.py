@@ -557,6 +557,7 @@ class HardwareCheck:
             half,
             expect_ok=False,
         )
+        self.driver_limit_checks(gpu, envs, capped_mib)
 
         # The capped container ends (the kubelet lists it no more), then a full grant: every replica.
         self.pod_resources.set_containers()
@@ -993,6 +994,64 @@ class HardwareCheck:
             )
             self.report.add(f"gpu-apps-{phase}", f"nvidia-smi compute apps, {phase} client running", "", apps[1], None)
 
+    def driver_limit_checks(self, gpu: dict[str, Any], envs: dict[str, str], limit_mib: int) -> None:
+        """On a driver that limits memory per cgroup: the agent's hook limits a container's cgroup to its share,
+        which holds across two processes of that container (each allowed 60 % of it by MPS, both together not) and
+        reads back through NVML. Elsewhere the check says who enforces memory (mps) and why, and skips them."""
+        steps = {
+            "driver-limit-two-processes": "a second client in the same cgroup allocates 60 % of the cgroup's limit",
+            "driver-limit-readback": "the cgroup's limit and use read back through NVML",
+        }
+        if gpu.get("enforcement") != "driver":
+            why = f"memory enforced by mps ({gpu.get('enforcementReason') or 'not asked'})"
+            for id_, step in steps.items():
+                self.report.skip(id_, step, "", why)
+            return
+        from mpsagent.base.cgroups import cgroup2_mount  # noqa: PLC0415 - the CUDA client needs no mpsagent
+        from mpsagent.gpu.nvml import NvmlMemoryLimits  # noqa: PLC0415
+
+        mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+        assert mount is not None  # the driver limits cgroup v2's
+        cgroup = Path(mount) / f"mpsagent-hwc-{os.getpid()}"
+        cgroup.mkdir()
+        holder = subprocess.Popen(["sh", "-c", f"echo $$ > {cgroup / 'cgroup.procs'} && exec sleep 600"])
+        try:
+            wait_until(lambda: str(holder.pid) in (cgroup / "cgroup.procs").read_text(), 5)
+            state = json.dumps({"ociVersion": "1.2.0", "id": "hwc", "status": "creating", "pid": holder.pid})
+            hook = Path(sys.executable).parent / "mpsagent-cdi-hook"
+            argv = [str(hook), "apply-memory-limits", "--records", str(self.work / "limits")]
+            argv += ["--limit", f"{gpu['uuid']}={limit_mib}"]
+            done = subprocess.run(argv, input=state, capture_output=True, text=True, timeout=60, check=False)
+            self.report.add("driver-limit-hook", "the agent's hook limits a cgroup", "exit 0", done.stderr.strip()
+                            or "exit 0", done.returncode == 0)  # fmt: skip
+            share = limit_mib * MIB * 6 // 10
+
+            def second(result: dict[str, Any]) -> bool:
+                ok = bool(not result["ok"] and result["oom"])
+                self.report.add("driver-limit-two-processes", steps["driver-limit-two-processes"],
+                                "fails: out of memory (the first holds 60 %)", _probe_seen(result), ok)  # fmt: skip
+                read = NvmlMemoryLimits().read(gpu["uuid"], str(cgroup))
+                seen = None if read is None else (read.hard_bytes, read.used_bytes)
+                held = read is not None and read.hard_bytes == limit_mib * MIB and read.used_bytes >= share
+                self.report.add("driver-limit-readback", steps["driver-limit-readback"],
+                                f"hard {limit_mib * MIB}, used at least {share}", seen, held)  # fmt: skip
+                return ok
+
+            def first(result: dict[str, Any]) -> bool:
+                self.report.add("driver-limit-first", "a client in the cgroup allocates 60 % of its limit",
+                                "succeeds", _probe_seen(result), bool(result["ok"]))  # fmt: skip
+                self.run_probe("driver-limit-two-processes", steps["driver-limit-two-processes"], "", envs, share,
+                               judge=second, cgroup=cgroup)  # fmt: skip
+                return bool(result["ok"])
+
+            self.run_probe("driver-limit-first", "first client", "", envs, share, judge=first, cgroup=cgroup)
+        finally:
+            holder.kill()
+            holder.wait(10)
+            wait_until(lambda: not (cgroup / "cgroup.procs").read_text().strip(), 10)
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
+
     def control_connections(self, phase: str) -> None:
         """The agent ends a connection to the control socket held past --control-hold-seconds by a process in a pod:
         a CUDA client must hold none for as long as it runs (it is handed to a server, and talks to that)."""
@@ -1090,10 +1149,12 @@ class HardwareCheck:
         judge: Callable[[dict[str, Any]], bool],
         ordinal: int = 0,
         visible: str | None = "0",
+        cgroup: Path | None = None,
     ) -> None:
         """Start a CUDA client with the grant's `envs` that allocates `nbytes` on device `ordinal` and holds them
         while `judge` reports its answer (False: keep its stderr and the MPS logs). `visible` is its
-        CUDA_VISIBLE_DEVICES (None: unset, every device the MPS server offers)."""
+        CUDA_VISIBLE_DEVICES (None: unset, every device the MPS server offers); `cgroup` a cgroup v2 directory it
+        runs in (a container's, as the driver's memory limit sees it)."""
         remaining = self.deadline - time.monotonic()
         if remaining < 10:
             self.report.add(id_, step, expected, "not run: the time budget (--budget-seconds) is spent", False)
@@ -1121,6 +1182,8 @@ class HardwareCheck:
             "--hold",
             str(timeout),
         ]
+        if cgroup is not None:
+            argv = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *argv]
         stderr_path = self.work / f"{id_}.stderr"
         with stderr_path.open("wb") as stderr:
             child = subprocess.Popen(
