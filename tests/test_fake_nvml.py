@@ -483,6 +483,7 @@ def test_config_is_reread_on_every_init(nvml: FakeNvml) -> None:
         {"memoryLimits": "yes"},
         {"cgroupLayout": "v1"},
         {"cgroupRoot": "sys/fs/cgroup"},
+        {"gpus": [{"processUtilizationError": -1}]},
     ],
     ids=[
         "wrong-type",
@@ -492,6 +493,7 @@ def test_config_is_reread_on_every_init(nvml: FakeNvml) -> None:
         "memory-limits-not-bool",
         "unknown-cgroup-layout",
         "relative-cgroup-root",
+        "negative-utilization-error",
     ],
 )
 def test_bad_config_fails_init_loudly(nvml: FakeNvml, config: dict[str, Any]) -> None:
@@ -736,13 +738,163 @@ def test_running_processes_from_the_state(nvml: FakeNvml) -> None:
         ({"lost": "GPU-not-a-list"}, '"lost" must be an array'),
         ({"memoryLimits": {"/sys/fs/cgroup/a": {H100["uuid"]: {"soft": -1, "hard": 1}}}}, '"memoryLimits"'),
         ({"memoryLimits": {"/sys/fs/cgroup/a": [H100["uuid"]]}}, '"memoryLimits"'),
+        (
+            {"processUtilization": {H100["uuid"]: [{"pid": 1, "smUtil": 101}]}},
+            f'processUtilization[{H100["uuid"]}]: "smUtil" must be an integer in [0, 100]',
+        ),
+        ({"processUtilization": {H100["uuid"]: [{"smUtil": 5}]}}, 'every entry must be an object with a "pid"'),
     ],
-    ids=["lost-not-a-list", "negative-limit", "limits-not-by-uuid"],
+    ids=["lost-not-a-list", "negative-limit", "limits-not-by-uuid", "utilization-over-100", "sample-without-pid"],
 )
 def test_bad_state_file_fails_loudly(nvml: FakeNvml, state: dict[str, Any], message: str) -> None:
     nvml.state_path.write_text(json.dumps(state))
     assert nvml.run(CONFIG, "emit(error(pynvml.nvmlInit))")[:2] == ["NVMLError_Unknown", 999]
     assert message in nvml.last_stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-process utilization (nvmlDeviceGetProcessUtilization, nvmlDeviceGetProcessesUtilizationInfo)
+# ------------------------------------------------------------------------------------------------
+
+IDLE = {"uuid": "GPU-77777777-8888-9999-aaaa-bbbbbbbbbbbb", "name": "NVIDIA H100 80GB HBM3", "migMode": 0}
+NOT_FOUND = ["NVMLError_NotFound", 6, "Not Found"]
+NOT_SUPPORTED = ["NVMLError_NotSupported", 3, "Not Supported"]
+
+# Both entry points through pynvml, which asks for the count first (a NULL array) and raises what it gets unless that
+# is INSUFFICIENT_SIZE. The snippet's samples(h, since) gives [[pid, smUtil, memUtil, timeStamp], ...] or the error.
+UTILIZATION_CALLS = pytest.mark.parametrize(
+    "call",
+    [
+        "nvmlDeviceGetProcessUtilization",
+        pytest.param(
+            "nvmlDeviceGetProcessesUtilizationInfo",
+            marks=pytest.mark.skipif(
+                not hasattr(pynvml, "nvmlDeviceGetProcessesUtilizationInfo"),
+                reason="this nvidia-ml-py cannot call nvmlDeviceGetProcessesUtilizationInfo",
+            ),
+        ),
+    ],
+)
+SAMPLES = textwrap.dedent(
+    """
+    def samples(h, since=0):
+        try:
+            return [[s.pid, s.smUtil, s.memUtil, s.timeStamp] for s in read(h, since)]
+        except pynvml.NVMLError as exc:
+            return [type(exc).__name__, exc.value, str(exc)]
+    """
+)
+
+
+def utilization_snippet(call: str, code: str) -> str:
+    """``code`` after a samples() that reads through pynvml's ``call``."""
+    return f"read = pynvml.{call}\n" + SAMPLES + textwrap.dedent(code)
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@UTILIZATION_CALLS
+def test_process_utilization_samples_follow_the_state(nvml: FakeNvml, call: str) -> None:
+    driver = nvml.driver
+    driver.set_process_utilization(H100["uuid"], [(1234, 40), (5678, 0)])
+    code = """
+        h0, h1 = handles(2)
+        emit([samples(h0), samples(h1)])
+        proceed()
+        emit([samples(h0), samples(h1)])
+        """
+    before = now_us()
+    with nvml.start({"gpus": [H100, IDLE]}, utilization_snippet(call, code)) as child:
+        busy, idle = child.recv()
+        after = now_us()
+        assert [sample[:3] for sample in busy] == [[1234, 40, 0], [5678, 0, 0]]
+        # Set without a timeStamp: stamped at the call, so every read sees them as new.
+        assert all(before <= sample[3] <= after for sample in busy), (before, busy, after)
+        assert idle == NOT_FOUND  # no samples is an error, not an empty list
+        driver.set_process_utilization(H100["uuid"], [])
+        driver.set_process_utilization(IDLE["uuid"], [(99, 100)])
+        child.go()
+        busy, idle = child.recv()
+        assert busy == NOT_FOUND
+        assert [sample[:3] for sample in idle] == [[99, 100, 0]]
+    assert driver.read()["processUtilization"] == {IDLE["uuid"]: [{"pid": 99, "smUtil": 100}]}
+
+
+@UTILIZATION_CALLS
+def test_process_utilization_gives_only_samples_newer_than_last_seen(nvml: FakeNvml, call: str) -> None:
+    with nvml.driver.update() as state:
+        state["processUtilization"] = {
+            H100["uuid"]: [
+                {"pid": 1, "smUtil": 10, "memUtil": 5, "timeStamp": 1000},
+                {"pid": 2, "smUtil": 20, "memUtil": 15, "timeStamp": 2000},
+            ]
+        }
+    code = """
+        h, = handles(1)
+        emit([samples(h, since) for since in (0, 999, 1000, 1999, 2000)])
+        """
+    out = nvml.run({"gpus": [H100]}, utilization_snippet(call, code))
+    first, second = [1, 10, 5, 1000], [2, 20, 15, 2000]
+    assert out == [[first, second], [first, second], [second], [second], NOT_FOUND]
+
+
+@UTILIZATION_CALLS
+def test_process_utilization_not_supported_or_lost(nvml: FakeNvml, call: str) -> None:
+    # Samples are there for every GPU: the error comes from the GPU, not from an empty list.
+    gpus = [{**H100, "processUtilizationError": 3}, A100, {**IDLE, "lost": True}]  # A100 is MIG-enabled
+    for gpu in gpus:
+        nvml.driver.set_process_utilization(gpu["uuid"], [(1234, 50)])
+    out = nvml.run({"gpus": gpus}, utilization_snippet(call, "emit([samples(h) for h in handles(3)])"))
+    assert out == [NOT_SUPPORTED, NOT_SUPPORTED, ["NVMLError_GpuIsLost", 15, "GPU is lost"]]
+
+
+def test_process_utilization_buffer_sizes_and_arguments(nvml: FakeNvml) -> None:
+    # What pynvml does not exercise, called straight through ctypes: a buffer too small or too big, NULL count or
+    # struct, a struct version the fake does not know.
+    nvml.driver.set_process_utilization(H100["uuid"], [(1, 10), (2, 20), (3, 30)])
+    code = """
+        import ctypes
+        h, = handles(1)
+        lib = pynvml.nvmlLib
+        since = ctypes.c_ulonglong(0)
+        count = ctypes.c_uint()
+        room = (pynvml.c_nvmlProcessUtilizationSample_t * 4)()
+
+        def legacy(buffer, n):
+            count.value = n
+            return [lib.nvmlDeviceGetProcessUtilization(h, buffer, ctypes.byref(count), since), count.value]
+
+        class Info(ctypes.Structure):  # nvmlProcessesUtilizationInfo_v1_t, whatever this pynvml has
+            _fields_ = [("version", ctypes.c_uint), ("processSamplesCount", ctypes.c_uint),
+                        ("lastSeenTimeStamp", ctypes.c_ulonglong), ("procUtilArray", ctypes.c_void_p)]
+
+        info = Info((2 << 24) | ctypes.sizeof(Info), 0, 0, None)
+        emit({
+            "nullArray": legacy(None, 10),
+            "small": legacy(room, 2),
+            "roomy": legacy(room, 4) + [[room[i].pid, room[i].smUtil] for i in range(4)],
+            "nullCount": lib.nvmlDeviceGetProcessUtilization(h, room, None, since),
+            "nullInfo": lib.nvmlDeviceGetProcessesUtilizationInfo(h, None),
+            "infoV2": [lib.nvmlDeviceGetProcessesUtilizationInfo(h, ctypes.byref(info)), info.processSamplesCount],
+        })
+        """
+    assert nvml.run({"gpus": [H100]}, code) == {
+        "nullArray": [7, 3],
+        "small": [7, 3],
+        "roomy": [0, 3, [1, 10], [2, 20], [3, 30], [0, 0]],  # the fourth slot is left alone
+        "nullCount": 2,
+        "nullInfo": 2,
+        "infoV2": [25, 0],
+    }
+
+
+def test_set_process_utilization_refuses_a_percent_out_of_range(nvml: FakeNvml) -> None:
+    nvml.driver.set_process_utilization(H100["uuid"], [(1, 10)])
+    with pytest.raises(ValueError, match=r"smUtil of pid 2 on GPU-1111.* must be in \[0, 100\], not 101"):
+        nvml.driver.set_process_utilization(H100["uuid"], [(2, 101)])
+    assert nvml.driver.read()["processUtilization"] == {H100["uuid"]: [{"pid": 1, "smUtil": 10}]}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ The fake reads two files that stand in for the driver (see the header of fake_nv
     {"computeModes": {"GPU-...": 3}, "lost": ["GPU-..."],
      "processes": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
      "mpsProcesses": {"GPU-...": [...]},
+     "processUtilization": {"GPU-...": [{"pid": 1234, "smUtil": 40, "memUtil": 10, "timeStamp": 1764547200250000}]},
      "memoryLimits": {"/sys/fs/cgroup/...": {"GPU-...": {"soft": 0, "hard": 1073741824, ...}}}}
 
   Changed here read-modify-write under an exclusive flock of ``<state>.lock`` (the lock the C code
@@ -37,7 +38,7 @@ EVENT_XID_CRITICAL_ERROR = 0x8
 
 
 class FakeNvmlDriver:
-    """Loses and finds GPUs, sets running processes and emits events for the fake NVML."""
+    """Loses and finds GPUs, sets running processes and their utilization and emits events for the fake NVML."""
 
     def __init__(self, state_path: Path, events_path: Path | None = None) -> None:
         self.state_path = Path(state_path)
@@ -96,7 +97,22 @@ class FakeNvmlDriver:
         nvmlDeviceGetComputeRunningProcesses*.
         """
         entries = [{"pid": pid, "usedGpuMemory": used} for pid, used in processes]
-        key = "mpsProcesses" if mps else "processes"
+        self._set_gpu_list("mpsProcesses" if mps else "processes", uuid, entries)
+
+    def set_process_utilization(self, uuid: str, samples: Iterable[tuple[int, int]]) -> None:
+        """Replace the (pid, smUtil percent) utilization samples of ``uuid``; none leaves it without samples.
+
+        They carry no timeStamp, so nvmlDeviceGetProcessUtilization / nvmlDeviceGetProcessesUtilizationInfo stamp
+        them with the time of the call: every read sees them as new, as a busy process's samples would be.
+        """
+        entries = [{"pid": pid, "smUtil": sm_util} for pid, sm_util in samples]
+        for entry in entries:
+            if not 0 <= entry["smUtil"] <= 100:
+                raise ValueError(f"smUtil of pid {entry['pid']} on {uuid} must be in [0, 100], not {entry['smUtil']}")
+        self._set_gpu_list("processUtilization", uuid, entries)
+
+    def _set_gpu_list(self, key: str, uuid: str, entries: list[dict[str, Any]]) -> None:
+        """Make ``entries`` the state's ``key`` list of the GPU ``uuid``; an empty one removes the GPU's entry."""
         with self.update() as state:
             table = state.setdefault(key, {})
             if entries:

@@ -9,11 +9,13 @@
  *                "major": 9, "minor": 0, "pciBusId": "00000000:18:00.0",
  *                "pciDeviceId": 2335379678, "pciSubSystemId": 381751518, "minorNumber": 0,
  *                "migMode": 0, "computeMode": 0, "setComputeModeError": 0, "lost": false,
- *                "supportedEventTypes": 15, "registerEventsError": 0}]}
+ *                "supportedEventTypes": 15, "registerEventsError": 0, "processUtilizationError": 0}]}
  *     Every key is optional; unknown keys are ignored. A GPU's index is its position in "gpus".
- *     migMode -1 means MIG is not supported. setComputeModeError / registerEventsError, when
- *     non-zero, is the nvmlReturn_t that nvmlDeviceSetComputeMode / nvmlDeviceRegisterEvents
- *     returns. supportedEventTypes is what nvmlDeviceGetSupportedEventTypes reports (default 0xF:
+ *     migMode -1 means MIG is not supported. setComputeModeError / registerEventsError /
+ *     processUtilizationError, when non-zero, is the nvmlReturn_t that nvmlDeviceSetComputeMode /
+ *     nvmlDeviceRegisterEvents / both per-process utilization calls return (e.g. 3, NOT_SUPPORTED:
+ *     a GPU or driver that does not sample processes; see "Per-process utilization" below).
+ *     supportedEventTypes is what nvmlDeviceGetSupportedEventTypes reports (default 0xF:
  *     SingleBitEccError 0x1 | DoubleBitEccError 0x2 | PState 0x4 | XidCriticalError 0x8);
  *     registering any other type fails with NVML_ERROR_NOT_SUPPORTED.
  *     memoryLimits (default false) and cgroupLayout / cgroupRoot: see "Per-cgroup memory limits" below.
@@ -23,6 +25,8 @@
  *      "lost": ["GPU-..."],
  *      "processes": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
  *      "mpsProcesses": {"GPU-...": [{"pid": 1234, "usedGpuMemory": 1048576}]},
+ *      "processUtilization": {"GPU-...": [{"pid": 1234, "smUtil": 40, "memUtil": 10,
+ *                             "timeStamp": 1764547200250000}]},
  *      "memoryLimits": {"/sys/fs/cgroup/kubepods.slice/...": {"GPU-...":
  *                       {"soft": 0, "hard": 8589934592, "setAt": 1764547200.25, "setBy": 1234}}}}
  *     Every key is optional; a missing file is an empty state. It is re-read by nvmlInit* and by
@@ -39,6 +43,10 @@
  *       mpsProcesses  what nvmlDeviceGetMPSComputeRunningProcesses{,_v2,_v3} report. Per process:
  *                     "pid"; "usedGpuMemory" (default 0, null = NVML_VALUE_NOT_AVAILABLE);
  *                     "gpuInstanceId" / "computeInstanceId" (default 0xFFFFFFFF, i.e. not MIG).
+ *       processUtilization  the driver's utilization samples per GPU, one per process: "pid";
+ *                     "smUtil" / "memUtil", percent in [0, 100] (default 0); "timeStamp", CPU time
+ *                     in microseconds since the epoch (default: the time of the call, i.e. a sample
+ *                     always newer than any earlier read). See "Per-process utilization" below.
  *       memoryLimits  the per-cgroup memory limits set (below), by cgroup path and GPU UUID.
  *     Writers other than this library must take the same flock and replace the file atomically.
  *     Integers may go up to 2^64-1 (NVML_DEVICE_MEMORY_LIMIT_MAX); the fake writes back what it read.
@@ -62,6 +70,21 @@
  *     nvmlEventSetWait fills the older layout without the instance IDs. Registrations are kept
  *     by GPU index, so a set outlives nvmlShutdown/nvmlInit only while "gpus" keeps its order.
  *   mpsagent_testing/nvml/control.py (FakeNvmlDriver) writes both files from Python.
+ *
+ * Per-process utilization: nvmlDeviceGetProcessUtilization(device, nvmlProcessUtilizationSample_t *utilization,
+ * unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp) and
+ * nvmlDeviceGetProcessesUtilizationInfo(device, nvmlProcessesUtilizationInfo_t *) (version 1; count, lastSeenTimeStamp
+ * and the array are its processSamplesCount, lastSeenTimeStamp and procUtilArray) report the GPU's
+ * "processUtilization" samples whose timeStamp is greater than lastSeenTimeStamp, in the state's order, with
+ * pid, timeStamp, smUtil and memUtil (encUtil, decUtil, jpgUtil and ofaUtil are 0).
+ *   Both calls check, in this order, and return the first failure, writing no sample:
+ *     not initialized: UNINITIALIZED; a bad handle: INVALID_ARGUMENT; a lost GPU: GPU_IS_LOST; a NULL count
+ *     (or struct): INVALID_ARGUMENT; a struct version other than nvmlProcessesUtilizationInfo_v1:
+ *     ARGUMENT_VERSION_MISMATCH; the GPU's processUtilizationError, if non-zero; a GPU whose config migMode is 1
+ *     (NVML does not sample processes on MIG-enabled GPUs): NOT_SUPPORTED; no sample newer than lastSeenTimeStamp:
+ *     NOT_FOUND (not an empty success); a NULL array, or a count below the number of samples:
+ *     INSUFFICIENT_SIZE with the count set to that number (the first of pynvml's two calls).
+ *   Otherwise the samples are written and the count set to how many.
  *
  * Per-cgroup memory limits (driver r615 and later): nvmlDeviceSetMemoryLimits_v1(device,
  * nvmlSetMemoryLimits_v1_t *) and nvmlDeviceGetMemoryLimits_v1(device, nvmlGetMemoryLimits_v1_t *), whose
@@ -217,6 +240,37 @@ typedef struct {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
 
+/* What nvmlDeviceGetProcessUtilization fills, one per process. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp; /* CPU time, microseconds */
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+/* What nvmlDeviceGetProcessesUtilizationInfo fills, one per process. */
+typedef struct {
+    unsigned long long timeStamp;
+    unsigned int pid;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+    unsigned int jpgUtil;
+    unsigned int ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct {
+    unsigned int version;             /* nvmlProcessesUtilizationInfo_v1 */
+    unsigned int processSamplesCount; /* in: room in procUtilArray; out: samples written, or needed */
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_v1_t;
+
+#define nvmlProcessesUtilizationInfo_v1 NVML_STRUCT_VERSION(nvmlProcessesUtilizationInfo_v1_t, 1)
+
 /* nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 (driver r615 and later). */
 typedef struct {
     const char *nameSpace; /* a cgroup v2 directory */
@@ -270,6 +324,7 @@ struct fake_gpu {
     int lost;                    /* effective: config_lost, or listed in the state file's "lost" */
     unsigned long long supported_event_types;
     int register_events_error;   /* non-zero: nvmlDeviceRegisterEvents returns it */
+    int process_utilization_error; /* non-zero: both per-process utilization calls return it */
 };
 
 typedef struct fake_gpu *nvmlDevice_t;
@@ -818,6 +873,7 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     long long total = 80LL << 30, used = 0, major = 9, minor = 0, minor_number = index;
     long long device_id = 0x233010DE, subsystem_id = 0x16C110DE;
     long long mig = 0, mode = 0, set_error = 0, events = (long long)FAKE_DEFAULT_EVENT_TYPES, register_error = 0;
+    long long utilization_error = 0;
     unsigned int domain, bus, device, function;
     int lost = 0, rc = 0;
 
@@ -847,6 +903,7 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     rc |= get_bool(obj, "lost", &lost, where);
     rc |= get_int(obj, "supportedEventTypes", 0, INT64_MAX, &events, where);
     rc |= get_int(obj, "registerEventsError", 0, INT32_MAX, &register_error, where);
+    rc |= get_int(obj, "processUtilizationError", 0, INT32_MAX, &utilization_error, where);
     if (rc)
         return -1;
     if (used > total) {
@@ -878,6 +935,7 @@ static int load_gpu(const struct json *obj, unsigned int index, struct fake_gpu 
     g->config_lost = g->lost = lost;
     g->supported_event_types = (unsigned long long)events;
     g->register_events_error = (int)register_error;
+    g->process_utilization_error = (int)utilization_error;
     return 0;
 }
 
@@ -970,36 +1028,60 @@ static int load_config(struct fake_system *sys)
     return rc ? -1 : 0;
 }
 
-/* Checks a "processes"/"mpsProcesses" member: {uuid: [{"pid": N, "usedGpuMemory": N|null, ...}]}. */
-static int check_processes(const char *path, const struct json *procs)
+/* Checks a "processes"/"mpsProcesses" entry's keys besides "pid": "usedGpuMemory" (N or null), the instance IDs. */
+static int check_process(const struct json *p, const char *where)
+{
+    const struct json *mem = json_get(p, "usedGpuMemory");
+    long long scratch;
+    int rc = 0;
+
+    if (!mem || mem->type != J_NULL)
+        rc |= get_int(p, "usedGpuMemory", 0, INT64_MAX, &scratch, where);
+    rc |= get_int(p, "gpuInstanceId", 0, UINT32_MAX, &scratch, where);
+    rc |= get_int(p, "computeInstanceId", 0, UINT32_MAX, &scratch, where);
+    return rc;
+}
+
+/* Checks a "processUtilization" sample's keys besides "pid": "smUtil" / "memUtil" in percent, "timeStamp". */
+static int check_utilization_sample(const struct json *s, const char *where)
 {
     long long scratch;
     int rc = 0;
 
-    if (!procs || procs->type == J_NULL)
+    rc |= get_int(s, "smUtil", 0, 100, &scratch, where);
+    rc |= get_int(s, "memUtil", 0, 100, &scratch, where);
+    rc |= get_int(s, "timeStamp", 0, INT64_MAX, &scratch, where);
+    return rc;
+}
+
+/* Checks a member {uuid: [{"pid": N, ...}, ...]} ("processes", "mpsProcesses", "processUtilization"), each entry's
+ * other keys by check_entry. */
+static int check_pid_lists(const char *path, const struct json *table,
+                           int (*check_entry)(const struct json *entry, const char *where))
+{
+    long long scratch;
+    int rc = 0;
+
+    if (!table || table->type == J_NULL)
         return 0;
-    if (procs->type != J_OBJECT) {
-        complain("%s: \"%s\" must be an object {uuid: [process, ...]}", path, procs->key);
+    if (table->type != J_OBJECT) {
+        complain("%s: \"%s\" must be an object {uuid: [{\"pid\": N, ...}, ...]}", path, table->key);
         return -1;
     }
-    for (const struct json *list = procs->child; list && !rc; list = list->next) {
+    for (const struct json *list = table->child; list && !rc; list = list->next) {
         char where[160];
-        snprintf(where, sizeof(where), "%s: %s[%.100s]", path, procs->key, list->key);
+        snprintf(where, sizeof(where), "%s: %s[%.100s]", path, table->key, list->key);
         if (list->type != J_ARRAY) {
             complain("%s must be an array", where);
             return -1;
         }
-        for (const struct json *p = list->child; p && !rc; p = p->next) {
-            const struct json *mem = json_get(p, "usedGpuMemory");
-            if (p->type != J_OBJECT || !json_get(p, "pid")) {
-                complain("%s: every process must be an object with a \"pid\"", where);
+        for (const struct json *e = list->child; e && !rc; e = e->next) {
+            if (e->type != J_OBJECT || !json_get(e, "pid")) {
+                complain("%s: every entry must be an object with a \"pid\"", where);
                 return -1;
             }
-            rc |= get_int(p, "pid", 0, UINT32_MAX, &scratch, where);
-            if (!mem || mem->type != J_NULL)
-                rc |= get_int(p, "usedGpuMemory", 0, INT64_MAX, &scratch, where);
-            rc |= get_int(p, "gpuInstanceId", 0, UINT32_MAX, &scratch, where);
-            rc |= get_int(p, "computeInstanceId", 0, UINT32_MAX, &scratch, where);
+            rc |= get_int(e, "pid", 0, UINT32_MAX, &scratch, where);
+            rc |= check_entry(e, where);
         }
     }
     return rc ? -1 : 0;
@@ -1070,8 +1152,9 @@ static nvmlReturn_t read_state(struct json **out)
             goto bad;
         }
     }
-    if (check_processes(path, json_get(root, "processes")) ||
-        check_processes(path, json_get(root, "mpsProcesses")) ||
+    if (check_pid_lists(path, json_get(root, "processes"), check_process) ||
+        check_pid_lists(path, json_get(root, "mpsProcesses"), check_process) ||
+        check_pid_lists(path, json_get(root, "processUtilization"), check_utilization_sample) ||
         check_memory_limits(path, json_get(root, "memoryLimits")))
         goto bad;
     *out = root;
@@ -1728,6 +1811,80 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, uns
                                                         nvmlProcessInfo_t *infos)
 {
     return list_processes(device, "mpsProcesses", 2, infoCount, infos);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Per-process utilization: the state's "processUtilization" samples for the GPU
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Which struct the samples are written as: nvmlProcessUtilizationSample_t or nvmlProcessUtilizationInfo_v1_t. */
+enum sample_layout { SAMPLE_LEGACY, SAMPLE_INFO_V1 };
+
+/* The GPU's samples newer than lastSeen into out (room for *count; NULL to ask), *count set to how many (g_lock held,
+ * device checked): processUtilizationError, MIG, NOT_FOUND and INSUFFICIENT_SIZE as the header says. */
+static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long lastSeen, enum sample_layout layout,
+                                        void *out, unsigned int *count)
+{
+    const struct json *list = json_get(json_get(g_state, "processUtilization"), device->uuid); /* checked */
+    struct timespec ts;
+    unsigned long long now;
+    unsigned int need = 0, i = 0;
+
+    if (device->process_utilization_error)
+        return (nvmlReturn_t)device->process_utilization_error;
+    if (device->mig_mode == 1)
+        return NVML_ERROR_NOT_SUPPORTED;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    now = (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+    for (const struct json *s = list ? list->child : NULL; s; s = s->next)
+        need += json_ull(s, "timeStamp", now, now) > lastSeen;
+    if (!need)
+        return NVML_ERROR_NOT_FOUND;
+    if (!out || *count < need) {
+        *count = need;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (const struct json *s = list->child; s; s = s->next) {
+        nvmlProcessUtilizationInfo_v1_t sample = {
+            .timeStamp = json_ull(s, "timeStamp", now, now),
+            .pid = (unsigned int)json_ull(s, "pid", 0, 0),
+            .smUtil = (unsigned int)json_ull(s, "smUtil", 0, 0),
+            .memUtil = (unsigned int)json_ull(s, "memUtil", 0, 0),
+        };
+        if (sample.timeStamp <= lastSeen)
+            continue;
+        if (layout == SAMPLE_INFO_V1)
+            ((nvmlProcessUtilizationInfo_v1_t *)out)[i++] = sample;
+        else
+            ((nvmlProcessUtilizationSample_t *)out)[i++] = (nvmlProcessUtilizationSample_t){
+                .pid = sample.pid, .timeStamp = sample.timeStamp, .smUtil = sample.smUtil, .memUtil = sample.memUtil};
+    }
+    *count = need;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !processSamplesCount)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        rc = utilization_samples(device, lastSeenTimeStamp, SAMPLE_LEGACY, utilization, processSamplesCount);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProcessesUtilizationInfo_v1_t *info)
+{
+    nvmlReturn_t rc = enter_device(device, 0);
+    if (rc == NVML_SUCCESS && !info)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && info->version != nvmlProcessesUtilizationInfo_v1)
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (rc == NVML_SUCCESS)
+        rc = utilization_samples(device, info->lastSeenTimeStamp, SAMPLE_INFO_V1, info->procUtilArray,
+                                 &info->processSamplesCount);
+    return leave(rc);
 }
 
 /* ------------------------------------------------------------------------------------------------
