@@ -132,6 +132,17 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 maximum=100,
             ),
             PanelSpec(
+                "Memory enforced by",
+                "Who holds a capped container to its memory on each GPU: the driver, per container (its cgroup's "
+                "limit, MPS's ceilings the second layer), or MPS alone, per process?",
+                (
+                    Query(
+                        f"max by (node, gpu, layer) (mpsagent_gpu_enforcement{{{GPU}}} == 1)",
+                        "{{node}} {{gpu}} {{layer}}",
+                    ),
+                ),
+            ),
+            PanelSpec(
                 "Escape bound: memory",
                 "How much memory beyond its own cap can a container on each GPU get by unsetting its variables "
                 "(0 while every live share of the GPU is the same)?",
@@ -167,6 +178,35 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     Query(f"max by (gpu) (mpsagent_daemon_memory_ceiling_bytes{{{GPU}}})", "ceiling {{gpu}}"),
                 ),
                 unit="bytes",
+            ),
+            PanelSpec(
+                "Driver memory limit per container",
+                "Where the driver limits memory per container: each container's limit on each GPU, and what its "
+                "processes use against it (the driver's count)?",
+                (
+                    Query(
+                        f'mpsagent_container_gpu_memory_used_bytes{{{NODE}, gpu=~"$gpu"}}',
+                        "used {{pod_uid}} {{container_id}}",
+                    ),
+                    Query(
+                        f'mpsagent_container_gpu_memory_limit_bytes{{{NODE}, gpu=~"$gpu"}}',
+                        "limit {{pod_uid}} {{container_id}}",
+                    ),
+                ),
+                unit="bytes",
+            ),
+            PanelSpec(
+                "SM utilization per container",
+                "How busy does each container keep each GPU's SMs (NVML's process samples, where the GPU gives them)?",
+                (
+                    Query(
+                        "sum by (gpu, pod_uid, container_id) "
+                        f'(mpsagent_container_gpu_sm_utilization_percent{{{NODE}, gpu=~"$gpu"}})',
+                        "{{gpu}} {{pod_uid}} {{container_id}}",
+                    ),
+                ),
+                unit="percent",
+                maximum=100,
             ),
         ),
     ),
@@ -205,6 +245,19 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "restored, seen by {{seen_by}} {{node}}",
                     ),
                     Query(f"mpsagent_daemon_log_watched{{{RESOURCE}}} == 0", "log NOT watched {{node}}"),
+                ),
+            ),
+            PanelSpec(
+                "Processes without a share of their GPU",
+                "Does any process run on a GPU its pod holds no grant or claim on (a pod that mounts the MPS pipe "
+                "itself, a process on the host), and can the agent tell the pods apart?",
+                (
+                    Query(
+                        "sum by (node, gpu, pod_namespace, pod_name) "
+                        f'(mpsagent_stowaway_processes{{{NODE}, gpu=~"$gpu"}})',
+                        "{{node}} {{gpu}} {{pod_namespace}}/{{pod_name}}",
+                    ),
+                    Query(f"mpsagent_stowaways_unchecked{{{NODE}}} == 1", "pods NOT judged {{node}}"),
                 ),
             ),
             PanelSpec(

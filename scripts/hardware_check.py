@@ -1055,7 +1055,8 @@ class HardwareCheck:
     def control_connections(self, phase: str) -> None:
         """The agent ends a connection to the control socket held past --control-hold-seconds by a process in a pod:
         a CUDA client must hold none for as long as it runs (it is handed to a server, and talks to that)."""
-        from mpsagent.mps import control_socket  # noqa: PLC0415 - the CUDA client needs no mpsagent
+        from mpsagent.base import procfs  # noqa: PLC0415 - the CUDA client needs no mpsagent
+        from mpsagent.mps import control_socket  # noqa: PLC0415
 
         if self.daemon_pid is None:
             return
@@ -1063,7 +1064,7 @@ class HardwareCheck:
         found = [
             c
             for c in control_socket.connections(daemon, self.pipe)
-            if c.peer_pid is None or daemon not in {c.peer_pid, *control_socket.ancestors(c.peer_pid)}
+            if c.peer_pid is None or daemon not in {c.peer_pid, *procfs.ancestors(c.peer_pid)}
         ]
         self.report.add(
             f"control-connections-{phase}",

@@ -80,6 +80,20 @@ UNIT_TESTS = {
                 # n7: a claim prepare refused at the third minute.
                 {"series": 'mpsagent_dra_prepares_total{node="n7",outcome="refused"}', "values": "0 0 0 0 0 0 1 1 1 1"},
                 {"series": 'mpsagent_dra_prepares_total{node="n7",outcome="ok"}', "values": "0 1 2 3 4 5 6 7 8 9"},
+                # n8: a pod's process on GPU-e without a share of it from the second minute; a host process on GPU-f
+                # for 30 s only.
+                {
+                    "series": 'mpsagent_stowaway_processes{node="n8",gpu="GPU-e",pod_uid="u1",'
+                    'pod_namespace="ml",pod_name="p"}',
+                    "values": "_ _ _ _ 1x10",
+                },
+                {
+                    "series": 'mpsagent_stowaway_processes{node="n8",gpu="GPU-f",pod_uid="",'
+                    'pod_namespace="",pod_name=""}',
+                    "values": "_ _ _ _ 1 stale",
+                },
+                {"series": 'mpsagent_stowaways_unchecked{node="n9"}', "values": "1x30"},
+                {"series": 'mpsagent_stowaways_unchecked{node="n8"}', "values": "0x30"},
             ],
             "alert_rule_test": [
                 {
@@ -147,6 +161,27 @@ UNIT_TESTS = {
                     "exp_alerts": [{"exp_labels": {"severity": "warning", "node": "n7", "outcome": "refused"}}],
                 },
                 {"eval_time": "2m", "alertname": "MpsagentClaimPreparesRefused", "exp_alerts": []},
+                {
+                    "eval_time": "4m",
+                    "alertname": "MpsagentStowawayOnGpu",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {
+                                "severity": "warning",
+                                "node": "n8",
+                                "gpu": "GPU-e",
+                                "pod_namespace": "ml",
+                                "pod_name": "p",
+                            }
+                        }
+                    ],
+                },
+                {"eval_time": "2m", "alertname": "MpsagentStowawayOnGpu", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "MpsagentStowawaysUnchecked",
+                    "exp_alerts": [{"exp_labels": {"severity": "warning", "node": "n9"}}],
+                },
                 # Not before its `for`: a daemon down for a minute is a restart in progress.
                 {"eval_time": "1m", "alertname": "MpsagentDaemonDown", "exp_alerts": []},
             ],

@@ -374,8 +374,8 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "agent volumes": (
         {"agent": FAKE_NVML},
         {
-            f"{AGENT}: {POD}.volumes[5]": FAKE_NVML_VOLUME,
-            f"{AGENT}: {POD}.containers[0].volumeMounts[5]": FAKE_NVML_MOUNT,
+            f"{AGENT}: {POD}.volumes[6]": FAKE_NVML_VOLUME,
+            f"{AGENT}: {POD}.containers[0].volumeMounts[6]": FAKE_NVML_MOUNT,
         },
     ),
     "daemon host volumes": (

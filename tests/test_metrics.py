@@ -89,7 +89,15 @@ def test_gpu_memory_per_container_and_mps_clients_per_gpu(
     gpu_a, gpu_b = "GPU-aaaaaaaa-1111-2222-3333-444444444444", "GPU-bbbbbbbb-1111-2222-3333-444444444444"
     nvml = short_dir / "nvml.json"
     nvml.write_text(
-        json.dumps({"gpus": [{"uuid": u, "memoryTotal": 17179869184, "major": 7, "minor": 5} for u in (gpu_a, gpu_b)]})
+        json.dumps(
+            {
+                "gpus": [
+                    {"uuid": gpu_a, "memoryTotal": 17179869184, "major": 7, "minor": 5},
+                    # A GPU whose driver does not sample processes: memory per container, no SM utilization.
+                    {"uuid": gpu_b, "memoryTotal": 17179869184, "major": 7, "minor": 5, "processUtilizationError": 3},
+                ]
+            }
+        )
     )
     driver = FakeNvmlDriver(short_dir / "nvml-state.json")
     pod = "0f3e9b1c-6a2d-4c8e-9f10-2b3c4d5e6f70"
@@ -106,6 +114,9 @@ def test_gpu_memory_per_container_and_mps_clients_per_gpu(
         (proc / str(pid) / "cgroup").write_text(text)
     driver.set_processes(gpu_a, [(200, 300 << 20)])
     driver.set_processes(gpu_a, [(101, 1 << 30), (102, 512 << 20), (103, 256 << 20), (999, 64 << 20)], mps=True)
+    driver.set_process_utilization(gpu_a, [(101, 30), (102, 25)])  # 103 ran no kernel lately: no sample, idle
+    driver.set_processes(gpu_b, [(103, 128 << 20)], mps=True)
+    driver.set_process_utilization(gpu_b, [(103, 50)])
     env = fake_nvml_env(fake_nvml_library, nvml, driver.state_path)
     _, base = serve(agents, kubelet, short_dir, "--proc-root", str(proc), env=env, nvml=True)
     kubelet.wait_registered(RESOURCE)
@@ -115,10 +126,16 @@ def test_gpu_memory_per_container_and_mps_clients_per_gpu(
         for (name, labels), v in samples(base).items()
         if name == "mpsagent_container_gpu_memory_bytes"
     }
-    assert memory == {(gpu_a, train): (1 << 30) + (512 << 20), (gpu_a, serve_c): 256 << 20}
+    assert memory == {(gpu_a, train): (1 << 30) + (512 << 20), (gpu_a, serve_c): 256 << 20, (gpu_b, serve_c): 128 << 20}
+    sm = {
+        (dict(labels)["gpu"], dict(labels)["container_id"]): v
+        for (name, labels), v in samples(base).items()
+        if name == "mpsagent_container_gpu_sm_utilization_percent"
+    }
+    assert sm == {(gpu_a, train): 55, (gpu_a, serve_c): 0}
     assert value(base, "mpsagent_container_gpu_memory_bytes", gpu=gpu_a, pod_uid=pod, container_id=train) > 0
     assert value(base, "mpsagent_mps_clients", gpu=gpu_a) == 4
-    assert value(base, "mpsagent_mps_clients", gpu=gpu_b) == 0
+    assert value(base, "mpsagent_mps_clients", gpu=gpu_b) == 1
 
 
 def test_a_bad_metrics_address_is_refused_and_a_busy_port_stops_the_start(

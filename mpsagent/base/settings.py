@@ -40,6 +40,7 @@ DEFAULT_RECONCILE_GRACE_S = 60.0
 MIN_RECONCILE_GRACE_S = 10.0
 DEFAULT_NFD_FEATURES_FILE = Path("/etc/kubernetes/node-feature-discovery/features.d/mpsagent")
 DEFAULT_PROC_ROOT = Path("/proc")
+DEFAULT_CONTAINER_LOGS_DIR = Path("/var/log/containers")
 DEFAULT_HEALTH_RECOVERY_S = 60.0
 DEFAULT_CDI_SPEC_DIR = Path("/var/run/cdi")
 DEFAULT_CDI_HOOK = Path("mpsagent-cdi-hook")
@@ -399,6 +400,16 @@ class Settings:
         default=DEFAULT_PROC_ROOT,
         metavar="DIR",
         help="the host's /proc, to map GPU processes to containers",
+    )
+    container_logs_dir: Path = setting(
+        flag="--container-logs-dir",
+        env="CONTAINER_LOGS_DIR",
+        key="containerLogsDir",
+        parse=_path,
+        default=DEFAULT_CONTAINER_LOGS_DIR,
+        metavar="DIR",
+        help="the host's /var/log/containers, where the kubelet links each container's log under its pod's name: "
+        "to name the pod of a process on a GPU that holds no grant or claim there",
     )
     dra: DraMode = setting(
         flag="--dra",

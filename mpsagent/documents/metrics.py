@@ -16,13 +16,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mpsagent import __version__
+from mpsagent.base import procfs
 from mpsagent.base.cgroups import PodContainer, pod_container
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.errors import GpuDiscoveryError
 from mpsagent.base.logs import get_logger
 from mpsagent.base.metric_rows import MetricKind
 from mpsagent.documents.status_document import STATUS_METRICS, StatusDocument
-from mpsagent.gpu.port import GpuHealthSource
+from mpsagent.gpu.port import GpuHealthSource, GpuProcess
 
 log = get_logger(__name__)
 
@@ -125,16 +126,20 @@ class _GpuProcessCollector(Collector):
         return []
 
     def _container(self, pid: int) -> PodContainer | None:
-        try:
-            return pod_container((self._proc_root / str(pid) / "cgroup").read_text())
-        except OSError:
-            return None  # gone since NVML listed it, or not visible from here
+        text = procfs.cgroup_text(pid, self._proc_root)  # None: gone since NVML listed it, or not visible from here
+        return None if text is None else pod_container(text)
 
     def collect(self) -> Iterator[Metric]:
         clients = GaugeMetricFamily("mpsagent_mps_clients", "MPS client processes on the GPU", labels=["gpu"])
         memory = GaugeMetricFamily(
             "mpsagent_container_gpu_memory_bytes",
             "GPU memory used by a container's processes",
+            labels=["gpu", "pod_uid", "container_id"],
+        )
+        sm = GaugeMetricFamily(
+            "mpsagent_container_gpu_sm_utilization_percent",
+            "How busy a container's processes kept the GPU's SMs, per cent, in their latest NVML samples (where NVML "
+            "samples processes)",
             labels=["gpu", "pod_uid", "container_id"],
         )
         for gpu in self._gpus:
@@ -144,12 +149,19 @@ class _GpuProcessCollector(Collector):
                 log.debug("gpu processes not read", gpu=gpu, reason=str(exc))
                 continue
             clients.add_metric([gpu], sum(p.mps_client for p in processes))
-            per_container: dict[PodContainer, int] = {}
+            per_container: dict[PodContainer, list[GpuProcess]] = {}
             for process in processes:
                 container = self._container(process.pid)
-                if container is not None and process.used_bytes is not None:
-                    per_container[container] = per_container.get(container, 0) + process.used_bytes
-            for container, used in sorted(per_container.items()):
-                memory.add_metric([gpu, container.pod_uid, container.container_id], used)
+                if container is not None:
+                    per_container.setdefault(container, []).append(process)
+            for container, held in sorted(per_container.items()):
+                labels = [gpu, container.pod_uid, container.container_id]
+                used = [p.used_bytes for p in held if p.used_bytes is not None]
+                if used:
+                    memory.add_metric(labels, sum(used))
+                busy = [p.sm_percent for p in held if p.sm_percent is not None]
+                if busy:
+                    sm.add_metric(labels, min(100, sum(busy)))
         yield clients
         yield memory
+        yield sm

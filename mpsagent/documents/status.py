@@ -38,6 +38,7 @@ from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
+from mpsagent.domain.stowaways import StowawayStatus
 from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import ControlHolderStatus, DaemonStatus
@@ -193,6 +194,7 @@ def status_document(
     dra: DraStatus | None = None,
     grant_entries: GrantEntries | None = None,
     container_limits: Sequence[ContainerLimit] = (),
+    stowaways: StowawayStatus | None = None,
 ) -> StatusDocument:
     """`grant_entries`: the entries the last document's builder kept (the publisher's own); none, built anew."""
     entries = grant_entries or GrantEntries()
@@ -205,16 +207,18 @@ def status_document(
         resources=tuple(_resource_status(view, entries) for view in resources),
         dra=dra,
         container_limits=tuple(container_limits),
+        stowaways=stowaways,
     )
 
 
 def render_status_json(document: StatusDocument, *, indent: int = 2) -> str:
     """The document as JSON: the standard library's layout and escaping, which status.json has always had. The
-    DRA fields (`dra`, a grant's `claim`) are left out when absent, so that an agent without --dra writes the bytes
-    it always wrote."""
+    DRA fields (`dra`, a grant's `claim`) and `stowaways` are left out when absent, so that an agent without --dra
+    and without NVML writes the bytes it always wrote."""
     builtins = msgspec.to_builtins(document)
-    if builtins["dra"] is None:
-        del builtins["dra"]
+    for absent in ("dra", "stowaways"):
+        if builtins[absent] is None:
+            del builtins[absent]
     for resource in builtins["resources"]:
         for grant in resource["grants"]:
             if grant["claim"] is None:
@@ -435,6 +439,21 @@ def _container_limit_lines(limits: Sequence[ContainerLimit]) -> list[str]:
     return lines
 
 
+def _stowaway_lines(status: StowawayStatus | None) -> list[str]:
+    """The processes on the GPUs whose pods hold no share there, or that none could be judged."""
+    if status is None or not (status.stowaways or status.unchecked):
+        return []
+    lines = ["", f"processes on a GPU without a grant or claim there: {len(status.stowaways)} ({status.found} found)"]
+    if status.unchecked:
+        lines.append(
+            f"  processes in pods NOT judged: the kubelet's container names cannot be read ({status.unchecked})"
+        )
+    for stowaway in status.stowaways:
+        used = "" if stowaway.used_bytes is None else f", using {stowaway.used_bytes // MIB} MiB"
+        lines.append(f"  {stowaway.describe()} on {stowaway.gpu}{used}, since {stowaway.seen_at}")
+    return lines
+
+
 def _holder(grant: GrantStatus, now: float) -> str:
     """The grant's container, or that it is waiting for one: the kubelet lists a container only once its Allocate
     has returned, so a new grant is not "unlisted" until its container was listed once."""
@@ -496,6 +515,7 @@ def render_status_text(document: StatusDocument) -> str:
             *(_grant_line(grant, now) for grant in res.grants),
         ]
     lines += _container_limit_lines(document.container_limits)
+    lines += _stowaway_lines(document.stowaways)
     if document.dra is not None:
         lines += _dra_lines(document.dra)
     return "\n".join(lines)

@@ -15,9 +15,10 @@ from typing import NamedTuple, cast
 import msgspec
 
 from mpsagent.base.bounded import Count, Pid
-from mpsagent.base.metric_rows import Labels, MetricRow, Samples, counter, each, gauge, one, within
+from mpsagent.base.metric_rows import Labels, MetricRow, Sample, Samples, counter, each, gauge, one, within
 from mpsagent.base.values import MIB, Enforcement
 from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.domain.stowaways import StowawayStatus
 from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.mps.daemon_status import DAEMON_METRICS, DaemonStatus
 
@@ -349,6 +350,9 @@ class StatusDocument(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """Absent unless the agent runs with --dra on."""
     container_limits: tuple[ContainerLimit, ...] = ()
     """The driver's memory limit of each container the agent's hook limited, on each GPU, and its use there."""
+    stowaways: StowawayStatus | None = None
+    """The processes on the GPUs whose pods hold no grant or claim there; None where the agent cannot list GPU
+    processes (GPUs not from NVML)."""
     written_at: str | None = None
     """Set by write_status."""
 
@@ -374,10 +378,40 @@ CONTAINER_LIMIT_METRICS: tuple[MetricRow[ContainerLimit], ...] = (
     ),
 )
 
+
+def _stowaway_pods(status: StowawayStatus) -> Iterable[Sample]:
+    """The stowaways counted by GPU and pod (no pod: the host's processes)."""
+    counts: dict[Labels, int] = {}
+    for stowaway in status.stowaways:
+        labels = (stowaway.gpu, stowaway.pod_uid or "", stowaway.namespace or "", stowaway.pod or "")
+        counts[labels] = counts.get(labels, 0) + 1
+    return sorted(counts.items())
+
+
+STOWAWAY_METRICS: tuple[MetricRow[StowawayStatus], ...] = (
+    gauge(
+        "mpsagent_stowaway_processes",
+        "Processes on the GPU whose pod holds no grant or claim on it (no pod: processes on the host), by pod",
+        _stowaway_pods,
+        labels=("gpu", "pod_uid", "pod_namespace", "pod_name"),
+    ),
+    counter(
+        "mpsagent_stowaways_found",
+        "Processes found on a GPU their pod holds no grant or claim on, since the start (each once)",
+        one(lambda status: status.found),
+    ),
+    gauge(
+        "mpsagent_stowaways_unchecked",
+        "1 while processes in pods cannot be judged (the kubelet's container names cannot be read)",
+        one(lambda status: status.unchecked is not None),
+    ),
+)
+
 STATUS_METRICS: tuple[MetricRow[StatusDocument], ...] = (
     *within(("resource",), _resources, RESOURCE_METRICS),
     *within((), lambda document: (((), document.pod_resources),), POD_RESOURCES_METRICS),
     *within((), lambda document: (((), document.dra),) if document.dra else (), DRA_METRICS),
     *within(("gpu", "pod_uid", "container_id"), _container_limits, CONTAINER_LIMIT_METRICS),
+    *within((), lambda document: (((), document.stowaways),) if document.stowaways else (), STOWAWAY_METRICS),
 )
 """Every family `/metrics` reads from the status document, in the order it shows them."""

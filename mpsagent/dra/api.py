@@ -43,7 +43,7 @@ from mpsagent.base.host import read_input_file
 from mpsagent.base.untrusted import load_yaml
 from mpsagent.base.values import MIB
 from mpsagent.domain.claims import ClaimAllocation, ClaimRef
-from mpsagent.dra.claim_object import claim_allocation
+from mpsagent.dra.claim_object import claim_allocation, reserved_pods
 from mpsagent.dra.slice_object import SliceManifest
 
 FIELD_MANAGER = "mpsagent"
@@ -151,6 +151,17 @@ class KubeApi:
         async with _call(f"reading ResourceClaim {ref}"):
             claim = await self._client.get(ResourceClaim, ref.name, namespace=ref.namespace)
         return claim_allocation(claim, ref, driver=driver, node=node)
+
+    async def claim_pods(self, ref: ClaimRef) -> tuple[str, ...] | None:
+        """The pods the claim is reserved for now (`reserved_pods`); None when it is gone."""
+        try:
+            async with _call(f"reading ResourceClaim {ref}"):
+                claim = await self._client.get(ResourceClaim, ref.name, namespace=ref.namespace)
+        except KubeApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return reserved_pods(claim, ref)
 
     async def _delete_slice(self, name: str) -> bool:
         try:

@@ -86,6 +86,14 @@ def _opaque_config(
     return OpaqueConfig(requests=tuple(entry.requests or ()), parameters=parameters, source=source)
 
 
+def reserved_pods(claim: models.ResourceClaim, ref: ClaimRef) -> tuple[str, ...] | None:
+    """The pods (`namespace/name`) the claim is reserved for now; None when `claim` is not `ref`'s (its name was
+    given to another claim since)."""
+    if claim.metadata is None or claim.metadata.uid != ref.uid:
+        return None
+    return _pods(claim, ref.namespace)
+
+
 def _pods(claim: models.ResourceClaim, namespace: str) -> tuple[str, ...]:
     reserved = (claim.status.reservedFor if claim.status else None) or []
     return tuple(f"{namespace}/{consumer.name}" for consumer in reserved[:MAX_PODS] if consumer.resource == "pods")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +15,7 @@ import pynvml
 from mpsagent.base.cgroups import cgroup2_mount, cgroup2_path
 from mpsagent.base.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
 from mpsagent.base.errors import GpuDiscoveryError, GpuHealthError, MemoryLimitError, shown
-from mpsagent.gpu.port import CgroupMemory, ComputeMode, GpuProcess, XidEvent
+from mpsagent.gpu.port import UTILIZATION_WINDOW_S, CgroupMemory, ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")
 
@@ -293,12 +294,15 @@ class NvmlGpuSource:
     def processes(self, uuid: GpuUuid) -> tuple[GpuProcess, ...]:
         def read() -> tuple[GpuProcess, ...]:
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            sm = _sm_percents(handle)
             found = {
-                p.pid: GpuProcess(pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=False)
+                p.pid: GpuProcess(pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=False, sm_percent=_of(sm, p.pid))
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
             }
             for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle):
-                found[p.pid] = GpuProcess(pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=True)
+                found[p.pid] = GpuProcess(
+                    pid=p.pid, used_bytes=p.usedGpuMemory, mps_client=True, sm_percent=_of(sm, p.pid)
+                )
             return tuple(found.values())
 
         return self._call(f"list the processes on {uuid}", read)
@@ -314,3 +318,24 @@ class NvmlGpuSource:
             f"set the compute mode of {uuid} to {mode.name}",
             lambda: pynvml.nvmlDeviceSetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid), int(mode)),
         )
+
+
+def _sm_percents(handle: object) -> dict[int, int] | None:
+    """Each process's latest SM utilization sample of the window (none: idle); None where NVML does not sample
+    processes, or failed to (the process list does not depend on it)."""
+    since_us = int((time.time() - UTILIZATION_WINDOW_S) * 1_000_000)
+    try:
+        samples = pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+    except pynvml.NVMLError_NotFound:
+        return {}  # no sample in the window: none of its processes ran a kernel
+    except pynvml.NVMLError:
+        return None
+    latest: dict[int, tuple[int, int]] = {}
+    for sample in samples:
+        if sample.pid not in latest or sample.timeStamp > latest[sample.pid][0]:
+            latest[sample.pid] = (sample.timeStamp, min(100, int(sample.smUtil)))
+    return {pid: percent for pid, (_, percent) in latest.items()}
+
+
+def _of(percents: dict[int, int] | None, pid: int) -> int | None:
+    return None if percents is None else percents.get(pid, 0)

@@ -26,12 +26,19 @@ class XidEvent:
     xid: int
 
 
+UTILIZATION_WINDOW_S = 10.0
+"""How far back a process's SM utilization sample may be: a scrape interval or two."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuProcess:
     pid: int
     used_bytes: int | None
     """None when the driver cannot tell (some platforms, some MPS setups)."""
     mps_client: bool
+    sm_percent: int | None = None
+    """How busy its kernels kept the GPU's SMs in its latest sample of the last UTILIZATION_WINDOW_S (0: no sample,
+    idle); None where NVML does not sample processes (MIG, some GPUs and drivers)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

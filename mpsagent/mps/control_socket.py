@@ -41,7 +41,6 @@ _READ_CALLS = {
 }
 """The system calls in which a daemon waits for a connection's bytes, by machine."""
 _PEERCRED = struct.Struct("3i")
-_MAX_ANCESTORS = 64
 ACCESS_HINT = (
     "the agent needs ptrace access to the daemon to see who holds its control socket: run it as root with "
     "CAP_SYS_PTRACE (the Helm chart grants it) in the host's PID namespace (hostPID)"
@@ -187,27 +186,3 @@ def end(pid: int, connection: ControlConnection) -> bool:
             return False
         copy.shutdown(socket.SHUT_RDWR)
     return True
-
-
-def ancestors(pid: int) -> list[int]:
-    """The process's parent, its parent's, ... up to PID 1 (bounded); empty when it is gone."""
-    chain: list[int] = []
-    while len(chain) < _MAX_ANCESTORS:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
-        if parent <= 0:
-            break
-        chain.append(parent)
-        pid = parent
-    return chain
-
-
-def cgroup_text(pid: int) -> str | None:
-    """The process's `/proc/<pid>/cgroup`; None when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/cgroup").read_text()
-    except OSError:
-        return None

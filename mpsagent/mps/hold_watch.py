@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 from structlog.typing import FilteringBoundLogger
 
+from mpsagent.base import procfs
 from mpsagent.base.cgroups import PodContainer, pod_container
 from mpsagent.base.clock import utc, utc_of_monotonic
 from mpsagent.base.episodes import FailureEpisodes
@@ -160,11 +161,11 @@ class HoldWatch:
         peer = connection.peer_pid
         if peer is None:
             return True
-        family = {peer, *control_socket.ancestors(peer)}
+        family = {peer, *procfs.ancestors(peer)}
         return self._agent not in family and self._daemon not in family
 
     def _place(self, connection: ControlConnection) -> PodContainer | None:
-        text = None if connection.peer_pid is None else control_socket.cgroup_text(connection.peer_pid)
+        text = None if connection.peer_pid is None else procfs.cgroup_text(connection.peer_pid)
         return None if text is None else pod_container(text)
 
     def _end(self, daemon: int, holder: Holder, now: float) -> None:

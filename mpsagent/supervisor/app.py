@@ -39,6 +39,7 @@ from mpsagent.supervisor.pod_events import PodEvents
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent.supervisor.stop_signals import wait_stop_signal
+from mpsagent.supervisor.stowaway_watch import StowawayWatch
 
 if TYPE_CHECKING:
     from mpsagent.web import WebEndpoint
@@ -68,6 +69,28 @@ def _gpu_health(
         uuids=[gpu.uuid for gpu in plan.gpus],
         policy=settings.xid_policy,
         recovery_s=settings.health_recovery_s,
+    )
+
+
+def _stowaway_watch(
+    settings: Settings,
+    plan: NodePlan,
+    gpu_source: GpuSource,
+    resources: Sequence[ResourceServer],
+    claims: ClaimServer | None,
+) -> StowawayWatch | None:
+    if gpu_source.health is None:
+        return None  # GPUs not from NVML: no process lists
+    return StowawayWatch(
+        gpus=[gpu.uuid for gpu in plan.gpus],
+        source=gpu_source.health,
+        proc_root=settings.proc_root,
+        container_logs_dir=settings.container_logs_dir,
+        interval_s=settings.probe_interval_s,
+        grants=lambda: [grant for r in resources for grant in r.allocator.ledger.live_grants()],
+        daemon_pids=lambda: frozenset(pid for r in resources if (pid := r.daemon.status().pid) is not None),
+        claims=claims.prepared_claims if claims is not None else tuple,
+        read_claim_pods=claims.read_pods_again if claims is not None else None,
     )
 
 
@@ -179,15 +202,22 @@ def _resource_servers(
 
 
 async def _start_node_layers(
-    tg: TaskGroup, claims: ClaimServer | None, pod_events: PodEvents | None, driver: DriverLimits | None
+    tg: TaskGroup,
+    claims: ClaimServer | None,
+    pod_events: PodEvents | None,
+    driver: DriverLimits | None,
+    stowaways: StowawayWatch | None,
 ) -> None:
-    """The DRA driver, then the pod events told through its API client; the driver's memory limits' read-back."""
+    """The DRA driver, then the pod events told through its API client; the driver's memory limits' read-back; the
+    stowaway watch (which may read claims through the driver's client)."""
     if claims is not None:
         await tg.start(claims.run)
         if pod_events is not None:
             tg.start_soon(pod_events.run, claims.api)
     if driver is not None:
         tg.start_soon(driver.watch.run)
+    if stowaways is not None:
+        tg.start_soon(stowaways.run)
 
 
 async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> None:
@@ -247,7 +277,8 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource, c
                 await tg.start(health.run)
                 for resource in resources:
                     await tg.start(resource.run)
-                await _start_node_layers(tg, claims, pod_events, driver)
+                stowaways = _stowaway_watch(settings, plan, gpu_source, resources, claims)
+                await _start_node_layers(tg, claims, pod_events, driver, stowaways)
                 await tg.start(reconciler.run)
                 publisher = StatePublisher(
                     mps_root=settings.mps_root,
@@ -259,6 +290,7 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource, c
                     web=web,
                     dra=claims.status if claims is not None else lambda: None,
                     container_limits=(lambda: driver.watch.limits) if driver is not None else tuple,
+                    stowaways=(lambda: stowaways.status) if stowaways is not None else lambda: None,
                 )
                 tg.start_soon(publisher.run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))

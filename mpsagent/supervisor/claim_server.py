@@ -14,11 +14,13 @@ unprepare releases at once, with no grace period.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 
 from mpsagent.base.clock import utc
@@ -154,6 +156,29 @@ class ClaimServer:
             unprepared=self.unprepared_total,
             claims=tuple(_claim_status(live.prepared) for live in self._live.values()),
         )
+
+    def prepared_claims(self) -> tuple[PreparedClaim, ...]:
+        """The claims prepared now, with the pods each is reserved for as last read."""
+        return tuple(live.prepared for live in self._live.values())
+
+    async def read_pods_again(self, claim_uids: Iterable[str]) -> None:
+        """Read again which pods the prepared claims `claim_uids` are reserved for: a pod that shares a claim
+        prepared for another is never told to the driver. A claim that cannot be read keeps what it had (logged)."""
+        for uid in sorted(claim_uids):
+            live = self._live.get(uid)
+            if live is None:
+                continue
+            ref = live.prepared.claim
+            try:
+                pods = await self.api.claim_pods(ref)
+            except KubeApiError as exc:
+                log.warning("claim's pods not read again", claim=str(ref), reason=str(exc))
+                continue
+            now = self._live.get(uid)
+            if pods is None or now is not live or pods == live.prepared.pods:
+                continue  # gone, or unprepared (and maybe prepared again) while it was read
+            self._live[uid] = dataclasses.replace(live, prepared=msgspec.structs.replace(live.prepared, pods=pods))
+            log.info("claim's pods read again", claim=str(ref), pods=list(pods))
 
     # --- the task --------------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from mpsagent.documents.status import (
     write_status,
 )
 from mpsagent.documents.status_document import DraStatus, PodResourcesStatus, StatusDocument
+from mpsagent.domain.stowaways import StowawayStatus
 from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.kubelet.podresources import PodResourcesReconciler
 from mpsagent.node.systemd import SystemdNotifier
@@ -56,9 +57,11 @@ class StatePublisher:
         web: WebEndpoint | None,
         dra: Callable[[], DraStatus | None] = lambda: None,
         container_limits: Callable[[], Sequence[ContainerLimit]] = tuple,
+        stowaways: Callable[[], StowawayStatus | None] = lambda: None,
     ) -> None:
         """`dra`: the DRA driver's status (None without --dra on); `container_limits`: the driver's memory limit
-        of each container the agent's hook limited (none where the driver's limits are not used)."""
+        of each container the agent's hook limited (none where the driver's limits are not used); `stowaways`: what
+        the stowaway watch found (None where it does not run)."""
         self._mps_root = mps_root
         self._pod_resources_socket = pod_resources_socket
         self._resources = resources
@@ -68,6 +71,7 @@ class StatePublisher:
         self._web = web
         self._dra = dra
         self._container_limits = container_limits
+        self._stowaways = stowaways
         self._grant_entries = GrantEntries()
         self._unwritten = FailureEpisodes(
             log,
@@ -94,6 +98,7 @@ class StatePublisher:
             dra=dra,
             grant_entries=self._grant_entries,
             container_limits=self._container_limits(),
+            stowaways=self._stowaways(),
         )
 
     def _fingerprint(
@@ -103,6 +108,7 @@ class StatePublisher:
         return (
             dra,
             tuple(self._container_limits()),
+            self._stowaways(),
             len(asyncio.all_tasks()),
             self._reconciler.available,
             self._reconciler.successes,
