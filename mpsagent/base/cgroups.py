@@ -44,6 +44,16 @@ def pod_container(cgroup_text: str) -> PodContainer | None:
     return None
 
 
+def container_id(cgroup_text: str) -> str | None:
+    """The runtime's ID of the container a process runs in, whether or not its path names a pod (a kubelet with
+    `cgroupsPerQOS: false` leaves containerd's `/k8s.io/<container id>`); None outside any container."""
+    for line in cgroup_text.splitlines():
+        found = _CONTAINER.search(line.split(":", 2)[-1])
+        if found:
+            return found.group(1)
+    return None
+
+
 def cgroup2_mount(mountinfo_text: str) -> str | None:
     """Where cgroup v2 is mounted, from `/proc/self/mountinfo` (`/sys/fs/cgroup` on a unified node,
     `/sys/fs/cgroup/unified` on a hybrid one); None when it is not."""

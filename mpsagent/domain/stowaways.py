@@ -78,8 +78,10 @@ class SeenProcess:
     used_bytes: int | None
     ancestors: tuple[int, ...] = ()
     pod_uid: str | None = None
-    """From its cgroup path; None: not in a pod's container (a process on the host)."""
+    """From its cgroup path, or the kubelet's link of its container (a node whose cgroup paths name no pod); None:
+    not in a pod (a process on the host, or in a container the kubelet did not start)."""
     container_id: str | None = None
+    """The runtime's ID of its container; None: a process on the host."""
     container: ContainerRef | None = None
     """Its pod's and container's names, from the kubelet's container log links; None: the kubelet has none for it."""
 
@@ -91,8 +93,9 @@ class Stowaway(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     pid: int
     used_bytes: int | None = None
     pod_uid: str | None = None
-    """None: a process on the host."""
+    """None: not in a pod."""
     container_id: str | None = None
+    """None: a process on the host."""
     namespace: str | None = None
     pod: str | None = None
     container: str | None = None
@@ -102,8 +105,10 @@ class Stowaway(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """When the agent first saw it (UTC)."""
 
     def describe(self) -> str:
-        if self.pod_uid is None:
+        if self.container_id is None:
             return f"PID {self.pid}, a process on the host"
+        if self.pod_uid is None:
+            return f"PID {self.pid} in container {short_id(self.container_id)}, of no pod"
         if self.pod is None:
             return f"PID {self.pid} in pod {self.pod_uid}, container {short_id(self.container_id or '')}"
         return f"PID {self.pid} in pod {self.namespace}/{self.pod} (container {self.container})"

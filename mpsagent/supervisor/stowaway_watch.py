@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 
 from mpsagent.base import procfs
-from mpsagent.base.cgroups import pod_container
+from mpsagent.base.cgroups import container_id, pod_container
 from mpsagent.base.clock import utc
 from mpsagent.base.devices import GpuUuid
 from mpsagent.base.episodes import FailureEpisodes
@@ -116,24 +116,26 @@ class StowawayWatch:
                 if text is None:
                     continue  # ended since NVML listed it
                 place = pod_container(text)
+                container = place.container_id if place is not None else container_id(text)
                 named = None
-                if place is not None:
+                if container is not None:
                     if names is None and names_problem is None:
                         try:
                             names = container_names(self._logs_dir)
                         except OSError as exc:
                             names_problem = f"{self._logs_dir}: {os_reason(exc)}"
-                    named = (names or {}).get(place.container_id)
-                    if named is not None and named.pod_uid != place.pod_uid:
+                    named = (names or {}).get(container)
+                    if named is not None and place is not None and named.pod_uid != place.pod_uid:
                         named = None  # the link is another pod's: not this container's name
+                pod_uid = place.pod_uid if place is not None else None if named is None else named.pod_uid
                 seen.append(
                     SeenProcess(
                         gpu=gpu,
                         pid=process.pid,
                         used_bytes=process.used_bytes,
                         ancestors=tuple(procfs.ancestors(process.pid, self._proc_root)),
-                        pod_uid=None if place is None else place.pod_uid,
-                        container_id=None if place is None else place.container_id,
+                        pod_uid=pod_uid,
+                        container_id=container,
                         container=None if named is None else named.ref,
                     )
                 )
