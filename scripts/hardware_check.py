@@ -984,7 +984,8 @@ class HardwareCheck:
         self.report.add(
             f"metrics-{phase}",
             f"agent metrics while the {phase} client runs",
-            "mpsagent_mps_clients counts it; container memory is empty outside pods",
+            "mpsagent_mps_clients counts it; container memory and SM utilization are empty outside pods; the client, a "
+            "process on the host with no pod, is in mpsagent_stowaway_processes",
             self.metrics(),
             None,
         )
@@ -993,6 +994,15 @@ class HardwareCheck:
                 ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"]
             )
             self.report.add(f"gpu-apps-{phase}", f"nvidia-smi compute apps, {phase} client running", "", apps[1], None)
+            pmon = run_text(["nvidia-smi", "pmon", "-c", "1", "-s", "u"])
+            self.report.add(
+                f"process-sm-{phase}",
+                f"per-process SM utilization (nvidia-smi pmon: NVML's process samples), {phase} client running",
+                "the client's PID with its sm %; '-' where the GPU or MPS gives none (then the agent's per-container "
+                "SM utilization stays empty)",
+                pmon[1],
+                None,
+            )
 
     def driver_limit_checks(self, gpu: dict[str, Any], envs: dict[str, str], limit_mib: int) -> None:
         """On a driver that limits memory per cgroup: the agent's hook limits a container's cgroup to its share,
