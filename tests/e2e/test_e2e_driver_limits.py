@@ -185,6 +185,20 @@ def test_a_device_plugin_container_gets_its_limit_before_its_command_runs_and_tw
     kubectl.wait_for(lambda: not (RECORDS / f"{container}.json").exists(), RECONCILE_S, "its record gone")
 
 
+def test_a_tenants_own_pinned_memory_variable_changes_nothing_the_driver_enforces(
+    cluster: str, agents: HostAgents, agent: AgentProcess
+) -> None:
+    """A pod that sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT itself (the whole GPU, and an entry for a GPU it cannot see:
+    the shape that drops every pinned limit on driver 615) still gets the driver's limit of its share."""
+    manifest = with_command(pods.manifest("lifts-its-own", {GPU: 1}), pods.REPORT)
+    manifest["spec"]["containers"][0]["env"] = [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=16G,1=16G"}]
+    kubectl.apply(manifest)
+    pods.wait_running("lifts-its-own")
+    env = pods.report("lifts-its-own").env
+    print(f"the container's variable: {env['CUDA_MPS_PINNED_DEVICE_MEM_LIMIT']}")
+    limit_set_before_start(agents, "lifts-its-own", env["NVIDIA_VISIBLE_DEVICES"], 4096)
+
+
 def processes_of(container: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
