@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import config, small_node, write_config
@@ -151,6 +152,14 @@ def serve(
 def status(short_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """`mpsagent --status` for the agent whose MPS root is `short_dir / "mps"`."""
     return status_of(short_dir / "mps", *extra)
+
+
+def status_json(short_dir: Path) -> dict[str, Any]:
+    """The status document of the agent whose MPS root is `short_dir / "mps"` (`--status --output json`)."""
+    shown = status(short_dir, "--output", "json")
+    assert shown.returncode == 0, shown.stderr
+    found: dict[str, Any] = json.loads(shown.stdout)
+    return found
 
 
 def status_of(mps_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:

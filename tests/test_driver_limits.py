@@ -17,7 +17,7 @@ import pytest
 
 from mpsagent.base.values import MIB
 from mpsagent.kubelet.memory_limit_devices import SPEC_FILE
-from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, status
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, status_json
 from mpsagent_testing.cgroups import PodCgroup, pod_cgroup
 from mpsagent_testing.cluster.host_agent import fake_gpu, fake_nvml_config
 from mpsagent_testing.kubelet.calls import allocate
@@ -148,13 +148,6 @@ def start_agent(
     kubelet.wait_registered(RESOURCE)
     agent.wait_log("mps daemon healthy")
     return agent, base
-
-
-def status_json(short_dir: Path) -> dict[str, Any]:
-    shown = status(short_dir, "--output", "json")
-    assert shown.returncode == 0, shown.stderr
-    found: dict[str, Any] = json.loads(shown.stdout)
-    return found
 
 
 def test_a_capped_grant_on_a_driver_limited_gpu_names_the_hooks_device_whose_spec_the_runtime_reads(

@@ -6,13 +6,11 @@ real processes in cgroups named like pods' containers and a grpcio stand-in for 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,7 +18,7 @@ from mpsagent.base.devices import ContainerRef, GpuUuid
 from mpsagent.domain.claims import ClaimRef, PreparedClaim, PreparedDevice
 from mpsagent.domain.stowaways import GpuUsers, SeenProcess, gpu_users, judge
 from mpsagent.kubelet.container_logs import MAX_LINKS, container_names
-from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, status
+from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, status, status_json
 from mpsagent_testing.cgroups import PodCgroup, pod_cgroup
 from mpsagent_testing.cluster.host_agent import fake_gpu, fake_nvml_config
 from mpsagent_testing.kubelet.calls import allocate
@@ -190,13 +188,6 @@ def start_agent(agents: AgentLauncher, kubelet: FakeKubelet, short_dir: Path, no
     kubelet.wait_registered(RESOURCE)
     agent.wait_log("mps daemon healthy")
     return agent, base
-
-
-def status_json(short_dir: Path) -> dict[str, Any]:
-    shown = status(short_dir, "--output", "json")
-    assert shown.returncode == 0, shown.stderr
-    found: dict[str, Any] = json.loads(shown.stdout)
-    return found
 
 
 def found_events(agent: AgentProcess) -> list[dict[str, object]]:
