@@ -250,9 +250,11 @@ def test_without_the_kubelets_names_processes_in_pods_are_not_judged_and_the_sta
     _, stowaway = node.container("ml", "sneaky")
     node.links.rename(node.links.with_name("moved"))
     agent, base = start_agent(agents, kubelet, short_dir, node)
-    node.driver.set_processes(GPU0, [(stowaway.pid, 1 << 20)], mps=True)
+    # Said at once, before any process runs on a GPU.
     unchecked = agent.wait_log("processes in pods on the gpus not judged: the kubelet's container names cannot be read")
     assert str(node.links) in str(unchecked["reason"])
     wait_for(lambda: value(base, "mpsagent_stowaways_unchecked") == 1, 5, "the metric")
+    node.driver.set_processes(GPU0, [(stowaway.pid, 1 << 20)], mps=True)
+    time.sleep(2 * PROBE_S)
     assert "processes in pods NOT judged" in status(short_dir).stdout
     assert not found_events(agent)

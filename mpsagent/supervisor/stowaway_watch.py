@@ -6,6 +6,7 @@ metrics until it ends. The supervisor owns it as one task; its reads run off the
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import PreparedClaim
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.stowaways import Judgement, SeenProcess, Stowaway, StowawayStatus, gpu_users, judge
-from mpsagent.gpu.port import GpuHealthSource
+from mpsagent.gpu.port import GpuHealthSource, GpuProcess
 from mpsagent.kubelet.container_logs import NamedContainer, container_names
 
 log = get_logger(__name__)
@@ -102,8 +103,7 @@ class StowawayWatch:
         """Each GPU's processes, placed (blocking); the GPUs NVML could not list; why names cannot be read."""
         seen: list[SeenProcess] = []
         unread: set[GpuUuid] = set()
-        names: dict[str, NamedContainer] | None = None
-        names_problem: str | None = None
+        names = _Names(self._logs_dir)
         for gpu in self._gpus:
             try:
                 processes = self._source.processes(gpu)
@@ -112,34 +112,30 @@ class StowawayWatch:
                 unread.add(gpu)
                 continue
             for process in processes:
-                text = procfs.cgroup_text(process.pid, self._proc_root)
-                if text is None:
-                    continue  # ended since NVML listed it
-                place = pod_container(text)
-                container = place.container_id if place is not None else container_id(text)
-                named = None
-                if container is not None:
-                    if names is None and names_problem is None:
-                        try:
-                            names = container_names(self._logs_dir)
-                        except OSError as exc:
-                            names_problem = f"{self._logs_dir}: {os_reason(exc)}"
-                    named = (names or {}).get(container)
-                    if named is not None and place is not None and named.pod_uid != place.pod_uid:
-                        named = None  # the link is another pod's: not this container's name
-                pod_uid = place.pod_uid if place is not None else None if named is None else named.pod_uid
-                seen.append(
-                    SeenProcess(
-                        gpu=gpu,
-                        pid=process.pid,
-                        used_bytes=process.used_bytes,
-                        ancestors=tuple(procfs.ancestors(process.pid, self._proc_root)),
-                        pod_uid=pod_uid,
-                        container_id=container,
-                        container=None if named is None else named.ref,
-                    )
-                )
-        return seen, frozenset(unread), names_problem
+                placed = self._place(gpu, process, names)
+                if placed is not None:
+                    seen.append(placed)
+        return seen, frozenset(unread), names.problem()
+
+    def _place(self, gpu: GpuUuid, process: GpuProcess, names: _Names) -> SeenProcess | None:
+        """Where the process runs; None when it ended since NVML listed it."""
+        text = procfs.cgroup_text(process.pid, self._proc_root)
+        if text is None:
+            return None
+        place = pod_container(text)
+        container = place.container_id if place is not None else container_id(text)
+        named = None if container is None else names.get(container)
+        if named is not None and place is not None and named.pod_uid != place.pod_uid:
+            named = None  # the link is another pod's: not this container's name
+        return SeenProcess(
+            gpu=gpu,
+            pid=process.pid,
+            used_bytes=process.used_bytes,
+            ancestors=tuple(procfs.ancestors(process.pid, self._proc_root)),
+            pod_uid=place.pod_uid if place is not None else None if named is None else named.pod_uid,
+            container_id=container,
+            container=None if named is None else named.ref,
+        )
 
     def _update(self, judgement: Judgement, unread: frozenset[GpuUuid], names_problem: str | None) -> None:
         if names_problem is None:
@@ -195,3 +191,32 @@ class StowawayWatch:
 def _key(process: SeenProcess) -> tuple[str, int, str | None]:
     """A process on a GPU; the container ID tells a reused PID apart."""
     return (process.gpu, process.pid, process.container_id)
+
+
+class _Names:
+    """The kubelet's container names for one look: read once, and only when a process runs in a container."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+        self._found: dict[str, NamedContainer] | None = None
+        self._problem: str | None = None
+
+    def get(self, container: str) -> NamedContainer | None:
+        if self._found is None:
+            try:
+                self._found = container_names(self._directory)
+            except OSError as exc:
+                self._found = {}
+                self._problem = f"{self._directory}: {os_reason(exc)}"
+        return self._found.get(container)
+
+    def problem(self) -> str | None:
+        """Why the names cannot be read; asked of the directory even when no process needed them, so that a missing
+        mount shows at once, not with the first process in a pod."""
+        if self._found is None:
+            try:
+                with os.scandir(self._directory):
+                    pass
+            except OSError as exc:
+                return f"{self._directory}: {os_reason(exc)}"
+        return self._problem
