@@ -74,8 +74,11 @@ def allocated_device(pod: str) -> str:
 
 
 def events(pod: str) -> list[str]:
-    """The pod's events, as `reason: message`."""
-    listed = kubectl.get("events", "-n", pods.NAMESPACE, "--field-selector", f"involvedObject.name={pod}")["items"]
+    """The running pod's events, as `reason: message`: not those of an earlier pod of that name (the node's API
+    server keeps events an hour, and an earlier run of the suite used the same names)."""
+    uid = pods.get(pod)["metadata"]["uid"]
+    selector = f"involvedObject.name={pod},involvedObject.uid={uid}"
+    listed = kubectl.get("events", "-n", pods.NAMESPACE, "--field-selector", selector)["items"]
     return [f"{event.get('reason')}: {event.get('message')}" for event in listed]
 
 
