@@ -10,7 +10,7 @@ that keeps a limit from holding (the container has no cgroup v2 directory of its
 back otherwise) is an error naming the container, the GPU and why: exit 1, and the runtime does not start the
 container, so that no capped container ever starts uncapped without a word. What it did, and when, is appended to
 `DIR/hook.log`; each container it limited is recorded in `DIR/<container id>.json` (`record`), which the agent reads
-back (`node.container_limits`).
+back (`gpu.limits_watch`).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class GpuHealthError(GpuDiscoveryError):
 
 
 class MemoryLimitError(GpuDiscoveryError):
-    """The driver did not set, clear or give a container cgroup's memory limit on a GPU; the message names both."""
+    """The driver did not set or give a container cgroup's memory limit on a GPU; the message names both."""
 
 
 class SnapshotError(GpuDiscoveryError):

@@ -20,9 +20,9 @@ CUDA_ERROR_MPS_MAX_CLIENTS_REACHED. So at most this many replicas a GPU."""
 MAX_CLIENTS_PER_GPU_BEFORE_VOLTA = 16
 
 DEFAULT_PROBE_INTERVAL_S = 3.0
+"""`--probe-interval-seconds`' default: how often the daemon's liveness and caps are checked."""
 DEFAULT_CONTROL_HOLD_S = 2.0
 """How long a process in a pod may hold the MPS control socket before the agent ends its connection."""
-"""`--probe-interval-seconds`' default: how often the daemon's liveness and caps are checked."""
 
 
 # --- `sharing.mps` and `flags.plugin` -----------------------------------------------------------------------

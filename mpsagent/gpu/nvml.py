@@ -118,17 +118,6 @@ class NvmlMemoryLimits:
 
         return _limit_call(f"read the memory limit of {cgroup} on {uuid}", call)
 
-    def clear(self, uuid: GpuUuid, cgroup: str) -> None:
-        def call() -> None:
-            limits = pynvml.c_nvmlSetMemoryLimits_v1_t()
-            limits.nameSpace = cgroup.encode()
-            limits.softLimit = 0
-            limits.hardLimit = NO_LIMIT
-            with contextlib.suppress(pynvml.NVMLError_NotFound):  # gone: its limit went with it
-                _limits_function(_SET_LIMITS)(_handle(uuid), limits)
-
-        _limit_call(f"clear the memory limit of {cgroup} on {uuid}", call)
-
 
 def _handle(uuid: GpuUuid) -> object:
     return pynvml.nvmlDeviceGetHandleByUUID(uuid)

@@ -63,10 +63,6 @@ class MemoryLimits(Protocol):
         """The cgroup's limit and use on the GPU; None when the cgroup is gone (its limit went with it)."""
         ...
 
-    def clear(self, uuid: GpuUuid, cgroup: str) -> None:
-        """No limit for the cgroup on the GPU any more (a cgroup that is gone has none)."""
-        ...
-
 
 class GpuEventWatch(Protocol):
     """A blocking NVML event subscription; used from one worker thread at a time."""
