@@ -26,11 +26,11 @@ from pathlib import Path
 
 import msgspec
 
-from mpsagent.base.cgroups import cgroup2_mount, cgroup2_path
 from mpsagent.base.clock import utc
 from mpsagent.base.devices import GpuUuid, is_gpu_uuid
 from mpsagent.base.errors import MemoryLimitError, shown
 from mpsagent.base.host import write_atomically
+from mpsagent.base.procfs import cgroup2_place
 from mpsagent.base.values import MIB
 from mpsagent.gpu.limits_watch import ContainerRecord, RecordedLimit
 from mpsagent.gpu.nvml import NvmlMemoryLimits
@@ -68,15 +68,14 @@ def container_cgroup(pid: int, proc: Path = Path("/proc")) -> str:
     """The cgroup v2 directory of the container whose process is `pid`, as the host sees it. Raises HookError when
     it has none of its own (no cgroup v2 on the node, or the runtime left the container in the root)."""
     try:
-        mount = cgroup2_mount((proc / "self" / "mountinfo").read_text())
-        path = cgroup2_path((proc / str(pid) / "cgroup").read_text())
+        place = cgroup2_place(str(pid), proc)
     except OSError as exc:
         raise HookError(f"cannot read the cgroup of the container's process {pid} ({exc.strerror})") from exc
-    if mount is None or path is None:
+    if place is None:
         raise HookError("the node has no cgroup v2, which the driver's memory limits need")
-    if path in ("", "/"):
+    if place.in_root:
         raise HookError(f"the container's process {pid} has no cgroup v2 directory of its own (it is in the root)")
-    return mount.rstrip("/") + path
+    return place.directory
 
 
 def apply(limits: Sequence[RecordedLimit], cgroup: str, driver: MemoryLimits) -> None:

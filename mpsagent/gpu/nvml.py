@@ -12,9 +12,9 @@ from typing import TypeVar
 
 import pynvml
 
-from mpsagent.base.cgroups import cgroup2_mount, cgroup2_path
 from mpsagent.base.devices import GPU_UUID_FORM, MAX_GPUS_PER_NODE, Gpu, GpuUuid, NodeGpus, is_gpu_uuid
 from mpsagent.base.errors import GpuDiscoveryError, GpuHealthError, MemoryLimitError, shown
+from mpsagent.base.procfs import cgroup2_place
 from mpsagent.gpu.port import UTILIZATION_WINDOW_S, CgroupMemory, ComputeMode, GpuProcess, XidEvent
 
 _T = TypeVar("_T")
@@ -46,13 +46,10 @@ def own_cgroup2_directory(proc: Path = Path("/proc")) -> str | None:
     """This process's cgroup v2 directory (`/sys/fs/cgroup/...`): where the driver's memory limits are asked about
     at start; None without cgroup v2."""
     try:
-        mount = cgroup2_mount((proc / "self" / "mountinfo").read_text())
-        path = cgroup2_path((proc / "self" / "cgroup").read_text())
+        place = cgroup2_place("self", proc)
     except OSError:
         return None
-    if mount is None or path is None:
-        return None
-    return mount.rstrip("/") + path if path != "/" else mount
+    return None if place is None else place.directory
 
 
 def _limits_function(name: str) -> Callable[..., None]:
