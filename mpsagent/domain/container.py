@@ -97,11 +97,7 @@ def memory_limit_device(resource: ResourcePlan, share: Share) -> MemoryLimitDevi
     """The driver's limits a container holding `share` gets: its cap on each of its GPUs the driver can limit;
     None for a full grant, or where the driver limits none of its GPUs."""
     enforced = {gpu.uuid for gpu in resource.gpus if gpu.enforcement is Enforcement.DRIVER}
-    limits = tuple(
-        MemoryLimit(uuid=gpu.uuid, mib=mib)
-        for gpu, mib in zip(share.gpus, share.container_memory_mib, strict=False)
-        if gpu.uuid in enforced
-    )
+    limits = tuple(MemoryLimit(uuid=gpu.uuid, mib=mib) for gpu, mib in share.memory_caps() if gpu.uuid in enforced)
     return MemoryLimitDevice(limits=limits) if limits else None
 
 

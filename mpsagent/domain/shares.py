@@ -112,13 +112,14 @@ class Share:
     def full(self) -> bool:
         return self.kind is GrantKind.FULL
 
+    def memory_caps(self) -> tuple[tuple[GpuShare, int], ...]:
+        """Each GPU it holds with its pinned-memory cap there, in `gpus`' order; none for a full grant."""
+        return tuple(zip(self.gpus, self.container_memory_mib, strict=False))
+
     def memory_cap(self, ordinal: int) -> int | None:
         """Its pinned-memory cap on the daemon's GPU `ordinal`; None where it has none (a full grant, a GPU it
         does not hold)."""
-        for gpu, mib in zip(self.gpus, self.container_memory_mib, strict=False):
-            if gpu.ordinal == ordinal:
-                return mib
-        return None
+        return next((mib for gpu, mib in self.memory_caps() if gpu.ordinal == ordinal), None)
 
     def memory_limit_env(self) -> str:
         """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT as the container gets it (`0=20389M`): one entry per GPU it holds, keyed

@@ -148,20 +148,21 @@ class KubeApi:
         """What the claim the kubelet named was allocated of `driver` on `node` (`claim_allocation`). Raises
         ClaimRefusedError for a claim that cannot be prepared as it stands, KubeApiError (404: it is gone) when
         it cannot be read."""
-        async with _call(f"reading ResourceClaim {ref}"):
-            claim = await self._client.get(ResourceClaim, ref.name, namespace=ref.namespace)
-        return claim_allocation(claim, ref, driver=driver, node=node)
+        return claim_allocation(await self._claim(ref), ref, driver=driver, node=node)
 
     async def claim_pods(self, ref: ClaimRef) -> tuple[str, ...] | None:
         """The pods the claim is reserved for now (`reserved_pods`); None when it is gone."""
         try:
-            async with _call(f"reading ResourceClaim {ref}"):
-                claim = await self._client.get(ResourceClaim, ref.name, namespace=ref.namespace)
+            claim = await self._claim(ref)
         except KubeApiError as exc:
             if exc.status == 404:
                 return None
             raise
         return reserved_pods(claim, ref)
+
+    async def _claim(self, ref: ClaimRef) -> ResourceClaim:
+        async with _call(f"reading ResourceClaim {ref}"):
+            return await self._client.get(ResourceClaim, ref.name, namespace=ref.namespace)
 
     async def _delete_slice(self, name: str) -> bool:
         try:
