@@ -15,7 +15,7 @@ stowaway meanwhile. The MPS servers, children of the daemons the agent runs, are
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -131,7 +131,7 @@ class Judgement:
     stowaways: tuple[SeenProcess, ...] = ()
     undecided: tuple[SeenProcess, ...] = ()
     """Processes in pods that cannot be judged yet (a grant on their GPU not listed yet, no names readable)."""
-    servers: tuple[SeenProcess, ...] = field(default=())
+    servers: tuple[SeenProcess, ...] = ()
     """The MPS servers of the agent's daemons."""
 
 
