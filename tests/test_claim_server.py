@@ -9,6 +9,8 @@ claims alike; an agent restart that holds the checkpointed claims again; and `--
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -33,11 +35,12 @@ from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.claim_object import claim_allocation
+from mpsagent.dra.driver import CHECKPOINT_FILE, live_claims_without_dra
 from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.kubelet.cdi_spec import CdiDevice
 from mpsagent.mps.paths import prepare_directories
-from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
+from mpsagent.supervisor.claim_server import ClaimServer
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control, restored_after
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, small_node, write_config
@@ -952,13 +955,16 @@ def test_a_failed_gpu_is_tainted_refuses_claims_and_its_devices_health_changes(n
     async def main() -> None:
         async with agent.running():
             await agent.claims.prepare([])  # any call looks at the node again (the agent's own look runs every 0.2 s)
-            assert [(h.device, h.problem) for h in agent.claims.device_health()] == [("gpu-0", None), ("gpu-1", None)]
-            generation = agent.claims.health_generation
+            assert [(h.device, h.problem) for h in agent.claims.health.device_health()] == [
+                ("gpu-0", None),
+                ("gpu-1", None),
+            ]
+            generation = agent.claims.health.health_generation
             agent.resource.inventory.set_gpu_problem(GPU0, "nvml", True, "critical Xid 79")
             await agent.claims.prepare([])
             with anyio.fail_after(5):
-                assert await agent.claims.wait_health_changed(generation) == generation + 1
-            assert [(h.device, h.problem) for h in agent.claims.device_health()] == [
+                assert await agent.claims.health.wait_health_changed(generation) == generation + 1
+            assert [(h.device, h.problem) for h in agent.claims.health.device_health()] == [
                 ("gpu-0", "critical Xid 79"),
                 ("gpu-1", None),
             ]
@@ -972,7 +978,7 @@ def test_a_failed_gpu_is_tainted_refuses_claims_and_its_devices_health_changes(n
             assert "is unhealthy (critical Xid 79)" in (await prepare_one(agent, CLAIM_A)).error
             agent.resource.inventory.set_gpu_problem(GPU0, "nvml", False)
             await prepare_one(agent, CLAIM_B)  # any call looks at the node again
-            assert agent.claims.device_health()[0].problem is None
+            assert agent.claims.health.device_health()[0].problem is None
             assert next(d for d in agent.claims.slice.devices if d.name == "gpu-0").taints == ()
 
     node.run(main)
@@ -1074,3 +1080,41 @@ def test_at_start_what_is_not_a_spec_file_of_the_agent_is_skipped_not_a_reason_t
     assert target.read_text() == "{}"
     skipped = [(e["path"], e["log_level"]) for e in logs if e["event"] == "cdi directory entry skipped"]
     assert sorted(skipped) == sorted([(str(directory), "warning"), (str(link), "warning")])
+
+
+def test_a_prepare_cancelled_at_any_point_leaves_the_node_as_if_it_never_happened(node: Node) -> None:
+    """grpclib cancels a handler's task (natively) on the kubelet's deadline or a reset stream: cancelled after
+    each number of half milliseconds (the awaits inside are the daemon's sessions and a worker thread's writes), a
+    prepare of two claims on two GPUs holds nothing anywhere, or (once it completed) holds them exactly once; the
+    kubelet's retry then holds each claim once."""
+    agent = node.agent()
+
+    async def main() -> None:
+        async with agent.running():
+            node.api.allocate(allocation(CLAIM_A), allocation(CLAIM_C, device="gpu-1", memory_bytes=20 * GIB))
+            for turns in range(400):
+                call = asyncio.ensure_future(agent.claims.prepare([CLAIM_A, CLAIM_C]))
+                await asyncio.sleep(turns / 2000)
+                completed = call.done()
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+                state = (agent.claim_grants(), node.checkpointed(), node.spec_uids(), agent.ceilings())
+                if not completed:
+                    assert state == ([], [], set(), WHOLE), f"cancelled after {turns} turns"
+                    continue
+                assert state == (
+                    [(UID_A, "gpu-0", 30720, 37), (UID_C, "gpu-1", 20480, 25)],
+                    [UID_A, UID_C],
+                    {UID_A, UID_C},
+                    ("37.0", "30G", "20G"),
+                ), f"completed after {turns} turns"
+                break
+            else:
+                pytest.fail("the prepare never completed")
+            retried = await agent.claims.prepare([CLAIM_A, CLAIM_C])
+            assert [outcome.error for outcome in retried.values()] == ["", ""]
+            assert len(agent.claim_grants()) == 2
+            assert agent.resource.allocator.ledger.tally.clients(0) == 1
+
+    node.run(main)

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from google.protobuf.message import Message
@@ -21,12 +21,14 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto.upb.deviceplugin.v1beta1 import api_pb2 as pb
-from mpsagent.base.errors import DaemonError, MpsAgentError
+from mpsagent.base.errors import DaemonError
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator, describe_ids
 from mpsagent.domain.container import ContainerSetup, MemoryLimitDevice
 from mpsagent.domain.inventory import Inventory, InventorySnapshot
 from mpsagent.domain.shares import Share
+from mpsagent.kubelet.grant_transaction import SetCeilings, carry_out
+from mpsagent.kubelet.memory_limit_devices import EnsureLimitDevices
 from mpsagent.kubelet.wire import Refuse, answering, receive_message, unary_handler
 
 log = get_logger(__name__)
@@ -34,22 +36,11 @@ log = get_logger(__name__)
 _Request = TypeVar("_Request", bound=Message)
 
 
-class SetCeilings(Protocol):
-    """Makes the resource's daemon hold the ceilings the ledger's live grants need; raises when it cannot.
-    `verify`: read the daemon's real values back even when it is believed to hold them."""
-
-    async def __call__(self, *, verify: bool = False) -> None: ...
-
-
-EnsureLimitDevices = Callable[[Sequence[MemoryLimitDevice | None]], None]
-"""Have the memory-limit devices' CDI spec hold these (None: a share the driver does not limit) before the answer
-names them; raises HostError when it cannot be written."""
 RpcTimer = Callable[[str, float, str], None]
 """Told how long an RPC took (`allocate`, `preferred_allocation`) and its outcome: `ok`, `refused` (the request
 was wrong) or `failed` (the node, or a bug)."""
 OnGranted = Callable[[Sequence[ContainerAllocation]], None]
 """Told of the grants of an Allocate that is answered OK."""
-RESTORE_TIMEOUT_S = 30.0
 MAX_KNOWN_PARTS = 4096
 
 
@@ -208,15 +199,15 @@ class DevicePluginServicer:
         requests = [container.devices_ids for container in message.container_requests]
         with self._answering("Allocate", "allocate", containers=len(requests)):
             allocations = self._allocator.allocate(requests)
-            try:
-                self._ensure_limit_devices([a.setup.memory_limits for a in allocations])
-                await self._set_ceilings()
-            except BaseException as exc:
-                await self._withdraw(allocations)
-                if isinstance(exc, DaemonError):
-                    asked = describe_ids([i for ids in requests for i in ids])
-                    raise DaemonError(f"{exc}; nothing was granted (asked: {asked})") from exc
-                raise
+            try:  # one grant transaction: a failure or a cancellation withdraws the grants and restores the ceilings
+                await carry_out(
+                    lambda: self._carry_out(allocations),
+                    release=lambda: self._withdraw(allocations),
+                    ceilings=(self._set_ceilings,),
+                )
+            except DaemonError as exc:
+                asked = describe_ids([i for ids in requests for i in ids])
+                raise DaemonError(f"{exc}; nothing was granted (asked: {asked})") from exc
             # Told once the answer is on its way: what the grant is followed by (its log line, the reconciler's
             # follow-ups) costs the kubelet nothing it waits for. The loop runs it right after this call's step.
             asyncio.get_running_loop().call_soon(self._on_granted, allocations)
@@ -237,17 +228,15 @@ class DevicePluginServicer:
         known = self._parts[id(setup.share)] = (setup.share, part, pb.AllocateResponse(container_responses=[part]))
         return known
 
-    async def _withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
-        """An Allocate answered with an error starts no container: its grants go, and the daemon is brought back to
-        the caps of the grants left (a switch that failed halfway may have lifted them). Shielded: a cancelled
-        Allocate is withdrawn too."""
+    async def _carry_out(self, allocations: Sequence[ContainerAllocation]) -> None:
+        self._ensure_limit_devices([a.setup.memory_limits for a in allocations])
+        await self._set_ceilings()
+
+    def _withdraw(self, allocations: Sequence[ContainerAllocation]) -> None:
+        """An Allocate answered with an error starts no container: its grants go (the transaction then brings the
+        daemon back to the caps of the grants left: a switch that failed halfway may have lifted them)."""
         self._allocator.withdraw(allocations)
         self._log.warning("allocate withdrawn", grants=[a.record.grant.grant_id for a in allocations])
-        with anyio.move_on_after(RESTORE_TIMEOUT_S, shield=True):
-            try:
-                await self._set_ceilings()
-            except (MpsAgentError, OSError) as exc:
-                self._log.error("mps daemon caps not changed", reason=str(exc))
 
     async def get_preferred_allocation(self, message: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
         with self._timed("preferred_allocation"), self._answering("GetPreferredAllocation", "preferred allocation"):

@@ -60,6 +60,37 @@ class DeviceHealthSource(Protocol):
     def health_generation(self) -> int: ...
 
 
+class DeviceHealthBoard:
+    """The devices' health as last shown, numbered by generation (a `DeviceHealthSource`): the claim server shows it
+    what the node's health says, and each stream waits on it."""
+
+    def __init__(self, health: Sequence[DeviceHealth]) -> None:
+        self._health = tuple(health)
+        self._generation = 0
+        self._changed = anyio.Event()
+
+    def show(self, health: Sequence[DeviceHealth]) -> None:
+        """The devices' health now: a new generation, and the streams woken, when it differs."""
+        if tuple(health) == self._health:
+            return
+        self._health = tuple(health)
+        self._generation += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def device_health(self) -> Sequence[DeviceHealth]:
+        return self._health
+
+    @property
+    def health_generation(self) -> int:
+        return self._generation
+
+    async def wait_health_changed(self, since: int) -> int:
+        while self._generation == since:
+            await self._changed.wait()
+        return self._generation
+
+
 def health_message(devices: Sequence[DeviceHealth], now: float) -> pb.NodeWatchResourcesResponse:
     return pb.NodeWatchResourcesResponse(
         devices=[

@@ -12,12 +12,16 @@ kubelet restarts while its grant lives finds its device, whether or not the agen
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpsagent.domain.container import MEMORY_LIMIT_CDI_KIND, MemoryLimitDevice
 from mpsagent.kubelet.cdi_spec import CdiDevice, Hook, write_spec
+
+EnsureLimitDevices = Callable[[Sequence[MemoryLimitDevice | None]], None]
+"""Have the memory-limit devices' CDI spec hold these (None: a share the driver does not limit) before an answer
+names them, on either route (`MemoryLimitDevices.ensure`); raises HostError when it cannot be written."""
 
 SPEC_FILE = MEMORY_LIMIT_CDI_KIND.replace("/", "-") + ".json"
 """`mpsagent.io-memory-limit.json`: CDI's convention for spec file names."""

@@ -26,6 +26,7 @@ from mpsagent.base.settings import Settings
 from mpsagent.base.values import DraMode, MpsDaemonOwner, MpsOnExit
 from mpsagent.documents.status import starting_document
 from mpsagent.domain.plan import NodePlan
+from mpsagent.dra.driver import CHECKPOINT_FILE, live_claims_without_dra
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.kubelet.guard import NodeGuard
@@ -33,7 +34,7 @@ from mpsagent.kubelet.podresources import PodResourcesReconciler, ReconcileTarge
 from mpsagent.mps.paths import DAEMON_OWNER_LOCK_FILE, ResourceLock, prepare_directories
 from mpsagent.node.nfd import node_labels, remove_features, write_features
 from mpsagent.node.systemd import SystemdNotifier
-from mpsagent.supervisor.claim_server import CHECKPOINT_FILE, ClaimServer, live_claims_without_dra
+from mpsagent.supervisor.claim_server import ClaimServer
 from mpsagent.supervisor.driver_limits import DriverLimits, driver_limits
 from mpsagent.supervisor.pod_events import PodEvents
 from mpsagent.supervisor.publisher import StatePublisher, feed_watchdog
@@ -89,8 +90,8 @@ def _stowaway_watch(
         interval_s=settings.probe_interval_s,
         grants=lambda: [grant for r in resources for grant in r.allocator.ledger.live_grants()],
         daemon_pids=lambda: frozenset(pid for r in resources if (pid := r.daemon.status().pid) is not None),
-        claims=claims.prepared_claims if claims is not None else tuple,
-        read_claim_pods=claims.read_pods_again if claims is not None else None,
+        claims=claims.driver.prepared_claims if claims is not None else tuple,
+        read_claim_pods=claims.driver.read_pods_again if claims is not None else None,
     )
 
 
