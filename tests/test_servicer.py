@@ -4,6 +4,8 @@ agent's socket: test_plugin_integration.py, test_hostile_requests.py, test_input
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +31,13 @@ from mpsagent.deviceplugin.servicer import SERVICE, DevicePluginServicer
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
+from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.kubelet.wire import EndedInsideMessage, RequestWire
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 CALL_TIMEOUT_S = 5
+SWITCH_TURNS = 3
 
 
 @dataclass
@@ -42,11 +46,20 @@ class Daemon:
 
     calls: list[bool] = field(default_factory=list)
     failing: str | None = None
+    allocator: ResourceAllocator | None = None
+    """Whose ceilings it holds (`held`), each switch taking SWITCH_TURNS of the loop's turns."""
+    held: Ceilings | None = None
 
     async def set_ceilings(self, *, verify: bool = False) -> None:
         self.calls.append(verify)
         if self.failing is not None:
             raise DaemonCommandError(self.failing)
+        if self.allocator is not None:
+            wanted = self.allocator.ceilings()
+            for _ in range(SWITCH_TURNS):
+                self.held = None  # halfway: some ceilings switched, some not
+                await asyncio.sleep(0)
+            self.held = wanted
 
 
 @dataclass
@@ -228,6 +241,43 @@ def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Serv
     assert served.daemon.calls == [False, False, False]
     assert [a.setup.replica_ids for a in served.granted] == [tuple(ids(GPU0, 0))]
     assert served.timed == [("allocate", "ok"), ("allocate", "failed")]
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+def test_an_allocate_cancelled_at_any_await_is_withdrawn_or_stands_exactly_once(tmp_path: Path, cancels: int) -> None:
+    """The kubelet gives up on an Allocate (grpclib cancels the handler's task, and cancels it again when the
+    connection closes) after each number of the loop's turns: the grant is gone and the daemon back at the ceilings
+    of what is left, or (once it completed) the grant stands once."""
+
+    async def cancelled(served: Served, turns: int) -> tuple[bool, object, object]:
+        await served.servicer.allocate(allocate_request(ids(GPU0, 0)))  # an earlier grant, its ceilings held
+        before = (served.live(), served.daemon.held)
+        call = asyncio.ensure_future(served.servicer.allocate(allocate_request(ids(GPU0, 1, 2))))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        completed = call.done()
+        for _ in range(cancels):
+            call.cancel()
+            await asyncio.sleep(0)
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return completed, before, (served.live(), served.daemon.held)
+
+    for turns in range(4 * SWITCH_TURNS):
+        (tmp_path / f"turns-{turns}").mkdir()
+        served = serve(tmp_path / f"turns-{turns}")
+        served.daemon.allocator = served.allocator
+        completed, before, after = anyio.run(cancelled, served, turns)
+        if completed:
+            assert turns > SWITCH_TURNS
+            assert after == (
+                [tuple(ids(GPU0, 0)), tuple(ids(GPU0, 1, 2))],
+                served.allocator.ceilings(),
+            ), f"completed after {turns} turns"
+            break
+        assert after == before, f"cancelled after {turns} turns"
+    else:
+        pytest.fail("the allocate never completed")
 
 
 # --- GetPreferredAllocation ------------------------------------------------------------------------------------
