@@ -6,7 +6,6 @@ directory: the kubelet would not find the plugin again), and removes both files 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -17,9 +16,8 @@ from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
 from mpsagent.base.logs import get_logger
 from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
-from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService, NodeServiceStatistics
+from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService
 from mpsagent.dra.registration import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
-from mpsagent.kubelet.registration import Registration
 from mpsagent.kubelet.served_socket import ServedSocket
 from mpsagent.kubelet.wire import Servable
 
@@ -32,16 +30,6 @@ WATCH_INTERVAL_S = 2.0
 SERVE_AGAIN_BACKOFF_MAX_S = 30.0
 """The longest wait between tries to serve a removed socket again, while serving fails."""
 _DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DraEndpointStatistics:
-    registration: Registration
-    service: NodeServiceStatistics
-    sockets_served_again: int
-    """Socket files served again after they were removed."""
-    serve_again_failures: int
-    """Tries to serve a removed socket again that failed."""
 
 
 class DraEndpoint:
@@ -75,18 +63,9 @@ class DraEndpoint:
             versions=(NODE_SERVICE_VERSION, *((HEALTH_SERVICE_VERSION,) if health is not None else ())),
         )
         self._watch_interval_s = watch_interval_s
-        self._served_again = 0
         self._log = log.bind(driver=driver)
         self._serving_again = FailureEpisodes(
             self._log, failed="removed socket not served again", again="removed socket served again", level="error"
-        )
-
-    def statistics(self) -> DraEndpointStatistics:
-        return DraEndpointStatistics(
-            registration=self.registration.statistics(),
-            service=self.node_service.statistics(),
-            sockets_served_again=self._served_again,
-            serve_again_failures=self._serving_again.failures,
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -135,7 +114,6 @@ class DraEndpoint:
                         if not failing.failing:
                             self._log.warning("socket file removed; serving it again", socket=str(socket.path))
                         await socket.serve()
-                        self._served_again += 1
             except HostError as exc:
                 retry.grow()
                 failing.failed(str(exc), retry_in_s=round(retry.delay, 1))

@@ -11,9 +11,8 @@ the kubelet tries again.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
 import betterproto2
@@ -74,20 +73,6 @@ class ClaimHandler(Protocol):
         ...
 
 
-@dataclass(kw_only=True, slots=True)
-class NodeServiceStatistics:
-    prepare_calls: int = 0
-    unprepare_calls: int = 0
-    claims_prepared: int = 0
-    """Claims answered without an error by prepare calls answered OK."""
-    claim_errors: int = 0
-    """Claims answered with an error (prepare or unprepare), in calls answered OK."""
-    refused: int = 0
-    """Calls answered INVALID_ARGUMENT: the request was outside the bounds."""
-    failed: int = 0
-    """Calls answered UNAVAILABLE or INTERNAL: the handler failed as a whole."""
-
-
 def claim_refs(claims: Sequence[pb.Claim | None]) -> list[ClaimRef]:
     """The request's claims, checked against the bounds, each UID once (in the order first given); raises
     RequestError naming what is wrong."""
@@ -128,13 +113,8 @@ class DraNodeService(pb.DraPluginBase):
 
     def __init__(self, handler: ClaimHandler) -> None:
         self._handler = handler
-        self._stats = NodeServiceStatistics()
-
-    def statistics(self) -> NodeServiceStatistics:
-        return replace(self._stats)
 
     async def node_prepare_resources(self, message: pb.NodePrepareResourcesRequest) -> pb.NodePrepareResourcesResponse:
-        self._stats.prepare_calls += 1
         with self._answering("NodePrepareResources", "prepare", claims=len(message.claims)):
             claims = claim_refs(message.claims)
             outcomes = await self._handler.prepare(claims) if claims else {}
@@ -145,10 +125,8 @@ class DraNodeService(pb.DraPluginBase):
                 log.error("claim not answered by the handler", rpc="NodePrepareResources", claim=str(claim))
                 outcome = PrepareOutcome(error=NO_OUTCOME)
             if outcome.error:
-                self._stats.claim_errors += 1
                 replies[claim.uid] = pb.NodePrepareResourceResponse(error=outcome.error)
             else:
-                self._stats.claims_prepared += 1
                 replies[claim.uid] = pb.NodePrepareResourceResponse(
                     devices=[device_message(d) for d in outcome.devices]
                 )
@@ -157,7 +135,6 @@ class DraNodeService(pb.DraPluginBase):
     async def node_unprepare_resources(
         self, message: pb.NodeUnprepareResourcesRequest
     ) -> pb.NodeUnprepareResourcesResponse:
-        self._stats.unprepare_calls += 1
         with self._answering("NodeUnprepareResources", "unprepare", claims=len(message.claims)):
             claims = claim_refs(message.claims)
             errors = await self._handler.unprepare(claims) if claims else {}
@@ -167,8 +144,6 @@ class DraNodeService(pb.DraPluginBase):
             if error is None:
                 log.error("claim not answered by the handler", rpc="NodeUnprepareResources", claim=str(claim))
                 error = NO_OUTCOME
-            if error:
-                self._stats.claim_errors += 1
             replies[claim.uid] = pb.NodeUnprepareResourceResponse(error=error)
         return pb.NodeUnprepareResourcesResponse(claims=replies)
 
@@ -198,7 +173,6 @@ class DraNodeService(pb.DraPluginBase):
         method: Callable[[_Request], Awaitable[betterproto2.Message]],
     ) -> Handler:
         def refuse(status: Status, reason: str) -> GRPCError:
-            self._stats.refused += 1
             log.warning("request refused", rpc=rpc, reason=reason)
             return GRPCError(status, f"{rpc}: {reason}")
 
@@ -206,16 +180,6 @@ class DraNodeService(pb.DraPluginBase):
             rpc, (request_type, reply_type), request_type.parse, method, limit=RECEIVE_LIMIT, refuse=refuse
         )
 
-    @contextmanager
-    def _answering(self, rpc: str, action: str, **context: object) -> Iterator[None]:
-        """What goes wrong inside the RPC, as its gRPC status (`wire.answering`), counted: a request outside the
-        bounds refused, a failure of the handler as a whole (the node, or a bug) failed."""
-        try:
-            with answering(log.bind(**context), rpc, action, refused=f"{rpc}: ", failed=f"{rpc}: "):
-                yield
-        except GRPCError as exc:
-            if exc.status is Status.INVALID_ARGUMENT:
-                self._stats.refused += 1
-            else:
-                self._stats.failed += 1
-            raise
+    def _answering(self, rpc: str, action: str, **context: object) -> AbstractContextManager[None]:
+        """What goes wrong inside the RPC, as its gRPC status (`wire.answering`)."""
+        return answering(log.bind(**context), rpc, action, refused=f"{rpc}: ", failed=f"{rpc}: ")
