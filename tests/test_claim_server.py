@@ -165,6 +165,7 @@ class Agent:
         self.resource.grants_known()
         async with anyio.create_task_group() as tg:
             await tg.start(self.resource.daemon.run)
+            await tg.start(self.claims.follow)
             pid = self.resource.daemon.status().pid
             assert pid is not None
             self.pids.append(pid)
@@ -266,7 +267,15 @@ def node(short_dir: Path) -> Iterator[Node]:
 
 
 async def prepare_one(agent: Agent, ref: ClaimRef) -> PrepareOutcome:
-    return (await agent.claims.prepare([ref]))[ref.uid]
+    return (await agent.claims.driver.prepare([ref]))[ref.uid]
+
+
+async def eventually(condition: Callable[[], object], what: str) -> None:
+    """Wait, bounded, for the claim server's follow task (it looks at once after a prepare or unprepare)."""
+    with anyio.fail_after(5):
+        while not condition():
+            await anyio.sleep(0.01)
+    assert condition(), what
 
 
 def counters(agent: Agent) -> tuple[int, int, int]:
@@ -368,7 +377,7 @@ def test_two_requests_of_one_claim_on_one_gpu_get_cdi_devices_of_their_own(node:
                     ),
                 )
             )
-            outcomes.update(await agent.claims.prepare([CLAIM_A]))
+            outcomes.update(await agent.claims.driver.prepare([CLAIM_A]))
             assert sorted(agent.claim_grants()) == [(UID_A, "gpu-0", 10240, 12), (UID_A, "gpu-0", 20480, 25)]
             assert agent.ceilings() == ("25.0", "20G", "80G")
 
@@ -427,11 +436,11 @@ def test_unprepare_gives_back_the_share_the_ceilings_the_spec_and_the_checkpoint
     async def main() -> None:
         async with agent.running():
             node.api.allocate(allocation(CLAIM_A), allocation(CLAIM_B, device="gpu-1", memory_bytes=20 * GIB))
-            outcomes = await agent.claims.prepare([CLAIM_A, CLAIM_B])
+            outcomes = await agent.claims.driver.prepare([CLAIM_A, CLAIM_B])
             assert [o.error for o in outcomes.values()] == ["", ""]
             assert agent.ceilings() == ("37.0", "30G", "20G")
 
-            assert await agent.claims.unprepare([CLAIM_A]) == {UID_A: ""}
+            assert await agent.claims.driver.unprepare([CLAIM_A]) == {UID_A: ""}
             assert agent.claim_grants() == [(UID_B, "gpu-1", 20480, 25)]
             assert agent.ceilings() == ("25.0", "80G", "20G")
             assert not cdi.spec_path(node.cdi_dir, UID_A).exists()
@@ -439,7 +448,7 @@ def test_unprepare_gives_back_the_share_the_ceilings_the_spec_and_the_checkpoint
             assert node.checkpointed() == [UID_B]
             assert counters(agent) == (2, 0, 1)
 
-            assert await agent.claims.unprepare([CLAIM_B]) == {UID_B: ""}
+            assert await agent.claims.driver.unprepare([CLAIM_B]) == {UID_B: ""}
             assert agent.claim_grants() == []
             assert agent.ceilings() == WHOLE
             assert node.spec_uids() == set()
@@ -449,7 +458,7 @@ def test_unprepare_gives_back_the_share_the_ceilings_the_spec_and_the_checkpoint
             version = agent.resource.allocator.ledger.version
             saved = node.checkpoint.read_bytes()
             unknown = ClaimRef(namespace="ml", name="never", uid=UID_C)
-            assert await agent.claims.unprepare([CLAIM_A, unknown]) == {UID_A: "", UID_C: ""}
+            assert await agent.claims.driver.unprepare([CLAIM_A, unknown]) == {UID_A: "", UID_C: ""}
             assert agent.resource.allocator.ledger.version == version
             assert node.checkpoint.read_bytes() == saved
             assert agent.ceilings() == WHOLE
@@ -690,7 +699,7 @@ def test_a_restarted_agent_holds_the_checkpointed_claims_again_and_writes_their_
                 allocation(CLAIM_A, pods=("ml/trainer-0", "ml/trainer-1")),
                 allocation(CLAIM_B, device="gpu-1", memory_bytes=20 * GIB, compute=50, pods=()),
             )
-            prepared.update(await first.claims.prepare([CLAIM_A, CLAIM_B]))
+            prepared.update(await first.claims.driver.prepare([CLAIM_A, CLAIM_B]))
             assert first.ceilings() == ("50.0", "30G", "20G")
 
     node.run(before)
@@ -718,11 +727,11 @@ def test_a_restarted_agent_holds_the_checkpointed_claims_again_and_writes_their_
         async with second.running():
             assert second.ceilings() == ("50.0", "30G", "20G")  # started at the claims' ceilings
             # The kubelet prepares again after the restart: answered from the checkpoint, nothing held twice.
-            assert await second.claims.prepare([CLAIM_A, CLAIM_B]) == prepared
+            assert await second.claims.driver.prepare([CLAIM_A, CLAIM_B]) == prepared
             assert len(second.claim_grants()) == 2
             assert node.api.reads == [CLAIM_A, CLAIM_B]  # the first agent's reads only
 
-            assert await second.claims.unprepare([CLAIM_A]) == {UID_A: ""}
+            assert await second.claims.driver.unprepare([CLAIM_A]) == {UID_A: ""}
             assert second.claim_grants() == [(UID_B, "gpu-1", 20480, 50)]
             assert second.ceilings() == ("50.0", "80G", "20G")
             assert node.spec_uids() == {UID_B}
@@ -789,7 +798,7 @@ def prepared_by_an_earlier_run(node: Node, *allocations: ClaimAllocation) -> Non
     async def run() -> None:
         async with earlier.running():
             node.api.allocate(*allocations)
-            outcomes = await earlier.claims.prepare([each.claim for each in allocations])
+            outcomes = await earlier.claims.driver.prepare([each.claim for each in allocations])
             assert [outcome.error for outcome in outcomes.values()] == [""] * len(allocations)
 
     node.run(run)
@@ -832,7 +841,7 @@ def test_one_prepare_call_is_one_batch_the_daemon_told_once(node: Node) -> None:
                 allocation(CLAIM_C, device="gpu-1", memory_bytes=30 * GIB),
             )
             before = log.read_text().count("Cmd:set_default_device_pinned_mem_limit 0 ")
-            outcomes = await agent.claims.prepare([CLAIM_A, CLAIM_B, CLAIM_C])
+            outcomes = await agent.claims.driver.prepare([CLAIM_A, CLAIM_B, CLAIM_C])
             assert [outcome.error for outcome in outcomes.values()] == ["", "", ""]
             assert node.api.most_at_once == 3, "the claims of one call are read concurrently"
             assert log.read_text().count("Cmd:set_default_device_pinned_mem_limit 0 ") == before + 1
@@ -848,7 +857,7 @@ def test_a_claim_of_a_batch_that_fails_holds_nothing_and_the_others_stand(node: 
     async def main() -> None:
         async with agent.running():
             node.api.allocate(allocation(CLAIM_A, memory_bytes=60 * GIB), allocation(CLAIM_B, memory_bytes=30 * GIB))
-            outcomes = await agent.claims.prepare([CLAIM_A, CLAIM_B])
+            outcomes = await agent.claims.driver.prepare([CLAIM_A, CLAIM_B])
             assert outcomes[UID_A].error == ""
             assert "has 20480 MiB of its 81920 MiB free" in outcomes[UID_B].error
             assert agent.claim_grants() == [(UID_A, "gpu-0", 61440, 75)]
@@ -866,6 +875,7 @@ def test_the_slice_offers_what_device_plugin_grants_leave_and_replicas_are_withh
             allocator.allocate([[f"{GPU0}::{i}" for i in range(12)]])  # 12 of 48: 20480 MiB, 25 % of the SMs
             node.api.allocate(allocation(CLAIM_A, device="gpu-1", memory_bytes=40 * GIB))
             await prepare_one(agent, CLAIM_A)
+            await eventually(agent.resource.inventory.withheld, "GPU 1's replicas withheld")
             devices = {d.name: d for d in agent.claims.slice.devices}
             assert (devices["gpu-0"].memory.value, devices["gpu-0"].compute.value) == (61440 * MIB, 75)
             assert (devices["gpu-1"].memory.value, devices["gpu-1"].compute.value) == (81920 * MIB, 100)
@@ -876,7 +886,10 @@ def test_the_slice_offers_what_device_plugin_grants_leave_and_replicas_are_withh
             with structlog.testing.capture_logs() as logs:
                 node.api.allocate(allocation(CLAIM_B, device="gpu-0", memory_bytes=50 * GIB))
                 await prepare_one(agent, CLAIM_B)  # GPU 0 changes: GPU 1's withheld replicas are not told again
-                await agent.claims.unprepare([CLAIM_A])
+                await agent.claims.driver.unprepare([CLAIM_A])
+                await eventually(
+                    lambda: [gpu.uuid for gpu in agent.resource.inventory.withheld()] == [GPU0], "GPU 1's offered"
+                )
             said = [(e["event"], e["gpu"]) for e in logs if "withheld" in e["event"]]
             assert said == [
                 ("replicas withheld beside the claims", GPU0),
@@ -891,15 +904,13 @@ def test_a_failed_gpu_is_tainted_refuses_claims_and_its_devices_health_changes(n
 
     async def main() -> None:
         async with agent.running():
-            await agent.claims.prepare([])  # any call looks at the node again (the agent's own look runs every 0.2 s)
             assert [(h.device, h.problem) for h in agent.claims.health.device_health()] == [
                 ("gpu-0", None),
                 ("gpu-1", None),
             ]
             generation = agent.claims.health.health_generation
             agent.resource.inventory.set_gpu_problem(GPU0, "nvml", True, "critical Xid 79")
-            await agent.claims.prepare([])
-            with anyio.fail_after(5):
+            with anyio.fail_after(5):  # the claim server looks at the node every 0.2 s
                 assert await agent.claims.health.wait_health_changed(generation) == generation + 1
             assert [(h.device, h.problem) for h in agent.claims.health.device_health()] == [
                 ("gpu-0", "critical Xid 79"),
@@ -913,8 +924,10 @@ def test_a_failed_gpu_is_tainted_refuses_claims_and_its_devices_health_changes(n
             )
             node.api.allocate(allocation(CLAIM_A))
             assert "is unhealthy (critical Xid 79)" in (await prepare_one(agent, CLAIM_A)).error
+            generation = agent.claims.health.health_generation
             agent.resource.inventory.set_gpu_problem(GPU0, "nvml", False)
-            await prepare_one(agent, CLAIM_B)  # any call looks at the node again
+            with anyio.fail_after(5):
+                await agent.claims.health.wait_health_changed(generation)
             assert agent.claims.health.device_health()[0].problem is None
             assert next(d for d in agent.claims.slice.devices if d.name == "gpu-0").taints == ()
 
@@ -934,9 +947,9 @@ def test_status_lists_the_claims_with_their_pods_and_devices_and_counts_the_call
                 allocation(CLAIM_B, device="gpu-1", memory_bytes=None, pods=("ml/server-0", "ml/server-1")),
                 allocation(CLAIM_C, pool="elsewhere"),
             )
-            await agent.claims.prepare([CLAIM_A, CLAIM_B, CLAIM_C])
-            await agent.claims.unprepare([CLAIM_A])
-            await agent.claims.prepare([CLAIM_A])
+            await agent.claims.driver.prepare([CLAIM_A, CLAIM_B, CLAIM_C])
+            await agent.claims.driver.unprepare([CLAIM_A])
+            await agent.claims.driver.prepare([CLAIM_A])
 
     node.run(main)
     status = agent.claims.status()
@@ -969,7 +982,7 @@ def test_a_claims_memory_below_a_whole_mib_is_rounded_down_and_the_rounding_said
         async with agent.running():
             node.api.allocate(allocation(CLAIM_A, memory_bytes=8 * GIB + 1), allocation(CLAIM_B, memory_bytes=9 * GIB))
             with structlog.testing.capture_logs() as logs:
-                await agent.claims.prepare([CLAIM_A, CLAIM_B])
+                await agent.claims.driver.prepare([CLAIM_A, CLAIM_B])
             prepared = {e["claim_uid"]: e["devices"] for e in logs if e["event"] == "claim prepared"}
             assert prepared[UID_A] == [
                 "gpu-0: 8192 MiB (the allocation rounded down to whole MiB: 1 byte left out), threads 10%"
@@ -1030,7 +1043,7 @@ def test_a_prepare_cancelled_at_any_point_leaves_the_node_as_if_it_never_happene
         async with agent.running():
             node.api.allocate(allocation(CLAIM_A), allocation(CLAIM_C, device="gpu-1", memory_bytes=20 * GIB))
             for turns in range(400):
-                call = asyncio.ensure_future(agent.claims.prepare([CLAIM_A, CLAIM_C]))
+                call = asyncio.ensure_future(agent.claims.driver.prepare([CLAIM_A, CLAIM_C]))
                 await asyncio.sleep(turns / 2000)
                 completed = call.done()
                 call.cancel()
@@ -1049,7 +1062,7 @@ def test_a_prepare_cancelled_at_any_point_leaves_the_node_as_if_it_never_happene
                 break
             else:
                 pytest.fail("the prepare never completed")
-            retried = await agent.claims.prepare([CLAIM_A, CLAIM_C])
+            retried = await agent.claims.driver.prepare([CLAIM_A, CLAIM_C])
             assert [outcome.error for outcome in retried.values()] == ["", ""]
             assert len(agent.claim_grants()) == 2
             assert agent.resource.allocator.ledger.tally.clients(0) == 1

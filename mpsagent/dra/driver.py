@@ -26,6 +26,7 @@ from typing import Protocol
 import anyio
 import msgspec
 
+from mpsagent.base.changes import Changes
 from mpsagent.base.devices import ResourceName
 from mpsagent.base.errors import DaemonError, HostError, KubeApiError, MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
@@ -97,6 +98,9 @@ class ClaimDriver:
         self._live: dict[str, LiveClaim] = {}
         self._lock = anyio.Lock()
         self.counts = DriverCounts()
+        self.changes = Changes()
+        """Counts each prepare and unprepare that changed what the ledgers hold (the slice and the withheld
+        replicas follow it)."""
 
     def connected(self, source: ClaimSource) -> None:
         """Read claims from `source` from now on (before it, a claim to read is refused: not connected yet)."""
@@ -177,7 +181,10 @@ class ClaimDriver:
                     except RequestError as exc:
                         outcomes[claim.uid] = self._refused(claim, exc, started)
             if batch:
-                outcomes.update(await self._prepare_batch(batch, started))
+                try:
+                    outcomes.update(await self._prepare_batch(batch, started))
+                finally:
+                    self.changes.changed()
         return outcomes
 
     async def _read_claims(self, claims: Sequence[ClaimRef]) -> dict[str, ClaimAllocation | MpsAgentError]:
@@ -343,6 +350,7 @@ class ClaimDriver:
             self._live[ref.uid] = live
             return str(exc)
         self._grants.release(live)
+        self.changes.changed()
         self.counts.unprepared += 1
         log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(live.prepared.devices))
         try:

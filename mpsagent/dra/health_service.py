@@ -21,6 +21,7 @@ from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
 from mpsagent._proto import v1alpha1 as pb
+from mpsagent.base.changes import Changes
 from mpsagent.base.logs import get_logger
 from mpsagent.kubelet.wire import receive_message
 
@@ -66,29 +67,23 @@ class DeviceHealthBoard:
 
     def __init__(self, health: Sequence[DeviceHealth]) -> None:
         self._health = tuple(health)
-        self._generation = 0
-        self._changed = anyio.Event()
+        self._changes = Changes()
 
     def show(self, health: Sequence[DeviceHealth]) -> None:
         """The devices' health now: a new generation, and the streams woken, when it differs."""
-        if tuple(health) == self._health:
-            return
-        self._health = tuple(health)
-        self._generation += 1
-        self._changed.set()
-        self._changed = anyio.Event()
+        if tuple(health) != self._health:
+            self._health = tuple(health)
+            self._changes.changed()
 
     def device_health(self) -> Sequence[DeviceHealth]:
         return self._health
 
     @property
     def health_generation(self) -> int:
-        return self._generation
+        return self._changes.count
 
     async def wait_health_changed(self, since: int) -> int:
-        while self._generation == since:
-            await self._changed.wait()
-        return self._generation
+        return await self._changes.wait(since)
 
 
 def health_message(devices: Sequence[DeviceHealth], now: float) -> pb.NodeWatchResourcesResponse:

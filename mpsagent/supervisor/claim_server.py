@@ -7,7 +7,7 @@ health told to the kubelet, all owned as one task; and the DRA part of the statu
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -20,13 +20,12 @@ from mpsagent.base.values import TaintEffect
 from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus
 from mpsagent.domain.claim_grants import ClaimGrants
 from mpsagent.domain.claim_shares import device_name, node_slice
-from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, NodeSlice, PreparedClaim
+from mpsagent.domain.claims import DRA_DRIVER, NodeSlice, PreparedClaim
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra.api import KubeApi, connect
 from mpsagent.dra.driver import CHECKPOINT_FILE, ClaimDriver, PrepareTimer
 from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import DeviceHealth, DeviceHealthBoard
-from mpsagent.dra.node_service import PrepareOutcome
 from mpsagent.dra.slice_publisher import SlicePublisher
 from mpsagent.kubelet.memory_limit_devices import MemoryLimitDevices
 from mpsagent.supervisor.resource_server import ResourceServer
@@ -84,7 +83,7 @@ class ClaimServer:
         self._publisher: SlicePublisher | None = None
         self.slice: NodeSlice = node_slice(plan, node)
         self.health = DeviceHealthBoard(self._device_health())
-        self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self, health=self.health)
+        self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self.driver, health=self.health)
 
     @property
     def api(self) -> KubeApi:
@@ -124,21 +123,27 @@ class ClaimServer:
             self._api = await connect(self._kubeconfig)
         self.driver.connected(self._api)
         self._publisher = SlicePublisher(self._api, driver=DRA_DRIVER, node=self._node)
-        self._follow_node()
         try:
             async with anyio.create_task_group() as tg:
+                await tg.start(self.follow)
                 await tg.start(self.endpoint.run)
                 await tg.start(self._publisher.run)
-                tg.start_soon(self._keep_following)
                 log.info("dra driver serving", driver=DRA_DRIVER, node=self._node, devices=len(self.slice.devices))
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._api.close()
 
-    async def _keep_following(self) -> None:
+    async def follow(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Show the node's accounting and health as they change: at once after each prepare or unprepare that
+        changed the ledgers, and every FOLLOW_INTERVAL_S for what changes elsewhere (a device-plugin grant, a GPU's
+        health). Reports started once it has shown them the first time."""
+        seen = self.driver.changes.count
+        self._follow_node()
+        task_status.started()
         while True:
-            await anyio.sleep(FOLLOW_INTERVAL_S)
+            with anyio.move_on_after(FOLLOW_INTERVAL_S):
+                seen = await self.driver.changes.wait(seen)
             self._follow_node()
 
     def _follow_node(self) -> None:
@@ -157,20 +162,6 @@ class ClaimServer:
             for resource in self._plan.resources
             for gpu in resource.gpus
         )
-
-    # --- the kubelet's calls (ClaimHandler): the driver's, the node followed at once after each ----------------
-
-    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareOutcome]:
-        try:
-            return await self.driver.prepare(claims)
-        finally:
-            self._follow_node()
-
-    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
-        try:
-            return await self.driver.unprepare(claims)
-        finally:
-            self._follow_node()
 
 
 def _show_withheld(server: ResourceServer) -> None:
