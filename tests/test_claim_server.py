@@ -37,8 +37,8 @@ from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.claim_object import claim_allocation
-from mpsagent.dra.driver import CHECKPOINT_FILE, live_claims_without_dra
 from mpsagent.dra.node_service import PrepareOutcome
+from mpsagent.dra.prepared_claims import CHECKPOINT_FILE, live_claims_without_dra
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.kubelet.cdi_spec import CdiDevice
 from mpsagent.mps.paths import prepare_directories

@@ -31,7 +31,8 @@ from mpsagent.domain.container import MemoryLimitDevice
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.dra import cdi, checkpoint
-from mpsagent.dra.driver import CHECKPOINT_FILE, ClaimDriver
+from mpsagent.dra.driver import ClaimDriver
+from mpsagent.dra.prepared_claims import CHECKPOINT_FILE
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent_testing.node import small_node
 

@@ -16,7 +16,6 @@ The supervisor's claim server builds it and serves it; the driver calls nothing 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,25 +23,21 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import msgspec
 
 from mpsagent.base.changes import Changes
 from mpsagent.base.devices import ResourceName
 from mpsagent.base.errors import DaemonError, HostError, KubeApiError, MpsAgentError, RequestError
 from mpsagent.base.logs import get_logger
-from mpsagent.base.words import counted
 from mpsagent.domain.claim_grants import ClaimGrants, LiveClaim
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimRef, PreparedClaim
 from mpsagent.domain.grant_kind import describe_claim_share
-from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.node_service import PrepareOutcome
-from mpsagent.kubelet.cdi_spec import CdiDevice
+from mpsagent.dra.prepared_claims import PreparedClaims
 from mpsagent.kubelet.grant_transaction import SetCeilings, carry_out, restore_ceilings
 from mpsagent.kubelet.memory_limit_devices import EnsureLimitDevices
 
 log = get_logger("mpsagent.dra.driver")
 
-CHECKPOINT_FILE = "dra-claims.json"
 MAX_CONCURRENT_READS = 8
 """Claims of one call read from the API server at once."""
 
@@ -90,12 +85,11 @@ class ClaimDriver:
         self._grants = grants
         self._ceilings = ceilings
         self._node = node
-        self._cdi_dir = cdi_dir
         self._checkpoint = checkpoint_path
         self._limit_devices = limit_devices
         self._prepare_timer = prepare_timer
         self._source: ClaimSource | None = None
-        self._live: dict[str, LiveClaim] = {}
+        self._claims = PreparedClaims(cdi_dir=cdi_dir, checkpoint_path=checkpoint_path)
         self._lock = anyio.Lock()
         self.counts = DriverCounts()
         self.changes = Changes()
@@ -108,43 +102,36 @@ class ClaimDriver:
 
     def prepared_claims(self) -> tuple[PreparedClaim, ...]:
         """The claims prepared now, with the pods each is reserved for as last read."""
-        return tuple(live.prepared for live in self._live.values())
+        return self._claims.records()
 
     # --- start: what the checkpoint holds ---------------------------------------------------------------
 
     def restore(self) -> int:
         """Hold the checkpointed claims' shares again (before the daemons start, so that they start at ceilings
-        that cover them), each checked as a fresh prepare is, write their CDI specs again (written without fsync:
-        one lost with a power cut is whole again), and remove CDI specs of claims no longer prepared. Returns how
-        many claims it holds. Raises HostError naming the file and the entry that breaks a rule, or the spec that
-        cannot be written."""
-        for index, prepared in enumerate(checkpoint.load(self._checkpoint)):
+        that cover them), each checked as a fresh prepare is, and write their CDI specs again
+        (`PreparedClaims.restore`). Returns how many claims it holds. Raises HostError naming the file and the entry
+        that breaks a rule, or the spec that cannot be written."""
+
+        def hold(index: int, prepared: PreparedClaim) -> LiveClaim:
             try:
-                live = self._grants.restore(prepared)
+                return self._grants.restore(prepared)
             except RequestError as exc:
-                for earlier in self._live.values():
+                for earlier in self._claims.held():
                     self._grants.release(earlier)
-                self._live.clear()
+                self._claims.clear()
                 raise HostError(
                     f"the DRA checkpoint {self._checkpoint} entry {index} (claim {prepared.claim}) cannot be held "
                     f"again: {exc}; if the claim's pods are gone, delete the file: the kubelet prepares each claim "
                     "again on its next try"
                 ) from exc
-            self._live[prepared.claim.uid] = live
-        for live in self._live.values():
-            cdi.write_claim_spec(self._cdi_dir, live.prepared.claim.uid, _spec_devices(live))
-        for uid in cdi.claim_spec_uids(self._cdi_dir) - set(self._live):
-            cdi.remove_claim_spec(self._cdi_dir, uid)
-            log.info("cdi spec of a claim no longer prepared removed", claim_uid=uid)
-        if self._live:
-            log.info("prepared claims restored", claims=len(self._live), checkpoint=str(self._checkpoint))
-        return len(self._live)
+
+        return self._claims.restore(hold)
 
     async def read_pods_again(self, claim_uids: Iterable[str]) -> None:
         """Read again which pods the prepared claims `claim_uids` are reserved for: a pod that shares a claim
         prepared for another is never told to the driver. A claim that cannot be read keeps what it had (logged)."""
         for uid in sorted(claim_uids):
-            live = self._live.get(uid)
+            live = self._claims.get(uid)
             if live is None or self._source is None:
                 continue
             ref = live.prepared.claim
@@ -153,24 +140,21 @@ class ClaimDriver:
             except KubeApiError as exc:
                 log.warning("claim's pods not read again", claim=str(ref), reason=str(exc))
                 continue
-            now = self._live.get(uid)
-            if pods is None or now is not live or pods == live.prepared.pods:
-                continue  # gone, or unprepared (and maybe prepared again) while it was read
-            self._live[uid] = dataclasses.replace(live, prepared=msgspec.structs.replace(live.prepared, pods=pods))
-            log.info("claim's pods read again", claim=str(ref), pods=list(pods))
+            if pods is not None and pods != live.prepared.pods and self._claims.reserved_for(live, pods):
+                log.info("claim's pods read again", claim=str(ref), pods=list(pods))
 
     # --- prepare -----------------------------------------------------------------------------------------
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareOutcome]:
         started = time.monotonic()
-        outcomes = {claim.uid: self._answered(live) for claim in claims if (live := self._live.get(claim.uid))}
+        outcomes = {claim.uid: self._answered(live) for claim in claims if (live := self._claims.get(claim.uid))}
         to_read = [claim for claim in claims if claim.uid not in outcomes]
         read = await self._read_claims(to_read)
         async with self._lock:
             batch: list[LiveClaim] = []
             for claim in to_read:
                 found = read[claim.uid]
-                live = self._live.get(claim.uid)  # prepared meanwhile by a concurrent call
+                live = self._claims.get(claim.uid)  # prepared meanwhile by a concurrent call
                 if live is not None:
                     outcomes[claim.uid] = self._answered(live)
                 elif isinstance(found, MpsAgentError):
@@ -222,7 +206,7 @@ class ClaimDriver:
             failures = {live.prepared.claim.uid: exc for live in batch}
         else:
             failed = [live for live in batch if live.prepared.claim.uid in failures]
-            self._live.update((live.prepared.claim.uid, live) for live in batch if live not in failed)
+            self._claims.stand([live for live in batch if live not in failed])
             if failed:
                 self._drop(failed, save=False)  # the checkpoint was written without them
                 await restore_ceilings(self._setters(failed))
@@ -242,7 +226,6 @@ class ClaimDriver:
         checkpoint lists the others); raises DaemonError or HostError when the whole batch fails."""
         if self._limit_devices is not None:  # before the kubelet hands the runtime a name the spec does not have
             self._limit_devices([d.edits.memory_limits for live in batch for d in live.cdi_devices])
-        earlier = [live.prepared for live in self._live.values()]
         daemon_failure: list[DaemonError] = []
 
         async def hold_ceilings() -> None:
@@ -254,46 +237,18 @@ class ClaimDriver:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(hold_ceilings)
-            failures, saved = await anyio.to_thread.run_sync(self._write_files, batch, earlier)
+            failures, saved = await anyio.to_thread.run_sync(self._claims.write, batch)
         if daemon_failure:
             raise daemon_failure[0]
         if saved is not None:
             raise saved
         return failures
 
-    def _write_files(
-        self, batch: Sequence[LiveClaim], earlier: Sequence[PreparedClaim]
-    ) -> tuple[dict[str, MpsAgentError], HostError | None]:
-        """Each claim's CDI spec, then the checkpoint of the earlier claims and those whose spec was written (in a
-        worker thread). The failure of each spec by UID, and the checkpoint's (None: written)."""
-        failures: dict[str, MpsAgentError] = {}
-        for live in batch:
-            try:
-                cdi.write_claim_spec(self._cdi_dir, live.prepared.claim.uid, _spec_devices(live))
-            except MpsAgentError as exc:
-                failures[live.prepared.claim.uid] = exc
-        standing = [live.prepared for live in batch if live.prepared.claim.uid not in failures]
-        try:
-            checkpoint.save(self._checkpoint, [*earlier, *standing])
-        except HostError as exc:
-            return failures, exc
-        return failures, None
-
     def _drop(self, claims: Sequence[LiveClaim], *, save: bool) -> None:
-        """Give back what `claims` hold and remove their specs; `save`: write the checkpoint of the live claims again
-        (it may list them). A file that cannot be changed is logged: the failure reported is the one before."""
+        """Give back what `claims` hold and remove their files (`save`: the checkpoint written back too)."""
         for live in claims:
             self._grants.release(live)
-            with contextlib.suppress(MpsAgentError):
-                cdi.remove_claim_spec(self._cdi_dir, live.prepared.claim.uid)
-        if not save:
-            return
-        try:
-            self._save()
-            return
-        except HostError as exc:  # it lists claims the kubelet retries: answered as prepared
-            reason = str(exc)
-        log.error("dra checkpoint not written back", reason=reason)
+        self._claims.unwrite(claims, checkpoint_too=save)
 
     def _setters(self, claims: Iterable[LiveClaim]) -> list[SetCeilings]:
         resources = frozenset[ResourceName]().union(*(live.resources for live in claims))
@@ -337,48 +292,24 @@ class ClaimDriver:
         return answers
 
     async def _unprepare_one(self, ref: ClaimRef) -> str:
-        """The checkpoint first: a claim it cannot drop stays prepared, whole, for the kubelet's retry. Once it is
-        dropped, the claim's share goes and its daemons are brought down to the ceilings of what is left, to the
-        end even if the call is cancelled."""
-        live = self._live.pop(ref.uid, None)
-        if live is None:
-            cdi.remove_claim_spec(self._cdi_dir, ref.uid)
-            return ""
+        """The checkpoint first (`PreparedClaims.take`): a claim it cannot drop stays prepared, whole, for the
+        kubelet's retry. Once it is dropped, the claim's share goes and its daemons are brought down to the ceilings
+        of what is left, to the end even if the call is cancelled."""
         try:
-            self._save()
+            live = self._claims.take(ref.uid)
         except HostError as exc:
-            self._live[ref.uid] = live
             return str(exc)
+        if live is None:
+            return ""
         self._grants.release(live)
         self.changes.changed()
         self.counts.unprepared += 1
         log.info("claim unprepared", claim=str(ref), claim_uid=ref.uid, devices=len(live.prepared.devices))
         try:
-            cdi.remove_claim_spec(self._cdi_dir, ref.uid)  # a failure is the kubelet's retry's: the claim is unknown
+            self._claims.remove_spec(ref.uid)  # a failure is the kubelet's retry's: the claim is unknown
         finally:
             await restore_ceilings(self._setters([live]))
         return ""
-
-    def _save(self) -> None:
-        checkpoint.save(self._checkpoint, [live.prepared for live in self._live.values()])
-
-
-def live_claims_without_dra(checkpoint_path: Path) -> str | None:
-    """With `--dra off`: why the agent must not start when the checkpoint still holds prepared claims (their pods may
-    run, and without the claims the daemons' ceilings would drop below their caps), or None. Raises HostError for a
-    checkpoint that cannot be read."""
-    prepared = checkpoint.load(checkpoint_path)
-    if not prepared:
-        return None
-    named = ", ".join(str(p.claim) for p in prepared[:5]) + (
-        f" and {len(prepared) - 5} more" if len(prepared) > 5 else ""
-    )
-    return (
-        f"--dra is off, but the DRA checkpoint {checkpoint_path} holds {counted(len(prepared), 'prepared claim')} "
-        f"({named}) whose pods may still run: without them the MPS daemons' "
-        "ceilings would drop below those pods' caps. Start with --dra on until those pods are gone (kubectl delete "
-        "the pods, or drain the node), or, if none runs any more, remove the checkpoint"
-    )
 
 
 def _ceilings_not_held(live: LiveClaim, failure: DaemonError) -> DaemonError:
@@ -389,7 +320,3 @@ def _ceilings_not_held(live: LiveClaim, failure: DaemonError) -> DaemonError:
         f"claim {live.prepared.claim}: the MPS daemon of GPU {gpus} did not take the ceilings the claim needs "
         f"({failure}); nothing was prepared: the kubelet retries"
     )
-
-
-def _spec_devices(live: LiveClaim) -> list[CdiDevice]:
-    return [CdiDevice(name=d.name, envs=d.edits.envs, mounts=d.edits.mounts) for d in live.cdi_devices]

@@ -26,7 +26,7 @@ from mpsagent.base.settings import Settings
 from mpsagent.base.values import DraMode, MpsDaemonOwner, MpsOnExit
 from mpsagent.documents.status import starting_document
 from mpsagent.domain.plan import NodePlan
-from mpsagent.dra.driver import CHECKPOINT_FILE, live_claims_without_dra
+from mpsagent.dra.prepared_claims import CHECKPOINT_FILE, live_claims_without_dra
 from mpsagent.gpu.monitor import GpuHealthMonitor
 from mpsagent.gpu.port import GpuSource
 from mpsagent.kubelet.guard import NodeGuard

@@ -23,9 +23,10 @@ from mpsagent.domain.claim_shares import device_name, node_slice
 from mpsagent.domain.claims import DRA_DRIVER, NodeSlice, PreparedClaim
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra.api import KubeApi, connect
-from mpsagent.dra.driver import CHECKPOINT_FILE, ClaimDriver, PrepareTimer
+from mpsagent.dra.driver import ClaimDriver, PrepareTimer
 from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import DeviceHealth, DeviceHealthBoard
+from mpsagent.dra.prepared_claims import CHECKPOINT_FILE
 from mpsagent.dra.slice_publisher import SlicePublisher
 from mpsagent.kubelet.memory_limit_devices import MemoryLimitDevices
 from mpsagent.supervisor.resource_server import ResourceServer
