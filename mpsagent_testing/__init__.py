@@ -8,6 +8,8 @@ only; nothing in `mpsagent` imports it (an import-linter contract).
 - `agents` — the agent as a real process (`AgentLauncher`) and the usual ways to start it;
 - `kubelet` — grpcio stand-ins for the kubelet: the registration server (`fake`), pod-resources
   (`podresources`), the device-plugin calls a kubelet makes (`calls`);
+- `kube_api` — the Kubernetes API server's objects (a claim, the node, its slice) and the agent's API client over a
+  mock transport;
 - `nvml` — the fake `libnvidia-ml.so.1` (`build`) and what drives it from outside (`control`);
 - `mps` — the real control daemon's front-end for tests (`daemon`) and a fake `nvidia-cuda-mps-control` for faults;
 - `cuda_torch` — a stand-in `torch` for the GPU share bench's clients;

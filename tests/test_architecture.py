@@ -1,10 +1,14 @@
 """docs/architecture.md tells the story of the tree as it is: every path and module it names exists (and every
-attribute it names of one), and every module of the agent is named in it."""
+attribute it names of one), and every module of the agent is named in it; and the tests keep its rule for them: no
+test module imports another (what two share is in `mpsagent_testing`)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ from mpsagent_testing.repo import ROOT
 DOC = ROOT / "docs" / "architecture.md"
 AGENT = ROOT / "mpsagent"
 TESTING = ROOT / "mpsagent_testing"
+TESTS = ROOT / "tests"
 FILE_NAME = re.compile(r".*\.(sock|json|yaml|md|py)")
 """A file's name, which looks like a module."""
 API_GROUP = re.compile(r"[a-z.]+\.k8s\.io/.*")
@@ -71,3 +76,24 @@ def test_every_module_of_the_agent_is_named(package: str) -> None:
         and not re.search(rf"`{package}\.{module.stem}[.`(]", text)
     ]
     assert unnamed == [], f"docs/architecture.md does not name these modules of {package}/: {unnamed}"
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, the module named) of every import in a Python file; a relative import's name starts with its dots."""
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, "." * node.level + (node.module or "")
+
+
+def test_no_test_module_imports_another() -> None:
+    files = sorted(TESTS.rglob("*.py"))
+    test_modules = {"tests", *(path.stem for path in files)}
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in files
+        for line, name in imports(path)
+        if name.startswith(".") or name.split(".")[0] in test_modules
+    ]
+    assert found == [], f"test modules import other test modules (move what they share to mpsagent_testing): {found}"

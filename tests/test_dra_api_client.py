@@ -5,35 +5,18 @@ the credentials `connect` accepts or refuses with a message that says what to do
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx2
 import pytest
-from lightkube import AsyncClient, KubeConfig
-from lightkube.config.models import Cluster, User
 
 from mpsagent.base.errors import ClaimRefusedError, KubeApiError, UsageError
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef
 from mpsagent.dra import api
-from mpsagent.dra.api import KubeApi, connect
-from tests.test_dra_api_convert import CLAIM, NODE, REF
-
-Handler = Callable[[httpx2.Request], Awaitable[httpx2.Response]]
-SLICE_PATH = "/apis/resource.k8s.io/v1/resourceslices"
-
-
-def kube_api(handler: Handler) -> KubeApi:
-    config = KubeConfig.from_one(cluster=Cluster(server="https://k8s.test:6443"), user=User(token="t0ken"))
-    client = AsyncClient(config, transport=httpx2.MockTransport(handler), field_manager=api.FIELD_MANAGER)
-    return KubeApi(client)
-
-
-def status(code: int, message: str) -> httpx2.Response:
-    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}
-    return httpx2.Response(code, json=body)
+from mpsagent.dra.api import connect
+from mpsagent_testing.kube_api import CLAIM, NODE, NODE_OBJECT, REF, Handler, kube_api, status
 
 
 class Server:
@@ -145,10 +128,6 @@ async def test_a_call_is_bounded_whatever_the_server_does(monkeypatch: pytest.Mo
     ):
         await kube.read_claim(REF, driver=DRA_DRIVER, node=NODE)
     await kube.close()
-
-
-NODE_OBJECT = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": "4f6e3d2c-node"}}
-SLICE = f"{SLICE_PATH}/node-1-mps-mpsagent-io"
 
 
 @pytest.mark.anyio

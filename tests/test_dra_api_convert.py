@@ -23,88 +23,20 @@ from mpsagent.domain.claims import (
     DeviceTaint,
     NodeSlice,
     OpaqueConfig,
-    SliceDevice,
 )
 from mpsagent.dra.claim_object import MAX_CONFIGS, MAX_RESULTS, claim_allocation
 from mpsagent.dra.slice_object import CONTENT_ANNOTATION, next_generation, resource_slice, slice_digest, slice_name
-
-UID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
-NODE = "node-1"
-REF = ClaimRef(namespace="team-a", name="trainer-gpu", uid=UID)
-CLASS_PARAMETERS = {"apiVersion": "mps.mpsagent.io/v1alpha1", "kind": "ShareParameters", "threadPercentage": 50}
-CLAIM_PARAMETERS = {"apiVersion": "mps.mpsagent.io/v1alpha1", "kind": "ShareParameters", "memory": "8Gi"}
-
-CLAIM: dict[str, Any] = {
-    "apiVersion": "resource.k8s.io/v1",
-    "kind": "ResourceClaim",
-    "metadata": {
-        "name": "trainer-gpu",
-        "namespace": "team-a",
-        "uid": UID,
-        "resourceVersion": "48213",
-        "creationTimestamp": "2026-12-01T10:00:00Z",
-        "finalizers": ["resource.kubernetes.io/delete-protection"],
-    },
-    "spec": {
-        "devices": {
-            "requests": [
-                {
-                    "name": "gpu",
-                    "exactly": {
-                        "deviceClassName": "mps.mpsagent.io",
-                        "allocationMode": "ExactCount",
-                        "count": 1,
-                        "capacity": {"requests": {"memory": "8Gi", "compute": "25"}},
-                    },
-                },
-                {"name": "whole", "exactly": {"deviceClassName": "mps.mpsagent.io", "count": 1}},
-            ],
-            "config": [{"requests": ["gpu"], "opaque": {"driver": DRA_DRIVER, "parameters": CLAIM_PARAMETERS}}],
-        }
-    },
-    "status": {
-        "allocation": {
-            "devices": {
-                "results": [
-                    {
-                        "request": "gpu",
-                        "driver": DRA_DRIVER,
-                        "pool": NODE,
-                        "device": "gpu-0",
-                        "shareID": "2f1b8c5e-93d4-4b7a-a0c1-5e6f7a8b9c0d",
-                        "consumedCapacity": {"memory": "8Gi", "compute": "25"},
-                    },
-                    {"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-1"},
-                    {
-                        "request": "gpu",
-                        "driver": DRA_DRIVER,
-                        "pool": "node-2",
-                        "device": "gpu-0",
-                        "shareID": "0c3d2e1f-0000-4000-8000-000000000000",
-                        "consumedCapacity": {"memory": "1Gi", "compute": "10"},
-                    },
-                    {"request": "whole", "driver": DRA_DRIVER, "pool": NODE, "device": "gpu-1"},
-                ],
-                "config": [
-                    {"source": "FromClass", "opaque": {"driver": DRA_DRIVER, "parameters": CLASS_PARAMETERS}},
-                    {"source": "FromClass", "opaque": {"driver": "gpu.nvidia.com", "parameters": {"sharing": "x"}}},
-                    {
-                        "source": "FromClaim",
-                        "requests": ["gpu"],
-                        "opaque": {"driver": DRA_DRIVER, "parameters": CLAIM_PARAMETERS},
-                    },
-                ],
-            },
-            "nodeSelector": {
-                "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]
-            },
-        },
-        "reservedFor": [
-            {"resource": "pods", "name": "trainer-0", "uid": "a1a1a1a1-0000-4000-8000-000000000000"},
-            {"apiGroup": "batch", "resource": "jobs", "name": "trainer", "uid": "b2b2b2b2-0000-4000-8000-000000000000"},
-        ],
-    },
-}
+from mpsagent_testing.kube_api import (
+    CLAIM,
+    CLAIM_PARAMETERS,
+    CLASS_PARAMETERS,
+    GIB,
+    NODE,
+    NODE_SLICE,
+    REF,
+    UID,
+    slice_device,
+)
 
 
 def claim(edit: Any = None) -> ResourceClaim:
@@ -290,27 +222,6 @@ def test_an_unknown_configuration_source_is_trusted_as_the_claims_own() -> None:
 
 
 # --- the node's slice --------------------------------------------------------------------------------------
-
-GIB = 1 << 30
-MEMORY = CapacityPolicy(value=141 * GIB, default=GIB, minimum=1 << 20, maximum=141 * GIB, step=1 << 20)
-COMPUTE = CapacityPolicy(value=100, default=100, minimum=1, maximum=100, step=1)
-
-
-def slice_device(index: int, product: str = "NVIDIA H200") -> SliceDevice:
-    return SliceDevice(
-        name=f"gpu-{index}",
-        uuid=f"GPU-5c1f0e7a-0000-4000-8000-00000000000{index}",
-        index=index,
-        product_name=product,
-        compute_capability="9.0.0",
-        driver_version="580.65.6",
-        resource="nvidia.com/gpu",
-        memory=MEMORY,
-        compute=COMPUTE,
-    )
-
-
-NODE_SLICE = NodeSlice(driver=DRA_DRIVER, node=NODE, pool=NODE, devices=(slice_device(0), slice_device(1)))
 
 
 def test_the_slice_shows_each_gpu_with_its_attributes_and_consumable_capacity() -> None:

@@ -25,8 +25,7 @@ from mpsagent.domain.claims import DRA_DRIVER, NodeSlice
 from mpsagent.dra import slice_publisher
 from mpsagent.dra.slice_object import CONTENT_ANNOTATION, resource_slice, slice_matches
 from mpsagent.dra.slice_publisher import SlicePublisher
-from tests.test_dra_api_client import NODE_OBJECT, SLICE, SLICE_PATH, kube_api, status
-from tests.test_dra_api_convert import NODE, NODE_SLICE
+from mpsagent_testing.kube_api import NODE, NODE_OBJECT, NODE_SLICE, SLICE, SLICE_PATH, kube_api, status
 
 NAME = SLICE.rsplit("/", 1)[1]
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
