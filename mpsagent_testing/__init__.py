@@ -4,6 +4,8 @@ its dependencies grpcio, grpcio-tools, hypothesis and pytest), so that the agent
 only; nothing in `mpsagent` imports it (an import-linter contract).
 
 - `repo` — where the checkout's files are;
+- `domain` — the agent's domain values for unit tests, built as the agent builds them: GPUs, a node of them, the
+  plan of a config, a resource's shares;
 - `node` — the node the tests describe (GPU UUIDs, replica IDs, the snapshot and config files);
 - `agents` — the agent as a real process (`AgentLauncher`) and the usual ways to start it;
 - `kubelet` — grpcio stand-ins for the kubelet: the registration server (`fake`), pod-resources

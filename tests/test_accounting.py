@@ -5,7 +5,6 @@ what ListAndWatch withholds follow; a refusal names the GPU, what is free and wh
 from __future__ import annotations
 
 import contextlib
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,48 +12,25 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, ResourceName, format_replica_id
+from mpsagent.base.devices import MIB, GpuUuid, ReplicaId, ResourceName, format_replica_id
 from mpsagent.base.errors import GrantRefusedError, RequestError
 from mpsagent.base.values import TaintEffect
 from mpsagent.domain.accounting import claim_capacity
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_grants import ClaimGrants, LiveClaim
 from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
-from mpsagent.domain.plan import NodePlan, build_plan
+from mpsagent.domain.plan import NodePlan
 from mpsagent.domain.shares import Route
+from mpsagent_testing.domain import gpus_of, node_gpus, node_plan, uuid
 
 GIB = 1024**3
 NODE = "node-a"
 SHM = Path("/run/nvidia/mps/shm")
 
 
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
 def plan_of(resource: str = "{name: gpu, replicas: 4}", *, gpus: int = 2, memory_gib: int = 16) -> NodePlan:
-    node = NodeGpus(
-        driver_version="580.65.06",
-        gpus=tuple(
-            Gpu(
-                uuid=uuid(i),
-                index=i,
-                name="NVIDIA A100",
-                memory_bytes=memory_gib * GIB,
-                compute_capability=(8, 0),
-                pci_bus_id=f"00000000:{i + 1:02X}:00.0",
-                numa_node=0,
-                mig_enabled=False,
-            )
-            for i in range(gpus)
-        ),
-        source="test",
-    )
-    text = "version: v1\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources:\n" + textwrap.indent(
-        f"- {resource}\n", "    "
-    )
-    return build_plan(check_config(parse_config(text, "config.yaml")), node, Path("/run/nvidia/mps"))
+    node = node_gpus(*gpus_of(gpus, memory_bytes=memory_gib * GIB))
+    return node_plan(node, resource, mps="failRequestsGreaterThanOne: false")
 
 
 def claim(name: str, gpu: int, memory_gib: float | None, compute: int | None = None) -> ClaimAllocation:

@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import textwrap
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, format_replica_id
+from mpsagent.base.devices import MIB, format_replica_id
 from mpsagent.base.errors import RequestError
 from mpsagent.domain.claim_shares import (
     ENV_CLIENT_PRIORITY,
@@ -40,8 +37,9 @@ from mpsagent.domain.container import (
 )
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
-from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
+from mpsagent.domain.plan import NodePlan, ResourcePlan
 from mpsagent.domain.shares import Share
+from mpsagent_testing.domain import H100, gpus_of, node_gpus, node_plan, uuid
 
 GIB = 1024**3
 WHOLE_MIB = 81920
@@ -49,48 +47,22 @@ GPU_BYTES = 80 * GIB + 512 * 1024
 """An 80 GiB GPU with half a MiB more: the slice's memory is whole MiB, floored."""
 WHOLE_BYTES = WHOLE_MIB * MIB
 NODE = "node-a"
-MPS_ROOT = Path("/run/nvidia/mps")
 CLAIM = ClaimRef(namespace="ml", name="train-gpu", uid="0b5f1c52-8f5e-4a55-9b0e-3f8a1c2d4e6f")
 CAP_ENVS = (ENV_THREAD_PERCENTAGE, ENV_PINNED_MEM_LIMIT, ENV_CLIENT_PRIORITY)
 
 
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
-def gpu(index: int, memory_bytes: int = GPU_BYTES) -> Gpu:
-    return Gpu(
-        uuid=uuid(index),
-        index=index,
-        name="NVIDIA H100 80GB HBM3",
-        memory_bytes=memory_bytes,
-        compute_capability=(9, 0),
-        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
-        numa_node=0,
-        mig_enabled=False,
-    )
-
-
-def node_plan(driver_version: str = "580.65.06", *, order: tuple[int, ...] = (0, 1, 2)) -> NodePlan:
+def three_gpus(driver_version: str = "580.65.06", *, order: tuple[int, ...] = (0, 1, 2)) -> NodePlan:
     """Two GPUs (0 and 1) in resource `gpu`, GPU 2 in resource `other`; `order` lists the resources' GPUs so that
     the slice's order can be told apart from the plan's."""
     first, second = sorted(order[:2]), order[2]
-    text = textwrap.dedent(
-        f"""\
-        version: v1
-        sharing:
-          mps:
-            resources:
-            - {{name: other, replicas: 2, devices: [{second}]}}
-            - {{name: gpu, replicas: 4, devices: [{first[0]}, {first[1]}]}}
-        """
+    return node_plan(
+        node_gpus(*gpus_of(3, H100, memory_bytes=GPU_BYTES), driver_version=driver_version),
+        f"{{name: other, replicas: 2, devices: [{second}]}}",
+        f"{{name: gpu, replicas: 4, devices: [{first[0]}, {first[1]}]}}",
     )
-    sharing = check_config(parse_config(text, "config.yaml"))
-    gpus = NodeGpus(driver_version=driver_version, gpus=tuple(gpu(i) for i in range(3)), source="test")
-    return build_plan(sharing, gpus, MPS_ROOT)
 
 
-PLAN = node_plan()
+PLAN = three_gpus()
 GPU_RESOURCE = next(r for r in PLAN.resources if r.name.endswith("/gpu"))
 OTHER_RESOURCE = next(r for r in PLAN.resources if r.name.endswith("/other"))
 
@@ -153,7 +125,7 @@ def test_the_slice_offers_each_gpus_whole_memory_in_mib_steps_and_compute_in_per
 
 def test_the_slice_lists_its_devices_by_host_index_whatever_the_resources_order() -> None:
     """The plan lists resource `other` (GPU 1) before `gpu` (GPUs 0 and 2)."""
-    plan = node_plan(order=(0, 2, 1))
+    plan = three_gpus(order=(0, 2, 1))
     assert [[g.index for g in r.gpus] for r in plan.resources] == [[1], [0, 2]]
     devices = node_slice(plan, NODE).devices
     assert [(d.name, d.uuid, d.resource.rsplit("/", 1)[1]) for d in devices] == [
@@ -175,7 +147,7 @@ def test_the_slice_lists_its_devices_by_host_index_whatever_the_resources_order(
     ],
 )
 def test_the_driver_version_is_a_semantic_version(driver: str, semver: str) -> None:
-    assert {d.driver_version for d in node_slice(node_plan(driver), NODE).devices} == {semver}
+    assert {d.driver_version for d in node_slice(three_gpus(driver), NODE).devices} == {semver}
 
 
 # --- a claim's share of a GPU ---------------------------------------------------------------------------------

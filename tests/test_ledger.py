@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from mpsagent.base.config import GrantRule
-from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.base.devices import ContainerRef, ReplicaId
 from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
-from mpsagent.domain.shares import GpuSlots, Share, ShareModel
+from mpsagent.domain.shares import Share
+from mpsagent_testing.domain import replica_id, share_model, uuid
 
-A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
-SHARES = ShareModel(
-    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=4),),
-    rule=GrantRule.PROPORTIONAL,
-    unit_bytes=None,
-    enforce=True,
-)
+A = [replica_id(0, i) for i in range(4)]
+SHARES = share_model(1, 4)
 OWNER = ContainerRef(namespace="ml", pod="train", container="main")
 
 
@@ -227,13 +222,8 @@ def test_a_claim_of_the_whole_gpu_lifts_the_ceilings_to_the_hardware() -> None:
 
 def test_a_claim_is_a_client_of_its_gpu_for_the_client_limit() -> None:
     """MPS takes 48 clients per GPU, whichever route they came by."""
-    shares = ShareModel(
-        gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=48 << 30, id_count=48),),
-        rule=GrantRule.PROPORTIONAL,
-        unit_bytes=None,
-        enforce=True,
-    )
-    replicas = [ReplicaId(f"GPU-a::{i}") for i in range(48)]
+    shares = share_model(1, 48, memory_bytes=48 << 30)
+    replicas = [replica_id(0, i) for i in range(48)]
     ledger = Ledger()
     for replica in replicas[:47]:
         ledger.record((replica,), shares.share_of((replica,)))
@@ -241,7 +231,7 @@ def test_a_claim_is_a_client_of_its_gpu_for_the_client_limit() -> None:
     assert shares.clients_over_limit(ledger.tally, (), [claim]) == ()
     held = ledger.hold_claim(CLAIM, "gpu-0", claim)
     assert ledger.tally.clients(0) == 48
-    assert shares.full_gpus(ledger.tally) == {GpuUuid("GPU-a")}
+    assert shares.full_gpus(ledger.tally) == {uuid(0)}
     (over,) = shares.clients_over_limit(ledger.tally, (), [claim])
     assert (over.ordinal, over.grants, over.limit) == (0, 49, 48)
     # A device-plugin grant of the last replica is over too: the claim counts as a client.

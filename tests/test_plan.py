@@ -3,14 +3,13 @@ container grants (`container`) and node labels (`nfd`)."""
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy, SharingConfig, check_config, parse_config
-from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy
+from mpsagent.base.devices import MIB, Gpu, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.base.errors import ConfigError
 from mpsagent.domain.container import (
     ENV_PINNED_MEM_LIMIT,
@@ -21,67 +20,30 @@ from mpsagent.domain.container import (
     container_setup,
 )
 from mpsagent.domain.grant_kind import GrantKind
-from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.mps.commands import daemon_default_commands, daemon_launch
 from mpsagent.node.nfd import node_labels
+from mpsagent_testing.domain import (
+    H100,
+    MPS_ROOT,
+    T4,
+    gpu,
+    gpus_of,
+    node_gpus,
+    node_plan,
+    replica_id,
+    resource_plan,
+    uuid,
+)
 
 GIB = 1024**3
-T4_BYTES = 16 * GIB
-H100_BYTES = 85520809984
-MPS_ROOT = Path("/run/nvidia/mps")
+T4_BYTES = T4.memory_bytes
 SHM = MPS_ROOT / "shm"
 
 
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
-def gpu(
-    index: int,
-    *,
-    name: str = "Tesla T4",
-    memory_bytes: int = T4_BYTES,
-    cc: tuple[int, int] = (7, 5),
-    mig: bool = False,
-) -> Gpu:
-    return Gpu(
-        uuid=uuid(index),
-        index=index,
-        name=name,
-        memory_bytes=memory_bytes,
-        compute_capability=cc,
-        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
-        numa_node=0,
-        mig_enabled=mig,
-    )
-
-
-def node(*gpus: Gpu) -> NodeGpus:
-    return NodeGpus(driver_version="550.54.15", gpus=gpus, source="test")
-
-
 def t4_node(count: int = 4) -> NodeGpus:
-    return node(*(gpu(i) for i in range(count)))
-
-
-def sharing(text: str) -> SharingConfig:
-    return check_config(parse_config(textwrap.dedent(text), "config.yaml"))
-
-
-def config(*entries: str, mps: str = "", flags: str = "") -> SharingConfig:
-    """A v1 config whose sharing.mps.resources are these YAML flow mappings."""
-    text = "version: v1\nsharing:\n  mps:\n"
-    if mps:
-        text += f"    {mps}\n"
-    text += "    resources:\n" + "".join(f"    - {entry}\n" for entry in entries)
-    if flags:
-        text += f"flags: {flags}\n"
-    return sharing(text)
-
-
-def plan(gpus: NodeGpus, *entries: str, mps: str = "", flags: str = "") -> NodePlan:
-    return build_plan(config(*entries, mps=mps, flags=flags), gpus, MPS_ROOT)
+    return node_gpus(*gpus_of(count))
 
 
 EQUAL = "grants: equal"
@@ -92,14 +54,9 @@ def ceilings_of(resource: ResourcePlan, mode: str) -> Ceilings:
     return resource.shares.smallest_caps() if mode == "capped" else resource.shares.full_hardware()
 
 
-def only_resource(gpus: NodeGpus, entry: str, *, flags: str = "", mps: str = "") -> ResourcePlan:
-    (resource,) = plan(gpus, entry, flags=flags, mps=mps).resources
-    return resource
-
-
 def ids(*pairs: tuple[int, int]) -> tuple[ReplicaId, ...]:
     """Replica IDs by (host GPU index, replica number)."""
-    return tuple(format_replica_id(uuid(index), replica) for index, replica in pairs)
+    return tuple(replica_id(index, replica) for index, replica in pairs)
 
 
 # --- device selection ---------------------------------------------------------------------------------------
@@ -122,7 +79,7 @@ def ids(*pairs: tuple[int, int]) -> tuple[ReplicaId, ...]:
 )
 def test_device_selectors(devices: str | None, indices: list[int]) -> None:
     entry = "{name: gpu, replicas: 2" + (f", devices: {devices}" if devices is not None else "") + "}"
-    resource = only_resource(t4_node(4), entry)
+    resource = resource_plan(t4_node(4), entry)
     assert [g.index for g in resource.gpus] == indices
     assert {g.uuid: g.ordinal for g in resource.shares.gpus} == {uuid(i): o for o, i in enumerate(indices)}
     assert resource.device_ids == tuple(format_replica_id(uuid(i), r) for i in indices for r in range(2))
@@ -195,20 +152,20 @@ def test_device_selectors(devices: str | None, indices: list[int]) -> None:
 )
 def test_device_selection_refusals(entries: list[str], path: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as info:
-        plan(t4_node(4), *entries)
+        node_plan(t4_node(4), *entries)
     assert info.value.path == path
     assert phrase in info.value.message
 
 
 def test_one_gpu_asked_of_a_node_without_any_is_said_in_the_singular() -> None:
     with pytest.raises(ConfigError) as info:
-        plan(node(), "{name: gpu, replicas: 2, devices: 1}")
+        node_plan(node_gpus(), "{name: gpu, replicas: 2, devices: 1}")
     assert info.value.message == "asks for 1 GPU but this node has 0"
 
 
 def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
     with pytest.raises(ConfigError, match="already shared") as info:
-        plan(t4_node(2), "{name: a, replicas: 2}", "{name: b, replicas: 2, devices: [1]}")
+        node_plan(t4_node(2), "{name: a, replicas: 2}", "{name: b, replicas: 2, devices: [1]}")
     assert "each GPU can be in one resource only" in info.value.message
 
 
@@ -216,21 +173,21 @@ def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
     ("gpus", "entry", "path", "phrase"),
     [
         pytest.param(
-            (gpu(0), gpu(1, mig=True)),
+            (gpu(0), gpu(1, mig_enabled=True)),
             "{name: gpu, replicas: 2}",
             "sharing.mps.resources[0].devices",
             "GPU 1 (GPU-00000001-aaaa-bbbb-cccc-dddddddddddd) has MIG enabled",
             id="mig-enabled",
         ),
         pytest.param(
-            (gpu(0, cc=(6, 0)),),
+            (gpu(0, compute_capability=(6, 0)),),
             "{name: gpu, replicas: 17}",
             "sharing.mps.resources[0].replicas",
             "compute capability 6.0, where MPS allows at most 16 clients; 17 is too many",
             id="pascal-17",
         ),
         pytest.param(
-            (gpu(0), gpu(1, cc=(6, 1))),
+            (gpu(0), gpu(1, compute_capability=(6, 1))),
             "{name: gpu, replicas: 48}",
             "sharing.mps.resources[0].replicas",
             "GPU 1 has compute capability 6.1",
@@ -255,7 +212,7 @@ def test_a_gpu_in_two_resources_says_each_gpu_is_in_one_resource_only() -> None:
 )
 def test_per_gpu_refusals(gpus: tuple[Gpu, ...], entry: str, path: str, phrase: str) -> None:
     with pytest.raises(ConfigError) as info:
-        plan(node(*gpus), entry)
+        node_plan(node_gpus(*gpus), entry)
     assert info.value.path == path
     assert phrase in info.value.message
 
@@ -263,16 +220,18 @@ def test_per_gpu_refusals(gpus: tuple[Gpu, ...], entry: str, path: str, phrase: 
 @pytest.mark.parametrize(
     ("gpus", "entry"),
     [
-        pytest.param((gpu(0, cc=(6, 0)),), "{name: gpu, replicas: 16}", id="pascal-16"),
-        pytest.param((gpu(0, cc=(7, 0)),), "{name: gpu, replicas: 48}", id="volta-48"),
-        pytest.param((gpu(0, cc=(9, 0)),), "{name: gpu, replicas: 48}", id="hopper-48"),
+        pytest.param((gpu(0, compute_capability=(6, 0)),), "{name: gpu, replicas: 16}", id="pascal-16"),
+        pytest.param((gpu(0, compute_capability=(7, 0)),), "{name: gpu, replicas: 48}", id="volta-48"),
+        pytest.param((gpu(0, compute_capability=(9, 0)),), "{name: gpu, replicas: 48}", id="hopper-48"),
         # A MIG-enabled or pre-Volta GPU left out of every resource is no concern.
-        pytest.param((gpu(0), gpu(1, mig=True)), "{name: gpu, replicas: 4, devices: [0]}", id="mig-left-out"),
-        pytest.param((gpu(0), gpu(1, cc=(6, 0))), "{name: gpu, replicas: 48, devices: [0]}", id="pascal-left-out"),
+        pytest.param((gpu(0), gpu(1, mig_enabled=True)), "{name: gpu, replicas: 4, devices: [0]}", id="mig-left-out"),
+        pytest.param(
+            (gpu(0), gpu(1, compute_capability=(6, 0))), "{name: gpu, replicas: 48, devices: [0]}", id="pascal-left-out"
+        ),
     ],
 )
 def test_per_gpu_acceptances(gpus: tuple[Gpu, ...], entry: str) -> None:
-    resource = only_resource(node(*gpus), entry)
+    resource = resource_plan(node_gpus(*gpus), entry)
     assert resource.gpus == gpus[: len(resource.gpus)]
 
 
@@ -282,8 +241,8 @@ SPLIT = ("{name: low, replicas: 4, devices: [0, 1, 2, 3]}", "{name: high, replic
 
 
 def test_two_resources_split_eight_gpus() -> None:
-    gpus = node(*(gpu(i, name="NVIDIA H100 80GB HBM3", memory_bytes=H100_BYTES, cc=(9, 0)) for i in range(8)))
-    low, high = build_plan(config(*SPLIT), gpus, MPS_ROOT).resources
+    gpus = node_gpus(*gpus_of(8, H100))
+    low, high = node_plan(gpus, *SPLIT).resources
     assert [g.index for g in low.gpus] == [0, 1, 2, 3]
     assert [g.index for g in high.gpus] == [4, 5, 6, 7]
     assert (low.name, high.name) == ("nvidia.com/low", "nvidia.com/high")
@@ -306,7 +265,7 @@ def test_two_resources_split_eight_gpus() -> None:
 
 
 def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
-    _, high = plan(t4_node(8), *SPLIT, mps=EQUAL).resources
+    _, high = node_plan(t4_node(8), *SPLIT, mps=EQUAL).resources
     grant = container_setup(high, ids((6, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M"  # the one GPU the container sees, as its ordinal 0
@@ -334,14 +293,14 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
             id="16GiB-4-full",
         ),
         pytest.param(
-            H100_BYTES,
+            H100.memory_bytes,
             4,
             "capped",
             ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 20389M"),
             id="h100-4-capped",
         ),
         pytest.param(
-            H100_BYTES,
+            H100.memory_bytes,
             4,
             "full",
             ("set_default_active_thread_percentage 100", "set_default_device_pinned_mem_limit 0 81559M"),
@@ -371,19 +330,16 @@ def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
     ],
 )
 def test_daemon_default_commands(memory_bytes: int, replicas: int, mode: str, expected: tuple[str, ...]) -> None:
-    resource = only_resource(node(gpu(0, memory_bytes=memory_bytes)), f"{{name: gpu, replicas: {replicas}}}")
+    resource = resource_plan(node_gpus(gpu(0, memory_bytes=memory_bytes)), f"{{name: gpu, replicas: {replicas}}}")
     assert daemon_default_commands(ceilings_of(resource, mode)) == expected
-
-
-H100_BYTES = 85520809984  # 81559 MiB: 1 of 4 is 20389 MiB, the NVIDIA plugin's figure
 
 
 @pytest.mark.parametrize("grants", ["proportional", "equal"])
 def test_a_container_is_capped_on_the_gpus_it_sees_only_numbered_as_it_sees_them(grants: str) -> None:
     """1 of 4 replicas of GPU 3 on an 8-GPU node: one entry, `0=20389M`, never one for the 7 GPUs it cannot see (a
     client whose variable names a GPU it cannot see drops every pinned limit: NVIDIA, driver 615)."""
-    h100s = node(*(gpu(i, name="NVIDIA H100 80GB HBM3", memory_bytes=H100_BYTES, cc=(9, 0)) for i in range(8)))
-    resource = only_resource(h100s, "{name: gpu, replicas: 4}", mps=f"grants: {grants}")
+    h100s = node_gpus(*gpus_of(8, H100))
+    resource = resource_plan(h100s, "{name: gpu, replicas: 4}", mps=f"grants: {grants}")
     grant = container_setup(resource, ids((3, 0)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(3)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=20389M"
@@ -392,8 +348,8 @@ def test_a_container_is_capped_on_the_gpus_it_sees_only_numbered_as_it_sees_them
 
 
 def test_a_container_holding_gpus_at_different_caps_gets_each_its_own_in_the_daemons_order() -> None:
-    gpus = node(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
-    resource = only_resource(gpus, "{name: gpu, replicas: 4}", mps="failRequestsGreaterThanOne: false")
+    gpus = node_gpus(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
+    resource = resource_plan(gpus, "{name: gpu, replicas: 4}", mps="failRequestsGreaterThanOne: false")
     # 3 of GPU 2's 4 and 1 of GPU 0's, named in that order: GPU 0 is the container's ordinal 0, GPU 2 its 1.
     grant = container_setup(resource, (*ids((2, 0), (2, 1), (2, 2)), *ids((0, 3))), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == f"{uuid(0)},{uuid(2)}"
@@ -401,8 +357,8 @@ def test_a_container_holding_gpus_at_different_caps_gets_each_its_own_in_the_dae
 
 
 def test_caps_cover_every_gpu_in_ordinal_order() -> None:
-    gpus = node(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
-    resource = only_resource(gpus, "{name: gpu, replicas: 4, devices: [2, 1]}")
+    gpus = node_gpus(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
+    resource = resource_plan(gpus, "{name: gpu, replicas: 4, devices: [2, 1]}")
     assert daemon_default_commands(resource.shares.smallest_caps()) == (
         "set_default_active_thread_percentage 25",
         "set_default_device_pinned_mem_limit 0 2048M",
@@ -421,8 +377,8 @@ def test_caps_cover_every_gpu_in_ordinal_order() -> None:
     ],
 )
 def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
-    resource = only_resource(
-        t4_node(1), "{name: gpu, replicas: 4}", mps=f"enforceCaps: {str(enforce).lower()}\n    grants: equal"
+    resource = resource_plan(
+        t4_node(1), "{name: gpu, replicas: 4}", mps=f"enforceCaps: {str(enforce).lower()}\ngrants: equal"
     )
     live = [resource.shares.share_of(resource.device_ids[:1])] if capped_live else []
     wanted = resource.shares.smallest_caps() if mode == "capped" else resource.shares.full_hardware()
@@ -433,7 +389,7 @@ def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
 
 
 def test_a_full_grant_has_no_caps() -> None:
-    resource = only_resource(t4_node(2), "{name: gpu, replicas: 4}")
+    resource = resource_plan(t4_node(2), "{name: gpu, replicas: 4}")
     grant = container_setup(resource, tuple(reversed(resource.device_ids)), SHM)
     assert grant.full is True
     assert grant.share.kind is GrantKind.FULL
@@ -462,7 +418,7 @@ def test_a_full_grant_has_no_caps() -> None:
     ],
 )
 def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
-    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
+    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
     grant = container_setup(resource, ids(*pairs), SHM)
     assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
@@ -497,7 +453,7 @@ def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int
 def test_device_strategies(
     flags: str, pairs: list[tuple[int, int]], visible_env: str | None, cdi: tuple[str, ...]
 ) -> None:
-    resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", flags=flags)
+    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", flags=flags)
     grant = container_setup(resource, ids(*pairs), SHM)
     assert grant.envs.get(ENV_VISIBLE_DEVICES) == visible_env
     assert grant.cdi_devices == cdi
@@ -505,14 +461,14 @@ def test_device_strategies(
 
 
 def test_index_strategy_on_the_second_resource_gives_host_indices() -> None:
-    _, high = plan(t4_node(8), *SPLIT, flags="{plugin: {deviceIDStrategy: index}}").resources
+    _, high = node_plan(t4_node(8), *SPLIT, flags="{plugin: {deviceIDStrategy: index}}").resources
     assert high.device_id_strategy is DeviceIdStrategy.INDEX
     grant = container_setup(high, ids((5, 0), (4, 1)), SHM)
     assert grant.envs[ENV_VISIBLE_DEVICES] == "4,5"
 
 
 def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
-    resource = only_resource(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
+    resource = resource_plan(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
     assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
     grant = container_setup(resource, resource.device_ids, SHM)
     assert grant.full is True
@@ -532,7 +488,7 @@ def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
     ],
 )
 def test_labels_for_four_t4s(mps: str, product: str) -> None:
-    result = plan(t4_node(4), "{name: nvidia.com/gpu, replicas: 4}", mps=mps)
+    result = node_plan(t4_node(4), "{name: nvidia.com/gpu, replicas: 4}", mps=mps)
     assert node_labels(result.gpus, result.resources) == {
         "nvidia.com/gpu.count": "4",
         "nvidia.com/gpu.product": product,
@@ -546,8 +502,8 @@ def test_labels_for_four_t4s(mps: str, product: str) -> None:
 
 
 def test_a_gpu_whose_driver_limits_memory_is_labelled_so() -> None:
-    gpus = node(gpu(0), replace(gpu(1), memory_limits_unavailable=None))
-    result = plan(gpus, "{name: nvidia.com/gpu, replicas: 4}")
+    gpus = node_gpus(gpu(0), replace(gpu(1), memory_limits_unavailable=None))
+    result = node_plan(gpus, "{name: nvidia.com/gpu, replicas: 4}")
     labels = node_labels(result.gpus, result.resources)
     assert labels["mpsagent.io/memory-enforcement.gpu-0"] == "mps"
     assert labels["mpsagent.io/memory-enforcement.gpu-1"] == "driver"
@@ -562,19 +518,19 @@ def test_a_gpu_whose_driver_limits_memory_is_labelled_so() -> None:
     ],
 )
 def test_product_label_is_a_valid_label_value(name: str, product: str) -> None:
-    result = plan(node(gpu(0, name=name)), "{name: gpu, replicas: 2}")
+    result = node_plan(node_gpus(gpu(0, replace(T4, name=name))), "{name: gpu, replicas: 2}")
     assert node_labels(result.gpus, result.resources)["nvidia.com/gpu.product"] == product
 
 
 def test_labels_count_every_gpu_and_take_replicas_from_the_first_resource() -> None:
-    result = plan(t4_node(8), *SPLIT)
+    result = node_plan(t4_node(8), *SPLIT)
     labels = node_labels(result.gpus, result.resources)
     assert labels["nvidia.com/gpu.count"] == "8"
     assert labels["nvidia.com/gpu.replicas"] == "4"
 
 
 def test_node_plan_paths() -> None:
-    result = plan(t4_node(1), "{name: gpu, replicas: 2}")
+    result = node_plan(t4_node(1), "{name: gpu, replicas: 2}")
     (resource,) = result.resources
     assert result.shm_directory == Path("/run/nvidia/mps/shm")
     assert resource.directory == Path("/run/nvidia/mps/nvidia.com/gpu")

@@ -6,21 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsagent.base.config import GrantRule
-from mpsagent.base.devices import ContainerRef, GpuUuid, ReplicaId
+from mpsagent.base.devices import ContainerRef, ReplicaId
 from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import ListedDevices, ListedGrant, listed_grants, reconcile
-from mpsagent.domain.shares import Ceilings, GpuSlots, Share, ShareModel
+from mpsagent.domain.shares import Ceilings, Share
+from mpsagent_testing.domain import replica_id, share_model
 
-IDS = [ReplicaId(f"GPU-a::{i}") for i in range(8)]
-SHARES = ShareModel(
-    gpus=(GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=8),),
-    rule=GrantRule.PROPORTIONAL,
-    unit_bytes=None,
-    enforce=True,
-)
+IDS = [replica_id(0, i) for i in range(8)]
+SHARES = share_model(1, 8)
 CAPPED = SHARES.share_of(IDS[:1])
 
 
@@ -149,17 +144,9 @@ def test_a_grant_split_differently_by_the_kubelet_is_replaced() -> None:
 
 # --- the kubelet's listing: which container holds what ----------------------------------------------------------
 
-TWO_GPUS = ShareModel(
-    gpus=(
-        GpuSlots(uuid=GpuUuid("GPU-a"), ordinal=0, memory_bytes=16 << 30, id_count=4),
-        GpuSlots(uuid=GpuUuid("GPU-b"), ordinal=1, memory_bytes=16 << 30, id_count=4),
-    ),
-    rule=GrantRule.PROPORTIONAL,
-    unit_bytes=None,
-    enforce=True,
-)
-A = [ReplicaId(f"GPU-a::{i}") for i in range(4)]
-B = [ReplicaId(f"GPU-b::{i}") for i in range(4)]
+TWO_GPUS = share_model(2, 4)
+A = [replica_id(0, i) for i in range(4)]
+B = [replica_id(1, i) for i in range(4)]
 WHOLE_MIB = 16384
 QUARTER_MIB, HALF_MIB = 4096, 8192
 
@@ -251,9 +238,11 @@ def test_the_apps_allocate_grant_is_kept_when_its_init_container_lists_a_part_of
     ("listed_ids", "ceilings"),
     [
         # A restart with 4 replicas instead of 8 while pods run: 4 of the old 8 is not the whole GPU (100 % / 16G).
-        pytest.param(["GPU-a::4", "GPU-a::5", "GPU-a::6", "GPU-a::7"], (25, QUARTER_MIB, WHOLE_MIB), id="4-of-old-8"),
+        pytest.param([replica_id(0, i) for i in range(4, 8)], (25, QUARTER_MIB, WHOLE_MIB), id="4-of-old-8"),
         # Not "6 of 4" with a 24576 MiB ceiling on a 16384 MiB GPU.
-        pytest.param([*(f"GPU-a::{i}" for i in range(6)), "GPU-b::0"], (25, QUARTER_MIB, QUARTER_MIB), id="6-of-4"),
+        pytest.param(
+            [*(replica_id(0, i) for i in range(6)), replica_id(1, 0)], (25, QUARTER_MIB, QUARTER_MIB), id="6-of-4"
+        ),
         pytest.param(["GPU-gone::0"], (25, QUARTER_MIB, QUARTER_MIB), id="a-gpu-outside-the-resource"),
     ],
 )

@@ -2,57 +2,33 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus
 from mpsagent.documents.report import plan_report, render_json, render_text
 from mpsagent.documents.report_document import PlanReport
-from mpsagent.domain.plan import NodePlan, build_plan
+from mpsagent.domain.plan import NodePlan
+from mpsagent_testing.domain import gpu, node_gpus, node_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 CONTROL_BIN = "nvidia-cuda-mps-control"
 
 
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
-def t4(index: int, *, numa_node: int | None) -> Gpu:
-    return Gpu(
-        uuid=uuid(index),
-        index=index,
-        name="Tesla T4",
-        memory_bytes=16 * 1024**3,
-        compute_capability=(7, 5),
-        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
-        numa_node=numa_node,
-        mig_enabled=False,
-    )
-
-
-def two_t4_plan(resources: str, flags: str = "") -> NodePlan:
+def two_t4_plan(*resources: str, flags: str = "") -> NodePlan:
     """Two T4s (the first of unknown NUMA node) shared by these sharing.mps.resources (YAML flow mappings)."""
-    text = "version: v1\nsharing:\n  mps:\n    resources:\n" + textwrap.indent(resources, "    ")
-    if flags:
-        text += f"flags: {flags}\n"
-    sharing = check_config(parse_config(text, "config.yaml"))
-    node = NodeGpus(driver_version="550.54.15", gpus=(t4(0, numa_node=None), t4(1, numa_node=0)), source="test")
-    return build_plan(sharing, node, Path("/run/nvidia/mps"))
+    return node_plan(node_gpus(gpu(0, numa_node=None), gpu(1)), *resources, flags=flags)
 
 
-REPLICAS_AND_UNITS = """\
-- {name: nvidia.com/gpu, replicas: 4, devices: [0]}
-- {name: nvidia.com/gpu-mem, memoryUnit: 4Gi, devices: [1]}
-"""
+REPLICAS_AND_UNITS = (
+    "{name: nvidia.com/gpu, replicas: 4, devices: [0]}",
+    "{name: nvidia.com/gpu-mem, memoryUnit: 4Gi, devices: [1]}",
+)
 SCENARIOS = {
-    "replicas-and-units": (two_t4_plan(REPLICAS_AND_UNITS), True, None),
+    "replicas-and-units": (two_t4_plan(*REPLICAS_AND_UNITS), True, None),
     "cdi-multi-user": (
-        two_t4_plan("- {name: nvidia.com/gpu, replicas: 2}\n", "{plugin: {deviceListStrategy: cdi-cri}}"),
+        two_t4_plan("{name: nvidia.com/gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}"),
         False,
         True,
     ),
@@ -97,16 +73,7 @@ def test_a_refused_example_names_its_error_and_nothing_it_was_not_given() -> Non
 
 def test_caps_left_to_the_containers_say_so() -> None:
     """sharing.mps.enforceCaps: false: the daemon holds the full hardware, and the text says so."""
-    text = textwrap.dedent("""\
-        version: v1
-        sharing:
-          mps:
-            enforceCaps: false
-            resources:
-            - {name: nvidia.com/gpu, replicas: 2}
-        """)
-    node = NodeGpus(driver_version="550.54.15", gpus=(t4(0, numa_node=0),), source="test")
-    plan = build_plan(check_config(parse_config(text, "config.yaml")), node, Path("/run/nvidia/mps"))
+    plan = node_plan(node_gpus(gpu(0)), "{name: nvidia.com/gpu, replicas: 2}", mps="enforceCaps: false")
     report = plan_report(plan, control_bin=CONTROL_BIN, manages_compute_mode=True, multi_user_offered=True)
     assert report.resources[0].ceilings.enforced_at_daemon is False
     lines = render_text(report).splitlines()

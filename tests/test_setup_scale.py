@@ -9,39 +9,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
+from mpsagent_testing.domain import gpus_of, node_gpus, sharing
 
 GPUS = 5000  # took 16.7 s when the allocator grouped replicas by scanning every replica for every GPU
 SETUP_S = 2.0  # the linear set-up takes about 0.1 s
 
 
-def node(count: int) -> NodeGpus:
-    gpus = tuple(
-        Gpu(
-            uuid=GpuUuid(f"GPU-{i:08x}-aaaa-bbbb-cccc-dddddddddddd"),
-            index=i,
-            name="Tesla T4",
-            memory_bytes=16 << 30,
-            compute_capability=(7, 5),
-            pci_bus_id="",
-            numa_node=0,
-            mig_enabled=False,
-        )
-        for i in range(count)
-    )
-    return NodeGpus(driver_version="550.54.15", gpus=gpus, source="test")
-
-
 def test_set_up_of_thousands_of_gpus_is_linear() -> None:
-    text = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 4\n"
-    sharing = check_config(parse_config(text, "config.yaml"))
-    big = node(GPUS)
+    config = sharing("version: v1\nsharing:\n  mps:\n    resources:\n    - name: gpu\n      replicas: 4\n")
+    big = node_gpus(*gpus_of(GPUS))
     started = time.perf_counter()
-    plan = build_plan(sharing, big, Path("/run/mps"))
+    plan = build_plan(config, big, Path("/run/mps"))
     allocator = ResourceAllocator(plan.resources[0], plan.shm_directory)
     inventory = Inventory(plan.resources[0], daemon_ready=True)
     snapshot = inventory.snapshot()

@@ -3,16 +3,13 @@ bound, the 48-client limit, memory-unit resources and their placement. Domain co
 
 from __future__ import annotations
 
-import textwrap
-from pathlib import Path
-
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import MIB, Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.base.devices import MIB, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.base.errors import ConfigError, RequestError
 from mpsagent.documents.report import dra_report, plan_report, render_text
 from mpsagent.domain.allocation import ResourceAllocator
@@ -20,45 +17,26 @@ from mpsagent.domain.claim_shares import claim_shares
 from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
 from mpsagent.domain.grant_kind import GrantKind
-from mpsagent.domain.plan import ResourcePlan, build_plan
+from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.mps.commands import daemon_default_commands
 from mpsagent.mps.state import DaemonState, daemon_state, recorded_ceilings
+from mpsagent_testing.domain import H200, MPS_ROOT, T4, gpus_of, node_gpus, node_plan, resource_plan, uuid
 
 GIB = 1024**3
-H200_BYTES = 150754820096  # 143771 MiB, as NVML reports an H200
-T4_BYTES = 16 * GIB
-SHM = Path("/run/nvidia/mps/shm")
+H200_BYTES = H200.memory_bytes
+T4_BYTES = T4.memory_bytes
+SHM = MPS_ROOT / "shm"
 
 
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
-def node(count: int, memory_bytes: int = H200_BYTES) -> NodeGpus:
-    gpus = tuple(
-        Gpu(
-            uuid=uuid(i),
-            index=i,
-            name="NVIDIA H200",
-            memory_bytes=memory_bytes,
-            compute_capability=(9, 0),
-            pci_bus_id=f"00000000:{i + 1:02X}:00.0",
-            numa_node=0,
-            mig_enabled=False,
-        )
-        for i in range(count)
-    )
-    return NodeGpus(driver_version="580.65.06", gpus=gpus, source="test")
+def h200s(count: int, memory_bytes: int = H200_BYTES) -> NodeGpus:
+    return node_gpus(*gpus_of(count, H200, memory_bytes=memory_bytes))
 
 
 def resource(
-    entry: str, *, gpus: int = 1, mps: str = "failRequestsGreaterThanOne: false\n", memory_bytes: int = H200_BYTES
+    entry: str, *, gpus: int = 1, mps: str = "failRequestsGreaterThanOne: false", memory_bytes: int = H200_BYTES
 ) -> ResourcePlan:
-    text = f"version: v1\nsharing:\n  mps:\n{textwrap.indent(mps, '    ')}    resources:\n    - {entry}\n"
-    sharing = check_config(parse_config(text, "config.yaml"))
-    (plan,) = build_plan(sharing, node(gpus, memory_bytes), Path("/run/nvidia/mps")).resources
-    return plan
+    return resource_plan(h200s(gpus, memory_bytes), entry, mps=mps)
 
 
 def ids(*counts: int) -> tuple[ReplicaId, ...]:
@@ -534,13 +512,11 @@ def test_a_device_plugin_share_is_one_figure_in_the_env_the_daemons_defaults_and
     share = plan.shares.share_of(ids(held))
     assert envs(plan, ids(held))[ENV_PINNED_MEM_LIMIT] == f"0={figure}"
     assert f"set_default_device_pinned_mem_limit 0 {figure}" in daemon_default_commands(plan.shares.ceilings([share]))
-    node_plan = build_plan(
-        check_config(parse_config(f"version: v1\nsharing:\n  mps:\n    resources:\n    - {entry}\n", "c.yaml")),
-        node(1, memory_bytes),
-        Path("/run/nvidia/mps"),
-    )
     report = plan_report(
-        node_plan, control_bin="nvidia-cuda-mps-control", manages_compute_mode=True, multi_user_offered=True
+        node_plan(h200s(1, memory_bytes), entry),
+        control_bin="nvidia-cuda-mps-control",
+        manages_compute_mode=True,
+        multi_user_offered=True,
     )
     once = render_text(report)
     assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={once_figure}" in once
@@ -548,13 +524,7 @@ def test_a_device_plugin_share_is_one_figure_in_the_env_the_daemons_defaults_and
 
 
 def test_a_40gi_claim_is_40960m_in_its_env_the_daemons_defaults_and_once() -> None:
-    plan = build_plan(
-        check_config(
-            parse_config("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: gpu, replicas: 4}\n", "c")
-        ),
-        node(1, 81559 * MIB),
-        Path("/run/nvidia/mps"),
-    )
+    plan = node_plan(h200s(1, 81559 * MIB), "{name: gpu, replicas: 4}")
     device = ClaimDevice(request="gpu", pool="n", device="gpu-0", memory_bytes=40 * GIB)
     (share,) = claim_shares(
         plan, ClaimAllocation(claim=ClaimRef(namespace="a", name="b", uid="0"), devices=(device,)), "n"

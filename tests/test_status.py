@@ -14,8 +14,7 @@ import pytest
 
 from mpsagent import cli
 from mpsagent.base.clock import utc
-from mpsagent.base.config import check_config, parse_config
-from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
+from mpsagent.base.devices import ContainerRef
 from mpsagent.documents.status import (
     STATUS_FILE,
     GrantEntries,
@@ -30,7 +29,6 @@ from mpsagent.documents.status_document import DraStatus, GrantStatus, PodResour
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
-from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import ListedGrant
 from mpsagent.kubelet.registration import Registration
 from mpsagent.mps.daemon_status import (
@@ -43,36 +41,16 @@ from mpsagent.mps.daemon_status import (
     RecordDamage,
     ceiling_mode,
 )
+from mpsagent_testing.domain import gpus_of, node_gpus, node_plan, uuid
 
 GOLDEN = Path(__file__).parent / "golden"
 WALL = 1_764_547_200.0  # 2025-12-01T00:00:00Z
 MONOTONIC = 5000.0
-CONFIG = """\
-version: v1
-sharing:
-  mps:
-    failRequestsGreaterThanOne: false
-    resources:
-    - {name: nvidia.com/gpu, replicas: 4, devices: [0, 1]}
-    - {name: nvidia.com/gpu-mem, memoryUnit: 4Gi, devices: [2]}
-"""
-
-
-def uuid(index: int) -> GpuUuid:
-    return GpuUuid(f"GPU-{index:08d}-aaaa-bbbb-cccc-dddddddddddd")
-
-
-def t4(index: int) -> Gpu:
-    return Gpu(
-        uuid=uuid(index),
-        index=index,
-        name="Tesla T4",
-        memory_bytes=16 * 1024**3,
-        compute_capability=(7, 5),
-        pci_bus_id=f"00000000:{index + 1:02X}:00.0",
-        numa_node=0,
-        mig_enabled=False,
-    )
+RESOURCES = (
+    "{name: nvidia.com/gpu, replicas: 4, devices: [0, 1]}",
+    "{name: nvidia.com/gpu-mem, memoryUnit: 4Gi, devices: [2]}",
+)
+"""The config's resources, on three T4s."""
 
 
 @pytest.fixture
@@ -85,11 +63,7 @@ def serving_views() -> list[ResourceView]:
     """Two resources: one serving three grants (capped, full and adopted, one never listed yet), a GPU unhealthy
     and its caps changed behind the agent once; one whose daemon is down (its record damaged) and never
     registered."""
-    plan = build_plan(
-        check_config(parse_config(CONFIG, "config.yaml")),
-        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
-        Path("/run/nvidia/mps"),
-    )
+    plan = node_plan(node_gpus(*gpus_of(3)), *RESOURCES, mps="failRequestsGreaterThanOne: false")
     gpus, units = plan.resources
     allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 60, lambda: MONOTONIC - 60))
     ids = gpus.device_ids
@@ -241,11 +215,7 @@ def test_status_reads_the_file_of_the_first_agent_that_wrote_one(
 
 def two_new_grants() -> ResourceAllocator:
     """The first resource of three T4s, with two 1-replica grants made 2 s before the tests' clocks."""
-    plan = build_plan(
-        check_config(parse_config(CONFIG, "config.yaml")),
-        NodeGpus(driver_version="550.54.15", gpus=(t4(0), t4(1), t4(2)), source="test"),
-        Path("/run/nvidia/mps"),
-    )
+    plan = node_plan(node_gpus(*gpus_of(3)), *RESOURCES, mps="failRequestsGreaterThanOne: false")
     gpus = plan.resources[0]
     allocator = ResourceAllocator(gpus, plan.shm_directory, Ledger(lambda: WALL - 2, lambda: MONOTONIC - 2))
     allocator.allocate([gpus.device_ids[:1], gpus.device_ids[1:2]])
