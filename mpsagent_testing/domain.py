@@ -1,8 +1,8 @@
 """The agent's domain values for unit tests, built the way the agent builds them: GPUs of a model (`gpu`,
 `gpus_of`), a node of them (`node_gpus`), a config's text read and checked (`sharing`), the plan of a config for a
-node (`node_plan`, `resource_plan`), one resource's shares (`share_model`), and replica IDs (`replica_id`). GPU `i`'s
-UUID is `uuid(i)`, as in the test node's snapshot files (`mpsagent_testing.node`); the tests that start from such a
-file build their plans through the snapshot adapter instead."""
+node (`node_plan`, `resource_plan`), one resource's shares (`share_model`), replica IDs (`replica_id`); and what a
+ledger holds of DRA claims (`claims_held`). GPU `i`'s UUID is `uuid(i)`, as in the test node's snapshot files
+(`mpsagent_testing.node`); the tests that start from such a file build their plans through the snapshot adapter."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mpsagent.base.config import SharingConfig, check_config, parse_config
 from mpsagent.base.devices import Gpu, GpuUuid, NodeGpus, ReplicaId, format_replica_id
+from mpsagent.domain.ledger import Grant, Ledger
 from mpsagent.domain.plan import NodePlan, ResourcePlan, build_plan
 from mpsagent.domain.shares import ShareModel
 
@@ -107,3 +108,8 @@ def share_model(gpu_count: int = 1, replicas: int = 4, *, memory_bytes: int = T4
     grants, ceilings enforced: the config's defaults)."""
     gpus = gpus_of(gpu_count, memory_bytes=memory_bytes)
     return resource_plan(node_gpus(*gpus), f"{{name: gpu, replicas: {replicas}}}").shares
+
+
+def claims_held(ledger: Ledger) -> tuple[Grant, ...]:
+    """The ledger's live grants that hold a DRA claim's share, in the order they were made."""
+    return tuple(grant for grant in ledger.live_grants() if grant.claim is not None)

@@ -18,11 +18,10 @@ def test_the_delay_doubles_up_to_its_maximum_and_a_reset_starts_again() -> None:
         seen.append(retry.delay)
         retry.grow()
     assert seen == [0.5, 1.0, 2.0, 3.0, 3.0]
-    assert not retry.fresh
     retry.grow(maximum=1.0)  # a call's own bound
     assert retry.delay == 1.0
     retry.reset()
-    assert (retry.delay, retry.fresh) == (0.5, True)
+    assert retry.delay == 0.5
 
 
 def test_wait_sleeps_the_delay_then_grows_it() -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mpsagent.base.devices import MIB, format_replica_id
 from mpsagent.base.errors import RequestError
+from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import (
     ENV_CLIENT_PRIORITY,
     PARAMETERS_API_VERSION,
@@ -33,7 +34,6 @@ from mpsagent.domain.container import (
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
     ENV_VISIBLE_DEVICES,
-    container_setup,
 )
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
@@ -234,7 +234,7 @@ def test_a_claims_container_gets_the_pipe_directory_and_mounts_of_its_resource(
     """As a device-plugin grant of the same resource does, and sees exactly the claimed GPU."""
     share = one_share(device(name, memory=memory))
     index = int(name.removeprefix("gpu-"))
-    plugin = container_setup(resource, (format_replica_id(uuid(index), 0),), PLAN.shm_directory)
+    plugin = ResourceAllocator(resource, PLAN.shm_directory).grant_for((format_replica_id(uuid(index), 0),))
     assert share.edits.envs[ENV_PIPE_DIRECTORY] == plugin.envs[ENV_PIPE_DIRECTORY]
     assert share.edits.mounts == plugin.mounts
     assert share.edits.envs[ENV_VISIBLE_DEVICES] == uuid(index)

@@ -10,7 +10,7 @@ from mpsagent.domain.claims import ClaimRef
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.shares import Share
-from mpsagent_testing.domain import replica_id, share_model, uuid
+from mpsagent_testing.domain import claims_held, replica_id, share_model, uuid
 
 A = [replica_id(0, i) for i in range(4)]
 SHARES = share_model(1, 4)
@@ -249,13 +249,13 @@ def test_claim_grants_are_apart_from_the_listed_route() -> None:
     first = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
     second = ledger.hold_claim(OTHER_CLAIM, "gpu-0", claim_share(2048, 10))
     assert ledger.listed_route() == (plugin,)
-    assert ledger.claim_grants() == (first, second)
+    assert claims_held(ledger) == (first, second)
     assert ledger.never_listed() == 1
     assert set(ledger.live_grants()) == {plugin, first, second}
     ledger.mark_listed(plugin, OWNER)
     assert ledger.never_listed() == 0
     ledger.release([first.grant_id])
-    assert ledger.claim_grants() == (second,)
+    assert claims_held(ledger) == (second,)
     assert ledger.listed_route() == (plugin,)
 
 
@@ -264,9 +264,9 @@ def test_a_device_plugin_grant_never_ends_a_claims_share() -> None:
     held = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
     result = ledger.record(tuple(A), share(*A))  # every replica of the GPU
     assert result.ended == ()
-    assert ledger.claim_grants() == (held,)
+    assert claims_held(ledger) == (held,)
     ledger.withdraw(result)
-    assert ledger.claim_grants() == (held,)
+    assert claims_held(ledger) == (held,)
     assert ledger.holders(A) == []
 
 
@@ -291,7 +291,7 @@ def test_the_version_moves_when_a_claim_is_held_and_released() -> None:
     held = ledger.hold_claim(CLAIM, "gpu-0", claim_share())
     assert ledger.version > version
     version = ledger.version
-    ledger.claim_grants(), ledger.listed_route(), ledger.never_listed(), ledger.statistics()
+    ledger.live_grants(), ledger.listed_route(), ledger.never_listed(), ledger.statistics()
     assert ledger.version == version
     ledger.release([held.grant_id])
     assert ledger.version > version

@@ -1,5 +1,5 @@
 """The plan and what follows from it: device selection, per-GPU checks, the daemon's commands (`mps.commands`),
-container grants (`container`) and node labels (`nfd`)."""
+container grants (`container`, as the allocator answers a request) and node labels (`nfd`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import pytest
 from mpsagent.base.config import DeviceIdStrategy, DeviceListStrategy
 from mpsagent.base.devices import MIB, Gpu, NodeGpus, ReplicaId, format_replica_id
 from mpsagent.base.errors import ConfigError
+from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.container import (
     ENV_PINNED_MEM_LIMIT,
     ENV_PIPE_DIRECTORY,
     ENV_THREAD_PERCENTAGE,
     ENV_VISIBLE_DEVICES,
+    ContainerSetup,
     container_pipe_directory,
-    container_setup,
 )
 from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import ResourcePlan
@@ -47,6 +48,14 @@ def t4_node(count: int = 4) -> NodeGpus:
 
 
 EQUAL = "grants: equal"
+MANY = "failRequestsGreaterThanOne: false"
+"""A container may ask for more than one ID."""
+
+
+def granted(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...]) -> ContainerSetup:
+    """What a container asking for these IDs is given: the allocator's answer, as an Allocate and `--once`'s
+    examples get it (recording nothing)."""
+    return ResourceAllocator(resource, SHM).grant_for(replica_ids)
 
 
 def ceilings_of(resource: ResourcePlan, mode: str) -> Ceilings:
@@ -266,7 +275,7 @@ def test_two_resources_split_eight_gpus() -> None:
 
 def test_a_grant_on_the_second_resource_uses_its_own_ordinals() -> None:
     _, high = node_plan(t4_node(8), *SPLIT, mps=EQUAL).resources
-    grant = container_setup(high, ids((6, 0)), SHM)
+    grant = granted(high, ids((6, 0)))
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(6)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=8192M"  # the one GPU the container sees, as its ordinal 0
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "50"
@@ -340,7 +349,7 @@ def test_a_container_is_capped_on_the_gpus_it_sees_only_numbered_as_it_sees_them
     client whose variable names a GPU it cannot see drops every pinned limit: NVIDIA, driver 615)."""
     h100s = node_gpus(*gpus_of(8, H100))
     resource = resource_plan(h100s, "{name: gpu, replicas: 4}", mps=f"grants: {grants}")
-    grant = container_setup(resource, ids((3, 0)), SHM)
+    grant = granted(resource, ids((3, 0)))
     assert grant.envs[ENV_VISIBLE_DEVICES] == uuid(3)
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=20389M"
     # The daemon's own per-ordinal defaults are unchanged: every GPU of the resource.
@@ -349,9 +358,9 @@ def test_a_container_is_capped_on_the_gpus_it_sees_only_numbered_as_it_sees_them
 
 def test_a_container_holding_gpus_at_different_caps_gets_each_its_own_in_the_daemons_order() -> None:
     gpus = node_gpus(gpu(0, memory_bytes=T4_BYTES), gpu(1, memory_bytes=8 * GIB), gpu(2, memory_bytes=T4_BYTES))
-    resource = resource_plan(gpus, "{name: gpu, replicas: 4}", mps="failRequestsGreaterThanOne: false")
+    resource = resource_plan(gpus, "{name: gpu, replicas: 4}", mps=MANY)
     # 3 of GPU 2's 4 and 1 of GPU 0's, named in that order: GPU 0 is the container's ordinal 0, GPU 2 its 1.
-    grant = container_setup(resource, (*ids((2, 0), (2, 1), (2, 2)), *ids((0, 3))), SHM)
+    grant = granted(resource, (*ids((2, 0), (2, 1), (2, 2)), *ids((0, 3))))
     assert grant.envs[ENV_VISIBLE_DEVICES] == f"{uuid(0)},{uuid(2)}"
     assert grant.envs[ENV_PINNED_MEM_LIMIT] == "0=4096M,1=12288M"
 
@@ -389,8 +398,8 @@ def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
 
 
 def test_a_full_grant_has_no_caps() -> None:
-    resource = resource_plan(t4_node(2), "{name: gpu, replicas: 4}")
-    grant = container_setup(resource, tuple(reversed(resource.device_ids)), SHM)
+    resource = resource_plan(t4_node(2), "{name: gpu, replicas: 4}", mps=MANY)
+    grant = granted(resource, tuple(reversed(resource.device_ids)))
     assert grant.full is True
     assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs
@@ -418,8 +427,8 @@ def test_a_full_grant_has_no_caps() -> None:
     ],
 )
 def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
-    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
-    grant = container_setup(resource, ids(*pairs), SHM)
+    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", mps=f"{EQUAL}\n{MANY}")
+    grant = granted(resource, ids(*pairs))
     assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
@@ -453,24 +462,26 @@ def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int
 def test_device_strategies(
     flags: str, pairs: list[tuple[int, int]], visible_env: str | None, cdi: tuple[str, ...]
 ) -> None:
-    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", flags=flags)
-    grant = container_setup(resource, ids(*pairs), SHM)
+    resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", mps=MANY, flags=flags)
+    grant = granted(resource, ids(*pairs))
     assert grant.envs.get(ENV_VISIBLE_DEVICES) == visible_env
     assert grant.cdi_devices == cdi
     assert grant.envs[ENV_PIPE_DIRECTORY] == "/mps/nvidia.com/gpu/pipe"
 
 
 def test_index_strategy_on_the_second_resource_gives_host_indices() -> None:
-    _, high = node_plan(t4_node(8), *SPLIT, flags="{plugin: {deviceIDStrategy: index}}").resources
+    _, high = node_plan(t4_node(8), *SPLIT, mps=MANY, flags="{plugin: {deviceIDStrategy: index}}").resources
     assert high.device_id_strategy is DeviceIdStrategy.INDEX
-    grant = container_setup(high, ids((5, 0), (4, 1)), SHM)
+    grant = granted(high, ids((5, 0), (4, 1)))
     assert grant.envs[ENV_VISIBLE_DEVICES] == "4,5"
 
 
 def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
-    resource = resource_plan(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
+    resource = resource_plan(
+        t4_node(2), "{name: gpu, replicas: 2}", mps=MANY, flags="{plugin: {deviceListStrategy: cdi-cri}}"
+    )
     assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
-    grant = container_setup(resource, resource.device_ids, SHM)
+    grant = granted(resource, resource.device_ids)
     assert grant.full is True
     assert grant.cdi_devices == (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}")
     assert set(grant.envs) == {ENV_PIPE_DIRECTORY}

@@ -12,7 +12,7 @@ from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import ListedDevices, ListedGrant, listed_grants, reconcile
 from mpsagent.domain.shares import Ceilings, Share
-from mpsagent_testing.domain import replica_id, share_model
+from mpsagent_testing.domain import claims_held, replica_id, share_model
 
 IDS = [replica_id(0, i) for i in range(8)]
 SHARES = share_model(1, 8)
@@ -357,6 +357,6 @@ def test_a_listing_of_other_containers_leaves_a_claims_share_alone() -> None:
     for now in (1, 100, 10_000):
         result = run(ledger, listed, now=now)
         assert claim not in result.released + result.replaced
-    assert ledger.claim_grants() == (claim,)
+    assert claims_held(ledger) == (claim,)
     assert claim.owner is None
     assert ledger.tally.clients(0) == 2
