@@ -15,7 +15,9 @@ only; nothing in `mpsagent` imports it (an import-linter contract).
 - `nvml` — the fake `libnvidia-ml.so.1` (`build`) and what drives it from outside (`control`);
 - `mps` — the real control daemon's front-end for tests (`daemon`) and a fake `nvidia-cuda-mps-control` for faults;
 - `cuda_torch` — a stand-in `torch` for the GPU share bench's clients;
+- `packaging` — what the packaged manifests must hold, and packaging/'s scripts as modules;
+- `web` — the agent's HTTP server reading a request head alone;
 - `processes` — finding and ending what a test started; `waiting` — the one bounded wait for a condition;
   `metrics` — reading `/metrics`;
   `strategies` — hypothesis strategies for untrusted documents.
-A new fake goes here, in the module of the system it stands in for."""
+A new fake goes here, in the module of the system it stands in for; it uses the agent's public names only."""

@@ -1,6 +1,7 @@
 """docs/architecture.md tells the story of the tree as it is: every path and module it names exists (and every
-attribute it names of one), and every module of the agent is named in it; and the tests keep its rule for them: no
-test module imports another (what two share is in `mpsagent_testing`)."""
+attribute it names of one), and every module of the agent is named in it; and the tests keep its rules for them: no
+test module imports another (what two share is in `mpsagent_testing`), `mpsagent_testing` imports only the agent's
+public names, and neither tests/ nor bench/ changes sys.path to import something."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ DOC = ROOT / "docs" / "architecture.md"
 AGENT = ROOT / "mpsagent"
 TESTING = ROOT / "mpsagent_testing"
 TESTS = ROOT / "tests"
+BENCH = ROOT / "bench"
+SYS_PATH_CHANGES = {"insert", "append", "extend", "remove", "pop", "clear"}
 FILE_NAME = re.compile(r".*\.(sock|json|yaml|md|py)")
 """A file's name, which looks like a module."""
 API_GROUP = re.compile(r"[a-z.]+\.k8s\.io/.*")
@@ -97,3 +100,51 @@ def test_no_test_module_imports_another() -> None:
         if name.startswith(".") or name.split(".")[0] in test_modules
     ]
     assert found == [], f"test modules import other test modules (move what they share to mpsagent_testing): {found}"
+
+
+def test_the_test_support_imports_only_the_agent_s_public_names() -> None:
+    found = []
+    for path in sorted(TESTING.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mpsagent":
+                named = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names if alias.name.split(".")[0] == "mpsagent"]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                for name in named
+                if any(part.startswith("_") for part in name.split("."))
+            ]
+    assert found == [], f"mpsagent_testing imports private names of the agent (give them a public name): {found}"
+
+
+def is_sys_path(node: ast.expr) -> bool:
+    """`sys.path`, or an item or slice of it."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    return isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys"
+
+
+def changes_sys_path(node: ast.AST) -> bool:
+    """`sys.path.insert(...)` and the other changing methods, and an assignment to or deletion of it or its items."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr in SYS_PATH_CHANGES and is_sys_path(node.func.value)
+    if isinstance(node, ast.Assign | ast.Delete):
+        return any(map(is_sys_path, node.targets))
+    if isinstance(node, ast.AugAssign | ast.AnnAssign):
+        return is_sys_path(node.target)
+    return False
+
+
+def test_no_test_or_bench_module_changes_sys_path() -> None:
+    """A module found through an edited sys.path is found by whichever module edits it first;
+    `mpsagent_testing.packaging.script` loads the packaging's scripts from their files instead."""
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in sorted([*TESTS.rglob("*.py"), *BENCH.rglob("*.py")])
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path)))
+        if isinstance(node, ast.stmt | ast.expr) and changes_sys_path(node)
+    ]
+    assert found == [], f"these lines change sys.path: {found}"

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ import pytest
 import yaml
 
 from mpsagent_testing.metrics import METRICS_DOC, documented_labels
+from mpsagent_testing.packaging import script
 from mpsagent_testing.repo import ROOT
 
-sys.path.insert(0, str(ROOT / "packaging"))
-import dashboard  # the script, from the checkout
+dashboard = script("dashboard.py")
 
 PROMTOOL = shutil.which("promtool")
 RATE_INTERVAL = "1m"

@@ -9,7 +9,6 @@ made by debootstrap (packaging/container/debian-base.sh, cached under /var/cache
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pkgutil
@@ -35,7 +34,7 @@ from packaging.version import Version
 from mpsagent_testing.images import DOCKERFILE, IMAGE_TIMEOUT_S, podman
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import small_node, write_config
-from mpsagent_testing.packaging import DRA_RULES
+from mpsagent_testing.packaging import DRA_RULES, script
 from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
 PACKAGING = ROOT / "packaging"
@@ -80,12 +79,9 @@ def bundle_members(path: Path) -> tuple[dict[str, bytes], set[str]]:
     """The binaries (ELF files) in the one-file bundle, and the Python modules in its archive."""
     from PyInstaller.archive.readers import CArchiveReader  # noqa: PLC0415  (a test-only dependency)
 
-    # The script's own reader of the bundle (loaded by path: `packaging` is also a PyPI package's name).
-    spec = importlib.util.spec_from_file_location("glibc_floor", GLIBC_FLOOR)
-    assert spec is not None and spec.loader is not None
-    glibc_floor = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(glibc_floor)
-    elves = {name: data for name, data in glibc_floor.elf_members(path).items() if name != "(bootloader)"}
+    # The script's own reader of the bundle.
+    elf_members = script("binary/glibc_floor.py").elf_members
+    elves = {name: data for name, data in elf_members(path).items() if name != "(bootloader)"}
     archive = CArchiveReader(str(path))
     modules: set[str] = set()
     for name in archive.toc:
