@@ -13,7 +13,7 @@ import pytest
 
 from mpsagent_testing.repo import EXAMPLES, H100_NODE, ROOT
 
-GOLDEN_STATUS = ROOT / "tests" / "golden" / "status.json"
+GOLDEN_STATUS = ROOT / "tests" / "documents" / "golden" / "status.json"
 WIRE_LIBRARIES = ("grpclib", "google.protobuf", "betterproto2", "lightkube", "httpx", "httpx2", "h2", "pynvml")
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-NODE_H100X8 = ROOT / "examples" / "node-h100x8.yaml"
+from mpsagent_testing.repo import H100_NODE, ROOT
+
 MIGRATING = ROOT / "docs" / "migrating.md"
 V100_NODE = """\
 driverVersion: "535.183.01"
@@ -376,7 +376,7 @@ CASES = [
 def run_once(tmp_path: Path, config: str, node: str | None = None) -> subprocess.CompletedProcess[str]:
     config_file = tmp_path / "config.yaml"
     config_file.write_text(config)
-    snapshot = NODE_H100X8
+    snapshot = H100_NODE
     if node is not None:
         snapshot = tmp_path / "node.yaml"
         snapshot.write_text(node)

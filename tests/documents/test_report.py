@@ -38,8 +38,8 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("output", ["json", "txt"])
 def test_report_prints_what_it_printed_before_the_document_was_typed(scenario: str, output: str) -> None:
-    """Scripts parse `--once --output json`: the bytes are pinned (tests/golden/once-*, written by the dict-built
-    report this replaced)."""
+    """Scripts parse `--once --output json`: the bytes are pinned (tests/documents/golden/once-*, written by the
+    dict-built report this replaced)."""
     plan, manages_compute_mode, offered = SCENARIOS[scenario]
     report = plan_report(
         plan, control_bin=CONTROL_BIN, manages_compute_mode=manages_compute_mode, multi_user_offered=offered

@@ -149,8 +149,8 @@ def write_serving_status(root: Path) -> None:
 
 @pytest.mark.usefixtures("fixed_clocks")
 def test_the_status_file_holds_what_it_held_before_the_document_was_typed(tmp_path: Path) -> None:
-    """Scripts and older `--status` read status.json: its bytes are pinned (tests/golden/status.json, written by
-    the dict-built document this replaced)."""
+    """Scripts and older `--status` read status.json: its bytes are pinned (tests/documents/golden/status.json,
+    written by the dict-built document this replaced)."""
     write_serving_status(tmp_path)
     assert (tmp_path / STATUS_FILE).read_text() == (GOLDEN / "status.json").read_text()
 

@@ -24,8 +24,8 @@ from mpsagent_testing.nvml.control import (
     EVENT_XID_CRITICAL_ERROR,
     FakeNvmlDriver,
 )
+from mpsagent_testing.repo import BUILD
 
-BUILD_DIR = Path(__file__).parent / ".build"
 SUBPROCESS_TIMEOUT_S = 30
 
 H100 = {
@@ -175,7 +175,7 @@ class Child:
 
 @pytest.fixture(scope="session")
 def fake_nvml_lib() -> Path:
-    return build_fake_nvml(BUILD_DIR)
+    return build_fake_nvml(BUILD)
 
 
 @pytest.fixture
@@ -184,9 +184,9 @@ def nvml(fake_nvml_lib: Path, tmp_path: Path) -> FakeNvml:
 
 
 def test_build_is_skipped_when_library_is_fresh(fake_nvml_lib: Path) -> None:
-    assert fake_nvml_lib == BUILD_DIR / "libnvidia-ml.so.1"
+    assert fake_nvml_lib == BUILD / "libnvidia-ml.so.1"
     before = fake_nvml_lib.stat().st_mtime_ns
-    assert build_fake_nvml(BUILD_DIR) == fake_nvml_lib
+    assert build_fake_nvml(BUILD) == fake_nvml_lib
     assert fake_nvml_lib.stat().st_mtime_ns == before
 
 

@@ -1,5 +1,5 @@
 """The node guard's locks in the kubelet's directory: taken all or none, never through a link or another user's
-directory. (Two agents on one node: tests/test_plugin_integration.py.)"""
+directory. (Two agents on one node: tests/agent/test_plugin_integration.py.)"""
 
 from __future__ import annotations
 

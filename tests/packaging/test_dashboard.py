@@ -1,7 +1,8 @@
 """The Grafana dashboard (`packaging/dashboard.py`): the committed JSON is what the script writes, in both places it
 ships from; every panel's and variable's PromQL parses (promtool, as Prometheus would) and names only metrics and
-labels the agent exports, held to docs/metrics.md's table (which tests/test_docs.py holds to the code), so that a
-renamed metric or label fails here instead of blanking a panel; and docs/metrics.md says what each panel answers."""
+labels the agent exports, held to docs/metrics.md's table (which tests/packaging/test_docs.py holds to the code), so
+that a renamed metric or label fails here instead of blanking a panel; and docs/metrics.md says what each panel
+answers."""
 
 from __future__ import annotations
 
