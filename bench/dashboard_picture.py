@@ -27,16 +27,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dra_prepare import free_port  # a sibling, as the bench's modules import each other
+
 from mpsagent_testing import waiting
 from mpsagent_testing.cluster import claims, kubectl, node, pods
 from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, pipe_directory, status
 from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.packaging import script
 from mpsagent_testing.processes import end_group
 from mpsagent_testing.repo import ROOT
 
-sys.path.insert(0, str(ROOT / "packaging"))
-import dashboard  # the dashboard's panels, from the checkout
-from dra_prepare import free_port  # a sibling, as the bench's modules import each other
+dashboard = script("dashboard.py")
+"""The dashboard's panels, from the checkout."""
 
 RESOURCE = "nvidia.com/gpu"
 CONFIG = f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: {RESOURCE}\n      replicas: 4\n"

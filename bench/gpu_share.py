@@ -20,7 +20,7 @@ the repository root (about a minute; the clients need PyTorch with CUDA in --cli
     /tmp/hwc-venv/bin/python bench/gpu_share.py --client-python /usr/bin/python3 --out /tmp/gpu-share
 
 Without a GPU: `--dry-run` prints the plan; with `--node-snapshot NODE.json` it also starts the agent on the
-snapshot and prints the environment each client would get (what tests/test_bench.py runs).
+snapshot and prints the environment each client would get (what tests/tools/test_bench.py runs).
 
 PyTorch is required for the clients, not optional: the numbers are meant to compare with the H200 reference,
 which used torch's bf16 matmul (cuBLAS); a kernel of our own through the driver API would measure something else.

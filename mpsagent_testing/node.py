@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mpsagent_testing.domain import DRIVER_VERSION, T4, uuid
+
 RESOURCE = "nvidia.com/gpu"
-GPU0 = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
-GPU1 = "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
+GPU0 = uuid(0)
+GPU1 = uuid(1)
 
 
 def ids(gpu: str, *replicas: int) -> list[str]:
@@ -24,19 +26,19 @@ def write_config(path: Path, text: str) -> Path:
 
 
 def small_node(
-    path: Path, gpus: int = 2, memory_bytes: int = 16 * 1024**3, numa: list[int | None] | None = None
+    path: Path, gpus: int = 2, memory_bytes: int = T4.memory_bytes, numa: list[int | None] | None = None
 ) -> Path:
-    """A node snapshot file of `gpus` T4s (GPU0, GPU1, ...)."""
+    """A node snapshot file of `gpus` T4s (GPU0, GPU1, ...): the GPUs of `domain.gpus_of(gpus)`."""
     numa = numa or [0] * gpus
     document = {
-        "driverVersion": "550.54.15",
+        "driverVersion": DRIVER_VERSION,
         "gpus": [
             {
-                "uuid": f"GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd",
+                "uuid": uuid(i),
                 "index": i,
-                "name": "Tesla T4",
+                "name": T4.name,
                 "memoryBytes": memory_bytes,
-                "computeCapability": "7.5",
+                "computeCapability": "{}.{}".format(*T4.compute_capability),
                 "pciBusId": f"00000000:{i + 1:02X}:00.0",
                 "numaNode": numa[i],
             }

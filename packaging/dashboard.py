@@ -2,7 +2,7 @@
 dependency): writes the JSON that Grafana imports as it is, the ConfigMap of packaging/kubernetes/monitoring that
 the Grafana sidecar discovers, and the Helm chart's copy (`monitoring.dashboard`).
 
-    .venv/bin/python packaging/dashboard.py    # writes the three files; tests/test_dashboard.py checks them
+    .venv/bin/python packaging/dashboard.py    # writes the three files; tests/packaging/test_dashboard.py checks them
 
 Every panel is one question an operator of shared GPUs asks; its description says which, and docs/metrics.md
 lists them. Variables: the Prometheus data source, then node, resource and GPU (each from the agent's own series:

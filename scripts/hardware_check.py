@@ -29,7 +29,7 @@ has both commands, and a fallback for a Python without pip; with the wheels, run
 `PYTHONPATH`). The agent it starts runs the checkout's mpsagent either way: the repository goes first on its
 PYTHONPATH. The fakes come from the test support package `mpsagent_testing`, which the install brings.
 
-Without a GPU (what tests/test_hardware_check.py runs; every CUDA and compute-mode step is reported
+Without a GPU (what tests/tools/test_hardware_check.py runs; every CUDA and compute-mode step is reported
 "skipped (no GPU)"):
 
     .venv/bin/python scripts/hardware_check.py --dry-run-snapshot NODE.json --out /tmp/hwc-out

@@ -93,7 +93,7 @@ def onefile_image(base_image: str, binary: Path) -> str:
 
 # --- two workers -------------------------------------------------------------------------------------------
 
-NODE_TESTS = ("tests/e2e/", "tests/test_packaging.py::")
+NODE_TESTS = ("tests/e2e/", "tests/packaging/test_packaging.py::")
 """The tests that use the real node or the project's images. `scripts/test` runs the suite on two workers
 (pytest-xdist, `-n 2`), and one worker runs all of these, one after the other: the node is one, the images are built
 once a session (session fixtures are a worker's own), and the node's agents and the image tests serve metrics on
@@ -109,3 +109,9 @@ class NodeTestsTogether(LoadScopeScheduling):
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> NodeTestsTogether:
     return NodeTestsTogether(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real node's and the images' tests first, in their own order: the longest unit, which `scripts/test`
+    (`--no-loadscope-reorder`) hands out first; by their folders' names they would come after most areas'."""
+    items.sort(key=lambda item: not item.nodeid.startswith(NODE_TESTS))

@@ -12,7 +12,7 @@ import anyio
 class Backoff:
     """Waits from `initial`, each `factor` times the last, up to `maximum`; `reset` starts again from `initial`."""
 
-    __slots__ = ("_grown", "delay", "factor", "initial", "maximum")
+    __slots__ = ("delay", "factor", "initial", "maximum")
 
     def __init__(self, initial: float, maximum: float, *, factor: float = 2.0) -> None:
         self.initial = initial
@@ -20,21 +20,13 @@ class Backoff:
         self.factor = factor
         self.delay = initial
         """The wait due now."""
-        self._grown = 0
-
-    @property
-    def fresh(self) -> bool:
-        """No wait has grown since the start or the last reset: the first failure of a run."""
-        return self._grown == 0
 
     def grow(self, maximum: float | None = None) -> None:
         """The next wait: `factor` times this one, at most `maximum` (this call's bound, else the backoff's)."""
         self.delay = min(self.delay * self.factor, self.maximum if maximum is None else maximum)
-        self._grown += 1
 
     def reset(self) -> None:
         self.delay = self.initial
-        self._grown = 0
 
     async def wait(self, maximum: float | None = None) -> None:
         """Sleep the wait due now, then grow it (bounded by `maximum` if given)."""

@@ -3,7 +3,7 @@
 Each setting is declared once, as a field of `Settings` made by `setting(...)`: its flag, environment variable,
 config-file `flags` key, parser, default, help and NVIDIA equivalent. `cli.build_parser` makes the flags from the
 table, `Setting.resolve` applies the precedence flag > environment variable > config `flags` > default,
-`config.Flags` (the file's schema) takes its keys from it, and tests/test_docs.py checks the README's and
+`config.Flags` (the file's schema) takes its keys from it, and tests/packaging/test_docs.py checks the README's and
 docs/configuration.md's tables against it. Reading the config file and the environment is `config.py`'s
 (`config.resolve_settings`): this module reads nothing.
 """

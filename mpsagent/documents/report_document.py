@@ -2,7 +2,7 @@
 
 Built by `report.plan_report` from the plan, with the functions the agent runs; camelCase on the wire. Where a new
 field goes: into the Struct here, filled in `report.plan_report`, rendered in `report.render_text`, pinned in
-tests/golden/once-*.
+tests/documents/golden/once-*.
 """
 
 from __future__ import annotations

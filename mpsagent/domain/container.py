@@ -1,6 +1,6 @@
 """What a container granted some replicas is given: its share (from `shares`), environment, mounts and CDI
-devices. `--once`'s examples call `container_setup`; `Allocate` (through `allocation`, which works a share's edits out
-once) builds the same with `setup_of`; a DRA claim's CDI spec takes the same edits for its share (`share_edits`).
+devices. `Allocate` and `--once`'s examples (through `allocation`, which works a share's edits out once) build it with
+`setup_of`; a DRA claim's CDI spec takes the same edits for its share (`share_edits`).
 
 Where the driver limits memory per cgroup (a GPU whose `enforcement` is the driver's), a capped container also gets
 the driver's hard limit of its share on each such GPU, set on its cgroup before its first process runs: the CDI device
@@ -138,12 +138,6 @@ def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> Co
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),
     )
     return ContainerEdits(envs=envs, mounts=mounts, cdi_devices=cdi, memory_limits=limits)
-
-
-def container_setup(resource: ResourcePlan, replica_ids: tuple[ReplicaId, ...], shm_directory: Path) -> ContainerSetup:
-    """The environment, mounts and devices of a container granted these (known, distinct) replicas."""
-    share = resource.shares.share_of(replica_ids, distinct=True)
-    return setup_of(replica_ids, share, share_edits(resource, share, shm_directory))
 
 
 def setup_of(replica_ids: tuple[ReplicaId, ...], share: Share, edits: ContainerEdits) -> ContainerSetup:

@@ -165,8 +165,8 @@ class RequestWire:
     `Configuration` have none, and its events come before the body is read or after it is decoded), so this reads
     below it, in exactly two places: the HTTP/2 stream a server `Stream` keeps as `_stream`, and that stream's
     `recv_data(size)`, which returns `b""` when the stream ended before any byte and raises `AssertionError` when it
-    ended inside `size` bytes. The version pin (`grpclib>=0.4.9,<0.5`) and tests/test_servicer.py's guard test
-    (`test_grpclib_still_has_what_the_request_wire_reads`) hold both; nothing else in the agent reaches below
+    ended inside `size` bytes. The version pin (`grpclib>=0.4.9,<0.5`) and tests/deviceplugin/test_servicer.py's guard
+    test (`test_grpclib_still_has_what_the_request_wire_reads`) hold both; nothing else in the agent reaches below
     grpclib's public surface."""
 
     def __init__(self, stream: Stream[Any, Any]) -> None:

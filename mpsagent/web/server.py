@@ -109,11 +109,12 @@ def _server_connection(head_bytes: int) -> h11.Connection:
     return h11.Connection(h11.SERVER, max_incomplete_event_size=head_bytes)
 
 
-class _Exchange:
+class Exchange:
     """One request and its answer, parsed and framed by h11 (which does no I/O of its own): the bytes received go
     in, the request comes out once its head is whole, and the answer's bytes come out with `Content-Length` and
     `Connection: close`. What h11 refuses is BadRequest: 431 for a head that has not ended within `head_bytes`,
-    400 for anything malformed."""
+    400 for anything malformed. No I/O here either: the server feeds it what its socket reads, and the tests feed
+    it request heads (`mpsagent_testing.web`)."""
 
     def __init__(self, head_bytes: int) -> None:
         self._head_bytes = head_bytes
@@ -333,7 +334,7 @@ class HttpServer:
     async def _exchange(self, connection: _Connection, threads: anyio.CapacityLimiter) -> CloseReason | None:
         """Read one request and answer it; why the connection was cut off, if it was."""
         sock = connection.sock
-        exchange = _Exchange(self._limits.head_bytes)
+        exchange = Exchange(self._limits.head_bytes)
         try:
             with anyio.move_on_after(self._limits.request_timeout_s) as reading:
                 request = await _receive_request(sock, exchange, self._limits.head_bytes)
@@ -368,7 +369,7 @@ class HttpServer:
             return Response.text(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the agent's log\n")
 
 
-async def _receive_request(sock: socket.socket, exchange: _Exchange, head_bytes: int) -> Request | None:
+async def _receive_request(sock: socket.socket, exchange: Exchange, head_bytes: int) -> Request | None:
     """The request once its head is whole, or None when the client closes first; BadRequest for a head that is
     malformed or larger than `head_bytes`."""
     received = 0
@@ -389,7 +390,7 @@ def _not_allowed(method: str) -> str:
     return f"{shown(method, 16)} is not allowed: use {' or '.join(ALLOWED_METHODS)}"
 
 
-async def _refuse(sock: socket.socket, exchange: _Exchange, refusal: BadRequest) -> None:
+async def _refuse(sock: socket.socket, exchange: Exchange, refusal: BadRequest) -> None:
     """Answer a bad request, then read what the client still sends for a moment: closing with unread data would
     reset the connection, and the client would lose the answer (a request body, for a method refused)."""
     response = Response.text(refusal.status, f"{refusal}\n")

@@ -27,7 +27,7 @@ fi
 # --collect-submodules: modules imported by name at run time (anyio's event-loop backend, the generated protos).
 # --exclude-module: optional imports of the runtime dependencies that the agent never uses (protobuf and pydantic
 # for betterproto2, rich for structlog, attrs for msgspec, ...) and the build tools, which are installed beside it
-# in a development environment; tests/test_packaging.py checks that only the runtime dependencies are bundled.
+# in a development environment; tests/packaging/test_packaging.py checks that only the runtime dependencies are bundled.
 "$PYTHON" -m PyInstaller \
   --noconfirm \
   --log-level WARN \

@@ -1,0 +1,1 @@
+"""The foundations (`mpsagent.base`): the config and the settings, host files, cgroups, errors, logs, backoff."""

@@ -1,0 +1,1 @@
+"""The device plugin (`mpsagent.deviceplugin`): its servicer in-process."""

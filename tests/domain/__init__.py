@@ -1,0 +1,1 @@
+"""The domain (`mpsagent.domain`): plain data in, decisions out, no sockets."""

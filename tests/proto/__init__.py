@@ -1,0 +1,1 @@
+"""The generated protobuf code (`mpsagent._proto`)."""
