@@ -305,10 +305,6 @@ class Ledger:
         """The live device-plugin grants: those the kubelet's pod-resources listing speaks for (no claim's)."""
         return tuple(grant for grant in self._live.values() if grant.claim is None)
 
-    def claim_grants(self) -> tuple[Grant, ...]:
-        """The live DRA claims' shares."""
-        return tuple(grant for grant in self._live.values() if grant.claim is not None)
-
     def never_listed(self) -> int:
         """Live device-plugin grants that no listing of the kubelet has shown yet (their container is not known)."""
         return sum(grant.owner is None and grant.claim is None for grant in self._live.values())

@@ -44,6 +44,7 @@ from mpsagent.kubelet.cdi_spec import CdiDevice
 from mpsagent.mps.paths import prepare_directories
 from mpsagent.supervisor.claim_server import ClaimServer
 from mpsagent.supervisor.resource_server import ResourceServer
+from mpsagent_testing.domain import claims_held
 from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control, restored_after
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, small_node, write_config
 from mpsagent_testing.processes import alive, processes_using
@@ -156,7 +157,7 @@ class Agent:
 
     def claim_grants(self) -> list[tuple[str, str, int, int]]:
         """The ledger's live claim shares: (claim UID, device, memory MiB, thread percentage)."""
-        return [_described(g) for g in self.resource.allocator.ledger.claim_grants()]
+        return [_described(g) for g in claims_held(self.resource.allocator.ledger)]
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -321,10 +322,10 @@ def test_a_prepared_claim_gets_its_devices_cdi_spec_ledger_share_and_daemon_ceil
             assert counters(agent) == (1, 0, 0)
 
             # The kubelet retries (its answer was lost): the same devices, nothing held twice, nothing counted.
-            grants_before = agent.resource.allocator.ledger.claim_grants()
+            grants_before = claims_held(agent.resource.allocator.ledger)
             again = await prepare_one(agent, CLAIM_A)
             assert again == PrepareOutcome(devices=outcome.devices)
-            assert agent.resource.allocator.ledger.claim_grants() == grants_before
+            assert claims_held(agent.resource.allocator.ledger) == grants_before
             assert agent.resource.allocator.ledger.tally.clients(0) == 1
             assert agent.ceilings() == THIRTY_GIB_ON_GPU0
             assert node.checkpointed() == [UID_A]
