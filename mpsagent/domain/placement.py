@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mpsagent.base.devices import GpuUuid, ReplicaId, gpu_of
 from mpsagent.base.errors import RequestError
@@ -36,71 +37,100 @@ def preferred_replicas(
     `distributed` spreads the load.
     """
     chosen = list(dict.fromkeys(must_include))
-    if len(chosen) > size:
-        raise RequestError(
-            f"{resource}: {counted(len(chosen), 'replica')} must be included but only {size} "
-            f"{'was' if size == 1 else 'were'} requested"
-        )
     free = set(available) - set(chosen)
-    if len(free) < size - len(chosen):
-        available_count = len(free) + len(chosen)
-        raise RequestError(
-            f"{resource}: {counted(size, 'replica')} requested but only {available_count} "
-            f"{'is' if available_count == 1 else 'are'} available"
-        )
+    _check_counts(resource, size, included=len(chosen), free=len(free))
     remaining = size - len(chosen)
     if not remaining:
         return chosen
     roomy = {r for r in free if gpu_of(r) not in full_gpus} if full_gpus else free
-    if len(roomy) >= remaining:
-        free = roomy
-    per_gpu = {gpu: [r for r in replicas if r in free] for gpu, replicas in gpu_replicas.items()}
-    order = list(gpu_replicas)
-    in_use = {gpu: len(gpu_replicas[gpu]) - len(per_gpu[gpu]) for gpu in gpu_replicas}
+    gpus = _FreeReplicas.of(gpu_replicas, roomy if len(roomy) >= remaining else free)
     if memory_units:
-        return chosen + _fewest_gpus(per_gpu, order, remaining)
+        return chosen + _fewest_gpus(gpus, remaining)
     if equal_grants:
-        return chosen + _one_at_a_time(per_gpu, in_use, order, policy, remaining)
-    replicas_per_gpu = max((len(r) for r in gpu_replicas.values()), default=0)
-    if replicas_per_gpu and remaining % replicas_per_gpu == 0:
-        whole = [gpu for gpu, replicas in per_gpu.items() if len(replicas) == len(gpu_replicas[gpu])]
-        wanted = remaining // replicas_per_gpu
-        if len(whole) >= wanted:
-            return chosen + [r for gpu in whole[:wanted] for r in per_gpu[gpu]]
-    fits = [gpu for gpu in order if len(per_gpu[gpu]) >= remaining]
-    if fits:
-        touched = {gpu_of(r) for r in chosen}
-        fits = [gpu for gpu in fits if gpu in touched] or fits  # fewest GPUs touched
-        return chosen + per_gpu[_by_policy(fits, in_use, order, policy)][:remaining]
-    return chosen + _one_at_a_time(per_gpu, in_use, order, policy, remaining)
+        return chosen + _one_at_a_time(gpus, policy, remaining)
+    picked = _whole_gpus(gpus, remaining)
+    if picked is None:
+        picked = _one_gpu(gpus, policy, remaining, touched={gpu_of(r) for r in chosen})
+    return chosen + (_one_at_a_time(gpus, policy, remaining) if picked is None else picked)
 
 
-def _one_at_a_time(
-    per_gpu: dict[GpuUuid, list[ReplicaId]],
-    in_use: dict[GpuUuid, int],
-    order: list[GpuUuid],
-    policy: AllocationPolicy,
-    wanted: int,
-) -> list[ReplicaId]:
+def _check_counts(resource: str, size: int, *, included: int, free: int) -> None:
+    """Refuse a request that must include more IDs than it asks for, or for which fewer IDs are available."""
+    if included > size:
+        raise RequestError(
+            f"{resource}: {counted(included, 'replica')} must be included but only {size} "
+            f"{'was' if size == 1 else 'were'} requested"
+        )
+    if free < size - included:
+        available = free + included
+        raise RequestError(
+            f"{resource}: {counted(size, 'replica')} requested but only {available} "
+            f"{'is' if available == 1 else 'are'} available"
+        )
+
+
+@dataclass(slots=True)
+class _FreeReplicas:
+    """The free replicas of each GPU (GPUs in host-index order) and how many of its IDs are in use, as the choice
+    goes on."""
+
+    per_gpu: dict[GpuUuid, list[ReplicaId]]
+    in_use: dict[GpuUuid, int]
+    order: list[GpuUuid]
+    id_count: dict[GpuUuid, int]
+    """Every GPU's number of IDs, free or not."""
+
+    @classmethod
+    def of(cls, gpu_replicas: dict[GpuUuid, tuple[ReplicaId, ...]], free: set[ReplicaId]) -> _FreeReplicas:
+        per_gpu = {gpu: [r for r in replicas if r in free] for gpu, replicas in gpu_replicas.items()}
+        id_count = {gpu: len(replicas) for gpu, replicas in gpu_replicas.items()}
+        in_use = {gpu: id_count[gpu] - len(per_gpu[gpu]) for gpu in gpu_replicas}
+        return cls(per_gpu=per_gpu, in_use=in_use, order=list(gpu_replicas), id_count=id_count)
+
+
+def _whole_gpus(gpus: _FreeReplicas, wanted: int) -> list[ReplicaId] | None:
+    """k wholly free GPUs, for a request of k whole GPUs' worth when there are that many; else None."""
+    replicas_per_gpu = max(gpus.id_count.values(), default=0)
+    if not replicas_per_gpu or wanted % replicas_per_gpu:
+        return None
+    whole = [gpu for gpu, replicas in gpus.per_gpu.items() if len(replicas) == gpus.id_count[gpu]]
+    if len(whole) < wanted // replicas_per_gpu:
+        return None
+    return [r for gpu in whole[: wanted // replicas_per_gpu] for r in gpus.per_gpu[gpu]]
+
+
+def _one_gpu(
+    gpus: _FreeReplicas, policy: AllocationPolicy, wanted: int, *, touched: set[GpuUuid]
+) -> list[ReplicaId] | None:
+    """All from one GPU that has room, one already `touched` if any (fewest GPUs touched), chosen by the policy;
+    None when no GPU has room."""
+    fits = [gpu for gpu in gpus.order if len(gpus.per_gpu[gpu]) >= wanted]
+    if not fits:
+        return None
+    fits = [gpu for gpu in fits if gpu in touched] or fits
+    return gpus.per_gpu[_by_policy(fits, gpus, policy)][:wanted]
+
+
+def _one_at_a_time(gpus: _FreeReplicas, policy: AllocationPolicy, wanted: int) -> list[ReplicaId]:
     """Replica by replica, each from the GPU the policy picks given the ones taken before it."""
     taken = []
     for _ in range(wanted):
-        gpu = _by_policy([gpu for gpu in order if per_gpu[gpu]], in_use, order, policy)
-        taken.append(per_gpu[gpu].pop(0))
-        in_use[gpu] += 1
+        gpu = _by_policy([gpu for gpu in gpus.order if gpus.per_gpu[gpu]], gpus, policy)
+        taken.append(gpus.per_gpu[gpu].pop(0))
+        gpus.in_use[gpu] += 1
     return taken
 
 
-def _by_policy(
-    candidates: list[GpuUuid], in_use: dict[GpuUuid, int], order: list[GpuUuid], policy: AllocationPolicy
-) -> GpuUuid:
+def _by_policy(candidates: list[GpuUuid], gpus: _FreeReplicas, policy: AllocationPolicy) -> GpuUuid:
+    in_use, order = gpus.in_use, gpus.order
     if policy is AllocationPolicy.PACKED:
         return max(candidates, key=lambda g: (in_use[g], -order.index(g)))
     return min(candidates, key=lambda g: (in_use[g], order.index(g)))
 
 
-def _fewest_gpus(per_gpu: dict[GpuUuid, list[ReplicaId]], order: list[GpuUuid], wanted: int) -> list[ReplicaId]:
+def _fewest_gpus(gpus: _FreeReplicas, wanted: int) -> list[ReplicaId]:
     """Memory units: the fullest GPU that still has room for all of them, else the roomiest GPUs first."""
+    per_gpu, order = gpus.per_gpu, gpus.order
     fits = [gpu for gpu in order if len(per_gpu[gpu]) >= wanted]
     if fits:
         best = min(fits, key=lambda g: (len(per_gpu[g]), order.index(g)))

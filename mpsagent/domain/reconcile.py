@@ -138,9 +138,8 @@ def reconcile(
     seen: set[int] = set()
     for entry in listed:
         share = entry.share(shares)
-        holders = {grant.grant_id: grant for r in entry.replica_ids if (grant := ledger.holder(r)) is not None}
-        match = next(iter(holders.values())) if len(holders) == 1 else None
-        if match is not None and set(match.replica_ids) == set(entry.replica_ids) and match.share == share:
+        match = _held_as_listed(ledger, entry, share)
+        if match is not None:
             if ledger.mark_listed(match, entry.container):
                 identified.append(match)
             seen.add(match.grant_id)
@@ -151,7 +150,30 @@ def reconcile(
         if not all(shares.advertises(replica) for replica in entry.replica_ids):
             unplaced.append(result.grant)
         seen.add(result.grant.grant_id)
+    expired, missing, next_release_at = _unlisted(ledger, seen, now=now, grace_s=grace_s)
+    return ReconcileResult(
+        identified=tuple(identified),
+        adopted=tuple(adopted),
+        replaced=tuple(replaced),
+        released=ledger.release(expired),
+        unplaced=tuple(unplaced),
+        missing=missing,
+        next_release_at=next_release_at,
+    )
 
+
+def _held_as_listed(ledger: Ledger, entry: ListedGrant, share: Share) -> Grant | None:
+    """The ledger's grant that alone holds the listed grant's replicas, all of them and no other, with its share."""
+    holders = {grant.grant_id: grant for r in entry.replica_ids if (grant := ledger.holder(r)) is not None}
+    match = next(iter(holders.values())) if len(holders) == 1 else None
+    if match is not None and set(match.replica_ids) == set(entry.replica_ids) and match.share == share:
+        return match
+    return None
+
+
+def _unlisted(ledger: Ledger, seen: set[int], *, now: float, grace_s: float) -> tuple[list[int], int, float | None]:
+    """The listed route's grants the listing left out (`seen`: the IDs of those it showed): those whose grace
+    period is over (to release), how many are still inside it, and when (monotonic) the first of those ends."""
     expired: list[int] = []
     missing = 0
     next_release_at: float | None = None
@@ -164,12 +186,4 @@ def reconcile(
         else:
             missing += 1
             next_release_at = release_at if next_release_at is None else min(next_release_at, release_at)
-    return ReconcileResult(
-        identified=tuple(identified),
-        adopted=tuple(adopted),
-        replaced=tuple(replaced),
-        released=ledger.release(expired),
-        unplaced=tuple(unplaced),
-        missing=missing,
-        next_release_at=next_release_at,
-    )
+    return expired, missing, next_release_at

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import anyio
 from anyio.abc import TaskStatus
+from structlog.typing import FilteringBoundLogger
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.clock import utc
@@ -85,7 +86,24 @@ QUIT_TIMEOUT_S = 5
 HEALTH_SOURCE = "mps daemon"
 
 
+def front_end_episodes(log: FilteringBoundLogger) -> FailureEpisodes:
+    """The episodes in which the agent cannot run the control front-end (its own failure, not the daemon's), each
+    reported once: an error as it begins, retries at debug level, and an info line with how long it lasted."""
+    return FailureEpisodes(
+        log,
+        failed="mps control front-end cannot run; the daemon is kept",
+        still="mps control front-end still cannot run",
+        again="mps control front-end runs again",
+        hint=FRONT_END_HINT,
+        lasted_key="failed_for_s",
+    )
+
+
 class DaemonSupervisor:
+    """The daemon of one resource, started or adopted and kept holding the ceilings. Until `want_ceilings` says what
+    the live grants need, a daemon starts at the ceilings for unknown grants (ShareModel.unreconciled_ceilings), and
+    an adopted one keeps its own."""
+
     def __init__(
         self,
         *,
@@ -100,11 +118,10 @@ class DaemonSupervisor:
         on_hold_ended: OnEnded = lambda ended: None,
         log_rotate_bytes: int = ROTATE_BYTES,
     ) -> None:
-        """Until `want_ceilings` says what the live grants need, a daemon starts at the ceilings for unknown
-        grants (ShareModel.unreconciled_ceilings), and an adopted one keeps its own. `control_hold_s`: how long a
-        process in a pod may hold the control socket (0: never ended); `on_hold_ended`: told of each connection the
-        hold watch ended (the pod's event, where the API server is reachable); `log_rotate_bytes`: the size past
-        which the daemon's log is rotated, when the agent owns the daemon (else the daemon host rotates it)."""
+        """`control_hold_s`: how long a process in a pod may hold the control socket (0: never ended);
+        `on_hold_ended`: told of each connection the hold watch ended (the pod's event, where the API server is
+        reachable); `log_rotate_bytes`: the size past which the daemon's log is rotated, when the agent owns the
+        daemon (else the daemon host rotates it)."""
         self._resource = resource
         self._inventory = inventory
         self._control_bin = control_bin
@@ -131,7 +148,19 @@ class DaemonSupervisor:
         self._silently_held = False
         """The last liveness check found the daemon held by a connection that sends nothing: the rounds wait."""
         self._log = log.bind(resource=resource.name)
-        self._guard = CeilingGuard(
+        self._on_hold_ended = on_hold_ended
+        self._guard, self._holds, self._daemon = self._control(control_hold_s, log_rotate_bytes)
+        self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
+        self._busy = busy_episodes(self._log)
+        self._front_end = front_end_episodes(self._log)
+
+    def _control(self, control_hold_s: float, log_rotate_bytes: int) -> tuple[CeilingGuard, HoldWatch, DaemonLifecycle]:
+        """The daemon's lifecycle over one control channel, and the two watches of its control socket wired to
+        that channel and to each other: the ceiling guard (the channel tells it what the agent sent; it wakes the
+        hold watch when the daemon's log shows a new connection) and the hold watch (woken too by a session the
+        channel was refused)."""
+        resource = self._resource
+        guard = CeilingGuard(
             log_path=resource.log_directory / CONTROL_LOG,
             gpus=resource.shares.gpus,
             log=self._log,
@@ -139,41 +168,31 @@ class DaemonSupervisor:
             rotate_bytes=log_rotate_bytes if self._owns_daemon else None,
             wanted=lambda: self._wanted,
             wake=self._wake_round,
-            on_connection=lambda: self._holds.look_soon(),  # noqa: PLW0108 (the watch is built below)
+            on_connection=lambda: holds.look_soon(),  # noqa: PLW0108 (the watch is built below)
         )
         channel = ControlChannel(
-            control_bin,
+            self._control_bin,
             resource.pipe_directory,
-            sent=self._guard.sent,
-            on_refused=lambda: self._holds.look_soon(),  # noqa: PLW0108 (the watch is built below, over this channel)
+            sent=guard.sent,
+            on_refused=lambda: holds.look_soon(),  # noqa: PLW0108 (the watch is built below, over this channel)
         )
-        self._on_hold_ended = on_hold_ended
-        self._holds = HoldWatch(
+        holds = HoldWatch(
             channel=channel,
             pipe_directory=resource.pipe_directory,
             bound_s=control_hold_s,
-            probe_interval_s=probe_interval_s,
+            probe_interval_s=self._probe_interval,
             log=self._log,
             on_ended=self._hold_ended,
         )
-        self._daemon = DaemonLifecycle(
+        daemon = DaemonLifecycle(
             resource,
             channel,
             StateFile(resource.directory),
             self._log,
-            control_bin=control_bin,
-            probe_interval_s=probe_interval_s,
+            control_bin=self._control_bin,
+            probe_interval_s=self._probe_interval,
         )
-        self._compute_modes = ComputeModes(gpu_source, [gpu.uuid for gpu in resource.gpus], self._log)
-        self._busy = busy_episodes(self._log)
-        self._front_end = FailureEpisodes(
-            self._log,
-            failed="mps control front-end cannot run; the daemon is kept",
-            still="mps control front-end still cannot run",
-            again="mps control front-end runs again",
-            hint=FRONT_END_HINT,
-            lasted_key="failed_for_s",
-        )
+        return guard, holds, daemon
 
     @property
     def ceilings(self) -> Ceilings | None:

@@ -10,8 +10,9 @@ bounded time. The last log line names the stop reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -202,21 +203,45 @@ def _resource_servers(
     return resources
 
 
-async def _start_node_layers(
-    tg: TaskGroup,
-    claims: ClaimServer | None,
-    pod_events: PodEvents | None,
-    driver: DriverLimits | None,
-    stowaways: StowawayWatch | None,
-) -> None:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Parts:
+    """The agent's parts that are built whole, with the locks held, before anything runs."""
+
+    web: WebEndpoint | None
+    reconciler: PodResourcesReconciler
+    pod_events: PodEvents | None
+    driver: DriverLimits | None
+    resources: tuple[ResourceServer, ...]
+    claims: ClaimServer | None
+
+
+def _parts(
+    settings: Settings, plan: NodePlan, gpu_source: GpuSource, cdi_hook: Path | None, web: WebEndpoint | None
+) -> _Parts:
+    reconciler = PodResourcesReconciler(socket=settings.pod_resources_socket, grace_s=settings.reconcile_grace_s)
+    # Where the API server is reachable, a control-socket hold the agent ends is told on the holder's pod too.
+    pod_events = PodEvents(node=node_name(settings.node_name)) if settings.dra is DraMode.ON else None
+    servers: list[ResourceServer] = []
+    driver = driver_limits(settings, plan, gpu_source, cdi_hook, servers)
+    servers += _resource_servers(
+        settings, plan, gpu_source, web=web, reconciler=reconciler, pod_events=pod_events, driver=driver
+    )
+    resources = tuple(servers)
+    claims = _claim_server(settings, plan, resources, web, driver)
+    return _Parts(
+        web=web, reconciler=reconciler, pod_events=pod_events, driver=driver, resources=resources, claims=claims
+    )
+
+
+async def _start_node_layers(tg: TaskGroup, parts: _Parts, stowaways: StowawayWatch | None) -> None:
     """The DRA driver, then the pod events told through its API client; the driver's memory limits' read-back; the
     stowaway watch (which may read claims through the driver's client)."""
-    if claims is not None:
-        await tg.start(claims.run)
-        if pod_events is not None:
-            tg.start_soon(pod_events.run, claims.api)
-    if driver is not None:
-        tg.start_soon(driver.watch.run)
+    if parts.claims is not None:
+        await tg.start(parts.claims.run)
+        if parts.pod_events is not None:
+            tg.start_soon(parts.pod_events.run, parts.claims.api)
+    if parts.driver is not None:
+        tg.start_soon(parts.driver.watch.run)
     if stowaways is not None:
         tg.start_soon(stowaways.run)
 
@@ -228,45 +253,77 @@ async def _watch_signals(task_group: TaskGroup, notifier: SystemdNotifier) -> No
     task_group.cancel_scope.cancel()
 
 
-async def _read_grants(
-    resources: Sequence[ResourceServer],
-    claims: ClaimServer | None,
-    reconciler: PodResourcesReconciler,
-    driver: DriverLimits | None,
-) -> None:
+async def _read_grants(parts: _Parts) -> None:
     """What the node holds since before this start, before any daemon holds ceilings: containers that run must keep
     their caps (the prepared claims' too), and a container the kubelet restarts must find its memory-limit device."""
-    if claims is not None:
-        claims.restore()
-    if await reconciler.reconcile_once():
-        for resource in resources:
+    if parts.claims is not None:
+        parts.claims.restore()
+    if await parts.reconciler.reconcile_once():
+        for resource in parts.resources:
             resource.grants_known()
-    if driver is not None:
-        driver.devices.rewrite()
+    if parts.driver is not None:
+        parts.driver.devices.rewrite()
+
+
+def _state_publisher(
+    settings: Settings,
+    notifier: SystemdNotifier,
+    parts: _Parts,
+    health: GpuHealthMonitor | _NoGpuHealth,
+    stowaways: StowawayWatch | None,
+) -> StatePublisher:
+    """The state publisher, reading each part of the agent that has something to show."""
+    resources, claims, driver = parts.resources, parts.claims, parts.driver
+    return StatePublisher(
+        mps_root=settings.mps_root,
+        pod_resources_socket=settings.pod_resources_socket,
+        resources=lambda: [r.view() for r in resources],
+        reconciler=parts.reconciler,
+        unhealthy_gpus=health.unhealthy,
+        notifier=notifier,
+        web=parts.web,
+        dra=claims.status if claims is not None else lambda: None,
+        container_limits=(lambda: driver.watch.limits) if driver is not None else tuple,
+        stowaways=(lambda: stowaways.status) if stowaways is not None else lambda: None,
+    )
+
+
+@contextmanager
+def _stop_reported(settings: Settings, notifier: SystemdNotifier) -> Iterator[None]:
+    """The agent's way out of its task group, said: the stop reason (a signal, or the failures, of which the first
+    the operator must see is raised) in the last log line and systemd's status; the node's MPS features removed when
+    a signal quits the daemons."""
+    reason = "signal"
+    try:
+        yield
+    except MpsAgentError as exc:
+        reason = str(exc)
+        raise
+    except BaseExceptionGroup as group:
+        failures = agent_errors(group)
+        reason = "; ".join(str(e) for e in failures) if failures else "internal error"
+        if failures:
+            raise failures[0] from group
+        raise
+    finally:
+        if settings.nfd_features_file is not None and settings.mps_on_exit is MpsOnExit.QUIT and reason == "signal":
+            remove_features(settings.nfd_features_file)  # the node no longer offers MPS
+        notifier.notify("STOPPING=1", f"STATUS=stopped: {reason}")
+        log.info("agent stopped", reason=reason)
 
 
 async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource, cdi_hook: Path | None = None) -> None:
     """Run until a signal or a failure; raises MpsAgentError for a failure the operator must see. `cdi_hook`: the
     agent's CDI hook, where the driver's memory limits are used."""
-    reason = "signal"
     notifier = SystemdNotifier()
     notifier.status("starting")
     web = _web_endpoint(settings, plan, gpu_source)
     with ExitStack() as locks:
         locks.callback(notifier.close)
         _hold_locks(locks, settings, plan)
-        reconciler = PodResourcesReconciler(socket=settings.pod_resources_socket, grace_s=settings.reconcile_grace_s)
-        # Where the API server is reachable, a control-socket hold the agent ends is told on the holder's pod too.
-        pod_events = PodEvents(node=node_name(settings.node_name)) if settings.dra is DraMode.ON else None
-        servers: list[ResourceServer] = []
-        driver = driver_limits(settings, plan, gpu_source, cdi_hook, servers)
-        servers += _resource_servers(
-            settings, plan, gpu_source, web=web, reconciler=reconciler, pod_events=pod_events, driver=driver
-        )
-        resources = tuple(servers)
-        claims = _claim_server(settings, plan, resources, web, driver)
-        await _read_grants(resources, claims, reconciler, driver)
-        try:
+        parts = _parts(settings, plan, gpu_source, cdi_hook, web)
+        await _read_grants(parts)
+        with _stop_reported(settings, notifier):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_signals, tg, notifier)
                 if notifier.watchdog_interval_s is not None:
@@ -274,38 +331,12 @@ async def run_agent(settings: Settings, plan: NodePlan, gpu_source: GpuSource, c
                 if web is not None:
                     await tg.start(web.run)
                 _write_node_labels(settings, plan)
-                health = _gpu_health(settings, plan, gpu_source, resources)
+                health = _gpu_health(settings, plan, gpu_source, parts.resources)
                 await tg.start(health.run)
-                for resource in resources:
+                for resource in parts.resources:
                     await tg.start(resource.run)
-                stowaways = _stowaway_watch(settings, plan, gpu_source, resources, claims)
-                await _start_node_layers(tg, claims, pod_events, driver, stowaways)
-                await tg.start(reconciler.run)
-                publisher = StatePublisher(
-                    mps_root=settings.mps_root,
-                    pod_resources_socket=settings.pod_resources_socket,
-                    resources=lambda: [r.view() for r in resources],
-                    reconciler=reconciler,
-                    unhealthy_gpus=health.unhealthy,
-                    notifier=notifier,
-                    web=web,
-                    dra=claims.status if claims is not None else lambda: None,
-                    container_limits=(lambda: driver.watch.limits) if driver is not None else tuple,
-                    stowaways=(lambda: stowaways.status) if stowaways is not None else lambda: None,
-                )
-                tg.start_soon(publisher.run)
+                stowaways = _stowaway_watch(settings, plan, gpu_source, parts.resources, parts.claims)
+                await _start_node_layers(tg, parts, stowaways)
+                await tg.start(parts.reconciler.run)
+                tg.start_soon(_state_publisher(settings, notifier, parts, health, stowaways).run)
                 log.info("agent running", resources=[r.name for r in plan.resources], gpus=len(plan.gpus))
-        except MpsAgentError as exc:
-            reason = str(exc)
-            raise
-        except BaseExceptionGroup as group:
-            failures = agent_errors(group)
-            reason = "; ".join(str(e) for e in failures) if failures else "internal error"
-            if failures:
-                raise failures[0] from group
-            raise
-        finally:
-            if settings.nfd_features_file is not None and settings.mps_on_exit is MpsOnExit.QUIT and reason == "signal":
-                remove_features(settings.nfd_features_file)  # the node no longer offers MPS
-            notifier.notify("STOPPING=1", f"STATUS=stopped: {reason}")
-            log.info("agent stopped", reason=reason)

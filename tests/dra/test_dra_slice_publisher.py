@@ -22,7 +22,7 @@ from lightkube.resources.resource_v1 import ResourceSlice
 from structlog.testing import capture_logs
 
 from mpsagent.domain.claims import DRA_DRIVER, NodeSlice
-from mpsagent.dra import slice_publisher
+from mpsagent.dra import slice_publisher, slice_watch, slice_writer
 from mpsagent.dra.slice_object import CONTENT_ANNOTATION, resource_slice, slice_matches
 from mpsagent.dra.slice_publisher import SlicePublisher
 from mpsagent_testing.kube_api import NODE, NODE_OBJECT, NODE_SLICE, SLICE, SLICE_PATH, kube_api, status
@@ -204,7 +204,7 @@ class FakeApiServer:
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backoffs of tenths of a second: the tests see them grow without waiting a minute."""
     monkeypatch.setattr(slice_publisher, "PUBLISH_BACKOFF_S", (0.05, 0.2))
-    monkeypatch.setattr(slice_publisher, "REPAIR_BACKOFF_S", (0.3, 1.0))
+    monkeypatch.setattr(slice_writer, "REPAIR_BACKOFF_S", (0.3, 1.0))
 
 
 async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
@@ -250,7 +250,7 @@ async def test_the_slice_is_published_once_and_an_idle_node_writes_nothing_after
 ) -> None:
     """Today's claim server applied the slice every 60 s; the publisher writes once, then only reads: the watch,
     and a list each WATCH_SESSION_S (shortened here, so that the idle window sees several)."""
-    monkeypatch.setattr(slice_publisher, "WATCH_SESSION_S", 0.2)
+    monkeypatch.setattr(slice_watch, "WATCH_SESSION_S", 0.2)
     server = FakeApiServer()
     async with running(server) as publisher:
         await until(lambda: publisher.published)
@@ -355,7 +355,7 @@ async def test_a_slice_edited_by_someone_else_is_applied_again(
 async def test_repairs_one_after_another_wait_longer_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fight with another writer stays slow: the first repair is at once, the next within REPAIR_QUIET_S waits
     REPAIR_BACKOFF_S (1 s, as shipped), then twice that. The bounds leave most of a second for a loaded machine."""
-    monkeypatch.setattr(slice_publisher, "REPAIR_BACKOFF_S", (1.0, 4.0))
+    monkeypatch.setattr(slice_writer, "REPAIR_BACKOFF_S", (1.0, 4.0))
     server = FakeApiServer()
     async with running(server) as publisher:
         await until(lambda: publisher.published)
@@ -657,7 +657,7 @@ async def test_cancelled_with_the_api_server_down_it_says_once_which_slice_it_le
 async def test_cancelled_with_the_api_server_silent_it_gives_up_in_bounded_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(slice_publisher, "REMOVE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(slice_writer, "REMOVE_TIMEOUT_S", 0.2)
     server = FakeApiServer()
     with capture_logs() as logs:
         with anyio.fail_after(2.0):
