@@ -148,3 +148,92 @@ def test_no_test_or_bench_module_changes_sys_path() -> None:
         if isinstance(node, ast.stmt | ast.expr) and changes_sys_path(node)
     ]
     assert found == [], f"these lines change sys.path: {found}"
+
+
+# --- "Where a change goes": each entry's named files real, and the ones a change must touch named ---------------
+
+CHANGE_ENTRY = re.compile(r"^- \*\*(.+?)\*\*(.*?)(?=^- \*\*|\Z)", re.S | re.M)
+MODULES = {path.stem: path for path in AGENT.rglob("*.py") if "_proto" not in path.parts and path.stem != "__init__"}
+UNIQUE_MODULES = {stem: path for stem, path in MODULES.items() if sum(p.stem == stem for p in AGENT.rglob("*.py")) == 1}
+
+
+def change_entries() -> dict[str, str]:
+    section = DOC.read_text().split("\n## Where a change goes\n", 1)[1].split("\n## ", 1)[0]
+    return {match[1]: match[2] for match in CHANGE_ENTRY.finditer(section)}
+
+
+def named_files(entry: str) -> tuple[set[Path], list[str]]:
+    """The files an entry's quoted names point at (a path, `package.module`, `module.attribute` or a module's name),
+    and the names that look like code but point at nothing (a module that is not there, an attribute it lacks)."""
+    found: set[Path] = set()
+    broken: list[str] = []
+    for token in QUOTED.findall(entry):
+        name = token.removesuffix("()")
+        if "/" in name and not name.startswith(("-", "/")):
+            path = next((base / name for base in (AGENT, ROOT) if (base / name).exists()), None)
+            if path is None:
+                broken.append(token)
+            elif path.is_file() and path.is_relative_to(AGENT):
+                found.add(path)
+            continue
+        parts = name.split(".")
+        if not all(part.isidentifier() for part in parts):
+            continue  # a flag, a file name, a message
+        if parts[0] in PACKAGES and len(parts) > 1:
+            module_path: Path | None = AGENT / parts[0] / f"{parts[1]}.py"
+            attributes = parts[2:]
+        elif parts[0] in UNIQUE_MODULES:
+            module_path, attributes = UNIQUE_MODULES[parts[0]], parts[1:]
+        elif len(parts) > 1 and parts[0].islower():
+            broken.append(token)  # `module.attribute` of no module
+            continue
+        else:
+            continue  # a class, a method, an RPC: named beside its module
+        assert module_path is not None
+        if not module_path.exists():
+            broken.append(token)
+            continue
+        found.add(module_path)
+        target: object = importlib.import_module(".".join(module_path.relative_to(ROOT).with_suffix("").parts))
+        for attribute in attributes:
+            if not hasattr(target, attribute):
+                broken.append(token)
+                break
+            target = getattr(target, attribute)
+    return found, broken
+
+
+def files_using(*names: str) -> set[Path]:
+    """The agent's modules that use any of these names (a name or an attribute, not only an import)."""
+    using = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Name) and node.id in names) or (
+                isinstance(node, ast.Attribute) and node.attr in names
+            ):
+                using.add(path)
+                break
+    return using
+
+
+@pytest.mark.parametrize("entry", sorted(change_entries()))
+def test_each_entry_of_where_a_change_goes_names_real_files(entry: str) -> None:
+    found, broken = named_files(change_entries()[entry])
+    assert broken == [], f"'{entry}' names what is not in the tree: {broken}"
+    assert found, f"'{entry}' names no file of the agent"
+
+
+@pytest.mark.parametrize(
+    ("entry", "names"),
+    [
+        ("A new route", ("carry_out",)),
+        ("A new enforcement layer", ("Enforcement", "MemoryLimitDevice")),
+    ],
+)
+def test_an_entry_names_every_module_the_change_must_touch(entry: str, names: tuple[str, ...]) -> None:
+    """A module that uses what the entry is about (the grant transaction every route carries out; the enforcement
+    word and the memory-limit device) is one a change of that kind touches: the entry names it."""
+    (text,) = [body for title, body in change_entries().items() if title.startswith(entry)]
+    named, _ = named_files(text)
+    unnamed = sorted(str(path.relative_to(ROOT)) for path in files_using(*names) - named)
+    assert unnamed == [], f"'{entry}' in docs/architecture.md does not name: {unnamed}"
