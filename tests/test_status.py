@@ -32,7 +32,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import build_plan
 from mpsagent.domain.reconcile import ListedGrant
-from mpsagent.kubelet.registration import Registration
+from mpsagent.kubelet.registration_record import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
     CeilingsStatus,

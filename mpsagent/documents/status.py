@@ -40,7 +40,7 @@ from mpsagent.domain.ledger import Grant
 from mpsagent.domain.shares import EscapeBound
 from mpsagent.domain.stowaways import StowawayStatus
 from mpsagent.gpu.limits_watch import ContainerLimit
-from mpsagent.kubelet.registration import Registration
+from mpsagent.kubelet.registration_record import Registration
 from mpsagent.mps.daemon_status import ControlHolderStatus, DaemonStatus
 
 STATUS_FILE = "status.json"

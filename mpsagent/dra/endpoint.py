@@ -18,8 +18,8 @@ from mpsagent.base.errors import HostError
 from mpsagent.base.logs import get_logger
 from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
 from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService, NodeServiceStatistics
-from mpsagent.dra.registration import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
-from mpsagent.kubelet.registration import Registration
+from mpsagent.dra.registry_service import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
+from mpsagent.kubelet.registration_record import Registration
 from mpsagent.kubelet.served_socket import ServedSocket
 from mpsagent.kubelet.wire import Servable
 
