@@ -17,16 +17,15 @@ from mpsagent.base.clock import utc
 from mpsagent.base.config import check_config, parse_config
 from mpsagent.base.devices import ContainerRef, Gpu, GpuUuid, NodeGpus
 from mpsagent.documents.status import (
-    STATUS_FILE,
     GrantEntries,
     ResourceView,
     readiness_problems,
     starting_document,
     status_document,
     summary,
-    write_status,
 )
 from mpsagent.documents.status_document import DraStatus, GrantStatus, PodResourcesStatus
+from mpsagent.documents.status_file import STATUS_FILE, write_status
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
