@@ -9,23 +9,20 @@ from mpsagent.base.words import counted
 
 
 class GrantKind(enum.StrEnum):
-    """Full: whole GPUs, no cap variables. Capped: anything less. The one word for this fact on both routes: the
-    ledger's grants, a claim's devices, the metrics' `kind` label, `--status` and the `--once` report (the wire's
-    older `whole` and `fullGrant` flags are read from it)."""
+    """Full: whole GPUs, no cap variables. Capped: anything less. The one word for this fact on both routes, stored
+    as itself: the ledger's grants, a claim's devices (the checkpoint), the metrics' `kind` label, the status file
+    and the `--once` report. Code that does one thing or another by kind matches every kind (`assert_never`), so a
+    new kind is a type error wherever it needs a decision."""
 
     FULL = "full"
     CAPPED = "capped"
-
-    @classmethod
-    def of(cls, full: bool) -> GrantKind:
-        return cls.FULL if full else cls.CAPPED
 
 
 class ClaimShareFigures(Protocol):
     """What a prepared claim's device says of its share, wherever it is kept (the checkpoint, the status file)."""
 
     @property
-    def whole(self) -> bool: ...
+    def kind(self) -> GrantKind: ...
 
     @property
     def memory_mib(self) -> int: ...
@@ -40,7 +37,7 @@ class ClaimShareFigures(Protocol):
 def describe_claim_share(device: ClaimShareFigures) -> str:
     """A prepared claim's device's share in words (`describe_share`)."""
     return describe_share(
-        GrantKind.of(device.whole),
+        device.kind,
         memory_mib=device.memory_mib,
         thread_percentage=device.thread_percentage,
         rounded_off_bytes=device.rounded_off_bytes,

@@ -24,6 +24,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from mpsagent.base.devices import REPLICA_SEPARATOR, GpuUuid, ReplicaId
 from mpsagent.base.values import MAX_CLIENTS_PER_GPU, MIB, GrantRule
@@ -405,12 +406,21 @@ class ShareModel:
             for gpu in share.gpus:
                 if gpu.ordinal not in held or gpu.held > held[gpu.ordinal].held:
                     held[gpu.ordinal] = gpu
-        full = all(share.full for share in shares)
+        kind = GrantKind.FULL
+        caps: tuple[int, ...] = ()
+        for share in shares:
+            match share.kind:
+                case GrantKind.FULL:
+                    pass
+                case GrantKind.CAPPED:  # one capped container among them: the joined share is capped
+                    kind, caps = GrantKind.CAPPED, tuple(memory[ordinal] for ordinal in sorted(held))
+                case _:
+                    assert_never(share.kind)
         return Share(
             gpus=tuple(held[ordinal] for ordinal in sorted(held)),
-            kind=GrantKind.of(full),
+            kind=kind,
             thread_percentage=max(share.thread_percentage for share in shares),
-            container_memory_mib=() if full else tuple(memory[ordinal] for ordinal in sorted(held)),
+            container_memory_mib=caps,
             bounds=tuple(sorted(memory.items())),
         )
 
