@@ -285,7 +285,8 @@ def _dra_lines(dra: DraReport) -> list[str]:
         *(f"  {line}" for line in manifest.splitlines()),
     ]
     for example in dra.examples:
-        got = describe_share(example.kind, memory_mib=example.memory_mib, thread_percentage=example.thread_percentage)
+        held = f"{example.memory_mib} MiB"
+        got = describe_share(example.kind, held=held, thread_percentage=example.thread_percentage)
         lines.append(f"  a claim for {example.title} on {example.device}: {got}")
         lines += [f"    {k}={v}" for k, v in example.envs.items()]
         lines.append(f"    daemon ceilings while it is the only live share: {example.ceilings}")

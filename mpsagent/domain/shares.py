@@ -28,7 +28,7 @@ from typing import assert_never
 
 from mpsagent.base.devices import REPLICA_SEPARATOR, GpuUuid, ReplicaId
 from mpsagent.base.values import MAX_CLIENTS_PER_GPU, MIB, GrantRule
-from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.domain.grant_kind import GrantKind, describe_share
 
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
@@ -128,8 +128,9 @@ class Share:
         return ",".join(f"{ordinal}={mib}M" for ordinal, mib in enumerate(self.container_memory_mib))
 
     def describe(self) -> str:
+        """In words (`grant_kind.describe_share`): what it holds of each GPU (`1/4 of GPU 0`), then its kind's."""
         held = ", ".join(gpu.describe() for gpu in self.gpus)
-        return f"{held} (whole)" if self.full else f"{held}, threads {self.thread_percentage}%"
+        return describe_share(self.kind, held=held, thread_percentage=self.thread_percentage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
