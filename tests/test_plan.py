@@ -435,7 +435,6 @@ def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
 def test_a_full_grant_has_no_caps() -> None:
     resource = only_resource(t4_node(2), "{name: gpu, replicas: 4}")
     grant = container_setup(resource, tuple(reversed(resource.device_ids)), SHM)
-    assert grant.full is True
     assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs
     assert ENV_PINNED_MEM_LIMIT not in grant.envs
@@ -464,7 +463,6 @@ def test_a_full_grant_has_no_caps() -> None:
 def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
     resource = only_resource(t4_node(4), "{name: gpu, replicas: 4}", mps=EQUAL)
     grant = container_setup(resource, ids(*pairs), SHM)
-    assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
     # One entry per GPU the container sees (the NVIDIA rule's 1/4 on each), keyed by its ordinal there: the
@@ -515,7 +513,7 @@ def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
     resource = only_resource(t4_node(2), "{name: gpu, replicas: 2}", flags="{plugin: {deviceListStrategy: cdi-cri}}")
     assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
     grant = container_setup(resource, resource.device_ids, SHM)
-    assert grant.full is True
+    assert grant.share.kind is GrantKind.FULL
     assert grant.cdi_devices == (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}")
     assert set(grant.envs) == {ENV_PIPE_DIRECTORY}
 

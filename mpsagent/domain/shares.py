@@ -109,10 +109,6 @@ class Share:
     uniform value on every GPU of the resource, as the NVIDIA rule sets it)."""
     route: Route = Route.DEVICE_PLUGIN
 
-    @property
-    def full(self) -> bool:
-        return self.kind is GrantKind.FULL
-
     def memory_caps(self) -> tuple[tuple[GpuShare, int], ...]:
         """Each GPU it holds with its pinned-memory cap there, in `gpus`' order; none for a full grant."""
         return tuple(zip(self.gpus, self.container_memory_mib, strict=False))
