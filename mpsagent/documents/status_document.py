@@ -173,7 +173,7 @@ class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     counter(
         "mpsagent_grants",
-        "Grants made by Allocate, by kind (full, capped)",
+        f"Grants made by Allocate, by kind ({', '.join(GRANT_KINDS)})",
         each(GRANT_KINDS, lambda ledger, kind: ledger.allocated.get(kind, 0)),
         labels=("kind",),
     ),
