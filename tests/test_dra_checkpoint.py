@@ -148,14 +148,14 @@ def test_a_version_2_device_without_a_true_or_false_whole_is_refused_naming_it(
 def test_a_kind_this_agent_does_not_know_is_refused_naming_it(tmp_path: Path) -> None:
     """A newer agent's kind is never read as one this agent knows."""
     claims = msgspec.to_builtins(CLAIMS[:1])
-    claims[0]["devices"][0]["kind"] = "limited"
+    claims[0]["devices"][0]["kind"] = "a-later-kind"
     body = json.dumps(claims).encode()
     path = tmp_path / "checkpoint.json"
     path.write_bytes(b'{"version":3,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body))
     with pytest.raises(HostError) as caught:
         checkpoint.load(path)
     assert str(caught.value) == (
-        f"the DRA checkpoint {path} is not a valid checkpoint (Invalid enum value 'limited' - at "
+        f"the DRA checkpoint {path} is not a valid checkpoint (Invalid enum value 'a-later-kind' - at "
         f"`$[0].devices[0].kind`): {WAY_OUT}"
     )
 
