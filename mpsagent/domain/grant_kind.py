@@ -1,5 +1,5 @@
-"""A grant's kind, the one word for it on both routes, and a share in words: the one describer of a share, which
-the logs, `--status` and `--once` all say it with."""
+"""A grant's kind, the one word for it on both routes, and the one wording of a share (`describe_share`), which
+the logs, `--status` and `--once` use."""
 
 from __future__ import annotations
 
