@@ -26,7 +26,8 @@ from mpsagent.base.logs import configure_logging, get_logger
 from mpsagent.base.settings import SETTINGS, Settings
 from mpsagent.base.values import DraMode
 from mpsagent.documents.report import plan_report, render_json, render_text
-from mpsagent.documents.status import read_status, render_status_json, render_status_text
+from mpsagent.documents.status import render_status_text
+from mpsagent.documents.status_file import read_status, render_status_json
 from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.gpu.port import GpuSource
 from mpsagent.mps.control import offers_multi_user

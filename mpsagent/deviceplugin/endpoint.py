@@ -17,9 +17,9 @@ from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.host import FileIdentity, file_identity, pid_alive
 from mpsagent.base.logs import get_logger
 from mpsagent.base.ticker import FAST_POLLS
-from mpsagent.deviceplugin.registration import register
+from mpsagent.deviceplugin.register_call import register
 from mpsagent.deviceplugin.servicer import DevicePluginServicer
-from mpsagent.kubelet.registration import Registration, RegistrationRecord
+from mpsagent.kubelet.registration_record import Registration, RegistrationRecord
 from mpsagent.kubelet.served_socket import ServedSocket
 
 log = get_logger(__name__)

@@ -61,12 +61,12 @@ def _example(
     try:
         grant = allocator.grant_for(ids)
     except RequestError as exc:
-        full = resource.shares.share_of(ids).full
-        return ExampleReport(request=len(ids), title=title, full_grant=full, error=str(exc), ceilings=ceilings)
+        kind = resource.shares.share_of(ids).kind
+        return ExampleReport(request=len(ids), title=title, kind=kind, error=str(exc), ceilings=ceilings)
     return ExampleReport(
         request=len(ids),
         title=title,
-        full_grant=grant.full,
+        kind=grant.share.kind,
         share=grant.share.describe(),
         envs=dict(sorted(grant.envs.items())),
         mounts=tuple(MountReport(host_path=m.host_path, container_path=m.container_path) for m in grant.mounts),
@@ -151,7 +151,7 @@ def dra_report(plan: NodePlan, node: str) -> DraReport:
                 device=device.device,
                 memory_mib=share.share.gpus[0].memory_mib,
                 thread_percentage=share.share.thread_percentage,
-                whole=share.share.full,
+                kind=share.share.kind,
                 envs=dict(sorted(share.edits.envs.items())),
                 ceilings=share.resource.shares.ceilings([share.share]).describe(),
             )
@@ -285,7 +285,8 @@ def _dra_lines(dra: DraReport) -> list[str]:
         *(f"  {line}" for line in manifest.splitlines()),
     ]
     for example in dra.examples:
-        got = describe_share(example.kind, memory_mib=example.memory_mib, thread_percentage=example.thread_percentage)
+        held = f"{example.memory_mib} MiB"
+        got = describe_share(example.kind, held=held, thread_percentage=example.thread_percentage)
         lines.append(f"  a claim for {example.title} on {example.device}: {got}")
         lines += [f"    {k}={v}" for k, v in example.envs.items()]
         lines.append(f"    daemon ceilings while it is the only live share: {example.ceilings}")

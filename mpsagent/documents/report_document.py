@@ -66,8 +66,7 @@ class ExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel", o
 
     request: int
     title: str
-    full_grant: bool
-    """Its kind as the JSON says it (`kind`: full when a full grant)."""
+    kind: GrantKind
     error: str | None = None
     share: str | None = None
     envs: dict[str, str] | None = None
@@ -75,10 +74,6 @@ class ExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel", o
     cdi_devices: tuple[str, ...] | None = None
     ceilings: str
     """The daemon's ceilings while this is the only live grant."""
-
-    @property
-    def kind(self) -> GrantKind:
-        return GrantKind.of(self.full_grant)
 
 
 class ResourceReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -107,15 +102,10 @@ class ClaimExampleReport(msgspec.Struct, frozen=True, kw_only=True, rename="came
     device: str
     memory_mib: int = msgspec.field(name="memoryMiB")
     thread_percentage: int
-    whole: bool
-    """Its kind as the JSON says it (`kind`: full when whole)."""
+    kind: GrantKind
     envs: dict[str, str]
     ceilings: str
     """The daemon's ceilings while this is the only live share of its resource."""
-
-    @property
-    def kind(self) -> GrantKind:
-        return GrantKind.of(self.whole)
 
 
 class DraReport(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):

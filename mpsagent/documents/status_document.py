@@ -173,7 +173,7 @@ class LedgerStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
 LEDGER_METRICS: tuple[MetricRow[LedgerStatus], ...] = (
     counter(
         "mpsagent_grants",
-        "Grants made by Allocate, by kind (full, capped)",
+        f"Grants made by Allocate, by kind ({', '.join(GRANT_KINDS)})",
         each(GRANT_KINDS, lambda ledger, kind: ledger.allocated.get(kind, 0)),
         labels=("kind",),
     ),
@@ -281,8 +281,9 @@ class ClaimDeviceStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel
     resource: str
     memory_mib: Count = msgspec.field(name="memoryMiB")
     thread_percentage: Count
-    whole: bool
-    """Its kind as the file says it: full when whole (`GrantKind.of`)."""
+    kind: GrantKind
+    """Its grant kind. Agents before it wrote a flag, `whole`, instead: such an agent's file with a prepared claim
+    is a one-line error naming this field, until an agent of this version starts and rewrites it."""
     rounded_off_bytes: Count = 0
     """The allocated memory below a whole MiB, which the cap leaves out."""
 

@@ -243,7 +243,7 @@ def _prepared(allocation: ClaimAllocation, shares: Sequence[ClaimShare], now: fl
                 gpu=share.gpu.uuid,
                 memory_mib=share.share.gpus[0].memory_mib,
                 thread_percentage=share.share.thread_percentage,
-                whole=share.share.full,
+                kind=share.share.kind,
                 rounded_off_bytes=share.rounded_off_bytes,
                 compute=share.share.gpus[0].compute,
             )

@@ -162,17 +162,13 @@ class PreparedDevice(msgspec.Struct, frozen=True, kw_only=True):
     memory_mib: int
     """Its memory cap; the GPU's whole memory for a whole-GPU share."""
     thread_percentage: int
-    whole: bool
-    """Its kind as the checkpoint stores it (`kind`: full when whole)."""
+    kind: GrantKind
+    """Its kind, as the checkpoint and the status file store it."""
     rounded_off_bytes: int = 0
     """The allocated memory below a whole MiB, which its cap leaves out (MPS limits are whole MiB)."""
     compute: int = 0
     """The compute (per cent of the SMs) it consumed, which the GPU's accounting holds for it; 0: none asked (its
     threads follow its memory). A checkpoint of an older agent has none."""
-
-    @property
-    def kind(self) -> GrantKind:
-        return GrantKind.of(self.whole)
 
 
 class PreparedClaim(msgspec.Struct, frozen=True, kw_only=True):

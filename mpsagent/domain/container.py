@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import assert_never
 
 from mpsagent.base.devices import Gpu, GpuUuid, ReplicaId
 from mpsagent.base.values import DeviceIdStrategy, DeviceListStrategy, Enforcement
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Share
 
@@ -51,10 +53,6 @@ class ContainerSetup:
     cdi_devices: tuple[str, ...]
     memory_limits: MemoryLimitDevice | None = None
     """The driver's limits on its cgroup, which `cdi_devices` names."""
-
-    @property
-    def full(self) -> bool:
-        return self.share.full
 
 
 def container_pipe_directory(resource: ResourcePlan) -> PurePosixPath:
@@ -127,12 +125,17 @@ def share_edits(resource: ResourcePlan, share: Share, shm_directory: Path) -> Co
     else:
         envs[ENV_VISIBLE_DEVICES] = _visible_devices(resource, gpus)
     limits = None
-    if not share.full:
-        envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
-        envs[ENV_PINNED_MEM_LIMIT] = share.memory_limit_env()
-        limits = memory_limit_device(resource, share)
-        if limits is not None:
-            cdi = (*cdi, limits.cdi_id)
+    match share.kind:
+        case GrantKind.FULL:  # no cap variables at all: the whole of its GPUs
+            pass
+        case GrantKind.CAPPED:
+            envs[ENV_THREAD_PERCENTAGE] = str(share.thread_percentage)
+            envs[ENV_PINNED_MEM_LIMIT] = share.memory_limit_env()
+            limits = memory_limit_device(resource, share)
+            if limits is not None:
+                cdi = (*cdi, limits.cdi_id)
+        case _:
+            assert_never(share.kind)
     mounts = (
         Mount(container_path=str(pipe_directory), host_path=str(resource.pipe_directory)),
         Mount(container_path=str(CONTAINER_SHM), host_path=str(shm_directory)),

@@ -1,4 +1,5 @@
-"""A grant's kind, the one word for it on both routes, and a GPU's share in words."""
+"""A grant's kind, the one word for it on both routes, and the one wording of a share (`describe_share`), which
+the logs, `--status` and `--once` use."""
 
 from __future__ import annotations
 
@@ -9,23 +10,20 @@ from mpsagent.base.words import counted
 
 
 class GrantKind(enum.StrEnum):
-    """Full: whole GPUs, no cap variables. Capped: anything less. The one word for this fact on both routes: the
-    ledger's grants, a claim's devices, the metrics' `kind` label, `--status` and the `--once` report (the wire's
-    older `whole` and `fullGrant` flags are read from it)."""
+    """Full: whole GPUs, no cap variables. Capped: anything less. The one word for this fact on both routes, stored
+    as itself: the ledger's grants, a claim's devices (the checkpoint), the metrics' `kind` label, the status file
+    and the `--once` report. Code that does one thing or another by kind matches every kind (`assert_never`), so a
+    new kind is a type error wherever it needs a decision."""
 
     FULL = "full"
     CAPPED = "capped"
-
-    @classmethod
-    def of(cls, full: bool) -> GrantKind:
-        return cls.FULL if full else cls.CAPPED
 
 
 class ClaimShareFigures(Protocol):
     """What a prepared claim's device says of its share, wherever it is kept (the checkpoint, the status file)."""
 
     @property
-    def whole(self) -> bool: ...
+    def kind(self) -> GrantKind: ...
 
     @property
     def memory_mib(self) -> int: ...
@@ -37,28 +35,29 @@ class ClaimShareFigures(Protocol):
     def rounded_off_bytes(self) -> int: ...
 
 
-def describe_claim_share(device: ClaimShareFigures) -> str:
-    """A prepared claim's device's share in words (`describe_share`)."""
-    return describe_share(
-        GrantKind.of(device.whole),
-        memory_mib=device.memory_mib,
-        thread_percentage=device.thread_percentage,
-        rounded_off_bytes=device.rounded_off_bytes,
-    )
-
-
-def describe_share(kind: GrantKind, *, memory_mib: int, thread_percentage: int, rounded_off_bytes: int = 0) -> str:
-    """One GPU's share in words, as the logs, `--status` and `--once` say it: `whole GPU`, or its caps (with the
-    allocation's rounding to whole MiB, which MPS limits are, when there was any)."""
+def describe_share(kind: GrantKind, *, held: str, thread_percentage: int, rounded_off_bytes: int = 0) -> str:
+    """A share in words: what it holds (`held`: `1/4 of GPU 0` of a resource's IDs, `8192 MiB` of a claim's
+    device), then `(whole)` for a full share, or for a capped one its thread cap (after the allocation's rounding to
+    whole MiB, which MPS limits are, when there was any)."""
     match kind:
         case GrantKind.FULL:
-            return "whole GPU"
+            return f"{held} (whole)"
         case GrantKind.CAPPED:
             rounded = (
                 f" (the allocation rounded down to whole MiB: {counted(rounded_off_bytes, 'byte')} left out)"
                 if rounded_off_bytes
                 else ""
             )
-            return f"{memory_mib} MiB{rounded}, threads {thread_percentage}%"
+            return f"{held}{rounded}, threads {thread_percentage}%"
         case _:
             assert_never(kind)
+
+
+def describe_claim_share(device: ClaimShareFigures) -> str:
+    """A prepared claim's device's share in words (`describe_share`): what it holds is its memory."""
+    return describe_share(
+        device.kind,
+        held=f"{device.memory_mib} MiB",
+        thread_percentage=device.thread_percentage,
+        rounded_off_bytes=device.rounded_off_bytes,
+    )

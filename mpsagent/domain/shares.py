@@ -24,10 +24,11 @@ import enum
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from mpsagent.base.devices import REPLICA_SEPARATOR, GpuUuid, ReplicaId
 from mpsagent.base.values import MAX_CLIENTS_PER_GPU, MIB, GrantRule
-from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.domain.grant_kind import GrantKind, describe_share
 
 FULL_THREAD_PERCENTAGE = 100
 MAX_KNOWN_SHARES = 4096
@@ -108,10 +109,6 @@ class Share:
     uniform value on every GPU of the resource, as the NVIDIA rule sets it)."""
     route: Route = Route.DEVICE_PLUGIN
 
-    @property
-    def full(self) -> bool:
-        return self.kind is GrantKind.FULL
-
     def memory_caps(self) -> tuple[tuple[GpuShare, int], ...]:
         """Each GPU it holds with its pinned-memory cap there, in `gpus`' order; none for a full grant."""
         return tuple(zip(self.gpus, self.container_memory_mib, strict=False))
@@ -127,8 +124,9 @@ class Share:
         return ",".join(f"{ordinal}={mib}M" for ordinal, mib in enumerate(self.container_memory_mib))
 
     def describe(self) -> str:
+        """In words (`grant_kind.describe_share`): what it holds of each GPU (`1/4 of GPU 0`), then its kind's."""
         held = ", ".join(gpu.describe() for gpu in self.gpus)
-        return f"{held} (whole)" if self.full else f"{held}, threads {self.thread_percentage}%"
+        return describe_share(self.kind, held=held, thread_percentage=self.thread_percentage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -405,12 +403,21 @@ class ShareModel:
             for gpu in share.gpus:
                 if gpu.ordinal not in held or gpu.held > held[gpu.ordinal].held:
                     held[gpu.ordinal] = gpu
-        full = all(share.full for share in shares)
+        kind = GrantKind.FULL
+        caps: tuple[int, ...] = ()
+        for share in shares:
+            match share.kind:
+                case GrantKind.FULL:
+                    pass
+                case GrantKind.CAPPED:  # one capped container among them: the joined share is capped
+                    kind, caps = GrantKind.CAPPED, tuple(memory[ordinal] for ordinal in sorted(held))
+                case _:
+                    assert_never(share.kind)
         return Share(
             gpus=tuple(held[ordinal] for ordinal in sorted(held)),
-            kind=GrantKind.of(full),
+            kind=kind,
             thread_percentage=max(share.thread_percentage for share in shares),
-            container_memory_mib=() if full else tuple(memory[ordinal] for ordinal in sorted(held)),
+            container_memory_mib=caps,
             bounds=tuple(sorted(memory.items())),
         )
 

@@ -1,14 +1,16 @@
 """The prepared claims, kept on disk so that an agent restart keeps them: the claim handler saves the whole set after
 each prepare and unprepare, and loads it at start.
 
-`{"version": 2, "sha256": "<hex>", "claims": [...]}` in JSON, replaced whole, durably, mode 0600; `sha256` is the
-digest of the claims' bytes as written, so that a file changed since (edited, damaged) is refused. A checkpoint that
-cannot be trusted is an error naming the file, never an empty set taken silently (the agent would forget shares it
-holds): not a regular file (a link is not followed), another user's or one others can write (whoever can write it
-can write a checksum that matches), unreadable, without a checksum (version 1: an older agent's, or written by
-hand), another version, a checksum that does not match, or an entry that breaks a rule (`check_entry`: what needs
-no knowledge of the node; the claim server checks the rest). The message says that deleting the file is the way
-out: the kubelet prepares each claim again on its next try.
+`{"version": 3, "sha256": "<hex>", "claims": [...]}` in JSON, replaced whole, durably, mode 0600; `sha256` is the
+digest of the claims' bytes as written, so that a file changed since (edited, damaged) is refused. Each device stores
+its grant kind (`kind`: `full`, `capped`); version 2, which an earlier agent wrote, said it as a flag (`whole`: true
+for full) and is read as the kind it meant. A checkpoint that cannot be trusted is an error naming the file, never
+an empty set taken silently (the agent would forget shares it holds): not a regular file (a link is not followed),
+another user's or one others can write (whoever can write it can write a checksum that matches), unreadable,
+without a checksum (version 1: an older agent's, or written by hand), another version, a checksum that does not
+match, or an entry that breaks a rule (`check_entry`: what needs no knowledge of the node; the claim server checks
+the rest). The message says that deleting the file is the way out: the kubelet prepares each claim again on its
+next try.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -23,9 +26,13 @@ from mpsagent.base.errors import FileRefusedError, HostError, shown
 from mpsagent.base.host import os_reason, read_regular_file, write_atomically
 from mpsagent.base.values import MIB
 from mpsagent.domain.claims import CLAIM_UID, CLAIM_UID_FORM, MAX_CLAIM_UID_CHARS, PreparedClaim, PreparedDevice
+from mpsagent.domain.grant_kind import GrantKind
 
-VERSION = 2
-"""What `save` writes and `load` reads; version 1 had no checksum, and is refused."""
+VERSION = 3
+"""What `save` writes and `load` reads; `load` reads version 2 too (`_version_2_claims`). Version 1 had no
+checksum, and is refused."""
+FLAGGED_KINDS = 2
+"""The version whose devices said their kind as a flag, `whole`."""
 MAX_BYTES = 4 * MIB
 """Hundreds of claims take tens of KiB."""
 MODE = 0o600  # it names pods, as status.json does
@@ -47,6 +54,27 @@ class _Checkpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     claims: msgspec.Raw
     """The claims' bytes as written, which the digest covers: kept raw, so that a field a later agent adds (with a
     default) changes no digest of a file an earlier one wrote."""
+
+
+class _FlaggedDevice(msgspec.Struct, kw_only=True):
+    """A version 2 device's kind, as it said it."""
+
+    whole: bool
+    """True for a full grant."""
+
+
+class _FlaggedClaim(msgspec.Struct, kw_only=True):
+    devices: tuple[_FlaggedDevice, ...]
+
+
+def _version_2_claims(claims: bytes) -> tuple[PreparedClaim, ...]:
+    """Version 2's claims, each device's `whole` flag read as the kind it meant (the only two kinds there were)."""
+    flagged = msgspec.json.decode(claims, type=tuple[_FlaggedClaim, ...])
+    entries = msgspec.json.decode(claims, type=list[dict[str, Any]])
+    for entry, flags in zip(entries, flagged, strict=True):
+        for device, flag in zip(entry["devices"], flags.devices, strict=True):
+            device["kind"] = GrantKind.FULL if flag.whole else GrantKind.CAPPED
+    return msgspec.convert(entries, type=tuple[PreparedClaim, ...])
 
 
 def _refused(path: Path, problem: str) -> HostError:
@@ -129,13 +157,15 @@ def _decoded(path: Path, data: bytes) -> tuple[PreparedClaim, ...]:
                 "has version 1, which has no checksum (written by an older agent, or by hand), so what it holds "
                 "cannot be trusted",
             )
-        if version != VERSION:
-            raise _refused(path, f"has version {version}; this agent reads version {VERSION}")
+        if version not in (FLAGGED_KINDS, VERSION):
+            raise _refused(path, f"has version {version}; this agent reads versions {FLAGGED_KINDS} and {VERSION}")
         document = msgspec.json.decode(data, type=_Checkpoint)
         if hashlib.sha256(document.claims).hexdigest() != document.sha256:
             raise _refused(
                 path, "does not match its checksum (sha256): it was changed or damaged after the agent wrote it"
             )
+        if version == FLAGGED_KINDS:
+            return _version_2_claims(document.claims)
         return msgspec.json.decode(document.claims, type=tuple[PreparedClaim, ...])
     except msgspec.DecodeError as exc:
         raise _refused(path, f"is not a valid checkpoint ({shown(exc, 200)})") from exc
@@ -144,8 +174,8 @@ def _decoded(path: Path, data: bytes) -> tuple[PreparedClaim, ...]:
 def load(path: Path) -> tuple[PreparedClaim, ...]:
     """The claims saved in `path`; none when there is no such file. Raises HostError naming the file for one that
     is not a regular file (a link is not followed), is another user's or writable by others, cannot be read, is too
-    large, does not hold a checkpoint of the version this agent reads (version 1 has no checksum), does not match
-    its checksum, or has an entry that breaks a rule (`check_entry`, or a claim listed twice)."""
+    large, does not hold a checkpoint of a version this agent reads (version 1 has no checksum), does not match its
+    checksum, or has an entry that breaks a rule (`check_entry`, or a claim listed twice)."""
     try:
         data = read_regular_file(path, max_bytes=MAX_BYTES, what=_WHAT, follow_symlinks=False, own=True)
     except FileNotFoundError:

@@ -17,7 +17,7 @@ from mpsagent.base.errors import HostError
 from mpsagent.base.logs import get_logger
 from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
 from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService
-from mpsagent.dra.registration import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
+from mpsagent.dra.registry_service import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
 from mpsagent.kubelet.served_socket import ServedSocket
 from mpsagent.kubelet.wire import Servable
 

@@ -9,7 +9,7 @@ row of `DAEMON_METRICS` if it is a metric.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, overload
 
 import msgspec
 
@@ -24,8 +24,17 @@ whether one container holds every ID of its GPUs."""
 CEILING_MODES: tuple[CeilingMode, ...] = ("full", "capped")
 
 
+@overload
+def ceiling_mode(held: Ceilings, full: Ceilings) -> CeilingMode: ...
+
+
+@overload
+def ceiling_mode(held: Ceilings | None, full: Ceilings) -> CeilingMode | None: ...
+
+
 def ceiling_mode(held: Ceilings | None, full: Ceilings) -> CeilingMode | None:
-    """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower."""
+    """`full` while the daemon holds the full hardware, `capped` while any ceiling is lower (None: it holds none
+    known). The one rule for the status file's `capMode` and `daemon.json`'s `mode`."""
     if held is None:
         return None
     return "full" if held == full else "capped"

@@ -20,6 +20,7 @@ from mpsagent.base.host import pid_alive
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.mps.control import ControlChannel
+from mpsagent.mps.daemon_status import ceiling_mode
 from mpsagent.mps.state import DaemonState, StateFile
 
 log = get_logger(__name__)
@@ -135,12 +136,11 @@ async def record_answering_daemon(resource: ResourcePlan, control_bin: str, proc
             "again, or give it the host's /proc (hostPID, --proc-root)"
         )
     daemon = found[0]
-    unreconciled = resource.shares.unreconciled_ceilings()
     state_file.write(
         DaemonState(
             pid=daemon.pid,
             visible_devices=daemon.visible_devices or resource.visible_devices,
-            mode="full" if unreconciled == resource.shares.full_hardware() else "capped",
+            mode=ceiling_mode(resource.shares.unreconciled_ceilings(), resource.shares.full_hardware()),
             multi_user=daemon.multi_user,
         )
     )

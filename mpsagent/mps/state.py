@@ -27,6 +27,7 @@ from mpsagent.base.host import (
 )
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.shares import Ceilings, ShareModel
+from mpsagent.mps.daemon_status import ceiling_mode
 from mpsagent.mps.paths import PRIVATE_FILE_MODE
 
 log = get_logger(__name__)
@@ -55,7 +56,7 @@ class DaemonState(msgspec.Struct, rename="camel", kw_only=True):
     pid: Pid
     visible_devices: Annotated[str, msgspec.Meta(max_length=4096)]
     mode: str
-    """`capped` when the ceilings are below the full hardware, else `full`: what agents before ceilings read."""
+    """The ceiling mode (`daemon_status.ceiling_mode`): what agents before ceilings read."""
     ceilings: RecordedCeilings | None = None
     """The ceilings it holds; None: recorded by an agent before ceilings (its `mode` says what it held)."""
     multi_user: bool | None = None
@@ -77,7 +78,7 @@ def daemon_state(
     return DaemonState(
         pid=pid,
         visible_devices=visible_devices,
-        mode="full" if ceilings == shares.full_hardware() else "capped",
+        mode=ceiling_mode(ceilings, shares.full_hardware()),
         ceilings=RecordedCeilings(thread_percentage=ceilings.thread_percentage, memory_mib=list(ceilings.memory_mib)),
         multi_user=multi_user,
         original_compute_modes=original_compute_modes,

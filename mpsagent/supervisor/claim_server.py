@@ -197,7 +197,7 @@ def _claim_status(prepared: PreparedClaim) -> ClaimStatus:
                 resource=d.resource,
                 memory_mib=d.memory_mib,
                 thread_percentage=d.thread_percentage,
-                whole=d.whole,
+                kind=d.kind,
                 rounded_off_bytes=d.rounded_off_bytes,
             )
             for d in prepared.devices

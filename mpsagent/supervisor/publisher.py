@@ -16,17 +16,9 @@ from mpsagent.base.devices import GpuUuid
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.host import os_reason
 from mpsagent.base.logs import get_logger
-from mpsagent.documents.status import (
-    STATUS_FILE,
-    GrantEntries,
-    ResourceView,
-    readiness_problems,
-    remove_status,
-    status_document,
-    summary,
-    write_status,
-)
+from mpsagent.documents.status import GrantEntries, ResourceView, readiness_problems, status_document, summary
 from mpsagent.documents.status_document import DraStatus, PodResourcesStatus, StatusDocument
+from mpsagent.documents.status_file import STATUS_FILE, remove_status, write_status
 from mpsagent.domain.stowaways import StowawayStatus
 from mpsagent.gpu.limits_watch import ContainerLimit
 from mpsagent.kubelet.podresources import PodResourcesReconciler

@@ -66,12 +66,12 @@ def test_once_json_has_the_documented_shape() -> None:
     assert resource["pipeDirectory"] == "/run/nvidia/mps/nvidia.com/gpu/pipe"
     assert resource["daemonCommands"][0] == "set_default_active_thread_percentage 100"
     one, two, whole, every = resource["examples"]
-    assert one["request"] == 1 and one["fullGrant"] is False
+    assert one["request"] == 1 and one["kind"] == "capped"
     assert one["envs"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20389M"  # its one GPU, not the node's eight
     assert (two["title"], two["envs"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("2 replicas on one GPU", "50")
     assert two["ceilings"] == "threads 50%, memory 0=40779M," + ",".join(f"{o}=81559M" for o in range(1, 8))
-    assert whole["request"] == 4 and whole["fullGrant"] is True and whole["share"] == "4/4 of GPU 0 (whole)"
-    assert every["request"] == 32 and every["fullGrant"] is True
+    assert whole["request"] == 4 and whole["kind"] == "full" and whole["share"] == "4/4 of GPU 0 (whole)"
+    assert every["request"] == 32 and every["kind"] == "full"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in every["envs"]
     assert plan["labels"]["nvidia.com/gpu.count"] == "8"
     assert plan["labels"]["nvidia.com/gpu.replicas"] == "4"
@@ -252,7 +252,7 @@ def test_once_shows_what_memory_units_get(tmp_path: Path) -> None:
         "77",
     )
     assert seven["ceilings"] == "threads 77%, memory 0=57344M"
-    assert whole["fullGrant"] is True and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole["envs"]
+    assert whole["kind"] == "full" and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in whole["envs"]
 
 
 @pytest.mark.parametrize(

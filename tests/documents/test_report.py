@@ -67,7 +67,7 @@ def test_a_refused_example_names_its_error_and_nothing_it_was_not_given() -> Non
         "(the default), which allows 1 per container; set it to false to allow more"
     )
     assert (refused.title, refused.error) == ("2 replicas on one GPU", message)
-    assert list(msgspec.to_builtins(refused)) == ["request", "title", "fullGrant", "error", "ceilings"]
+    assert list(msgspec.to_builtins(refused)) == ["request", "title", "kind", "error", "ceilings"]
     assert f"    refused: {message}" in render_text(report).splitlines()
 
 

@@ -16,21 +16,20 @@ from mpsagent import cli
 from mpsagent.base.clock import utc
 from mpsagent.base.devices import ContainerRef
 from mpsagent.documents.status import (
-    STATUS_FILE,
     GrantEntries,
     ResourceView,
     readiness_problems,
     starting_document,
     status_document,
     summary,
-    write_status,
 )
 from mpsagent.documents.status_document import DraStatus, GrantStatus, PodResourcesStatus
+from mpsagent.documents.status_file import STATUS_FILE, write_status
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import ListedGrant
-from mpsagent.kubelet.registration import Registration
+from mpsagent.kubelet.registration_record import Registration
 from mpsagent.mps.daemon_status import (
     CapTamperEvent,
     CeilingsStatus,

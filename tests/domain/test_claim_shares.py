@@ -208,7 +208,7 @@ def test_a_claims_compute_sets_its_threads_and_none_means_in_proportion(compute:
 )
 def test_a_claim_of_the_whole_gpu_gets_no_caps(memory: int | None, compute: int | None) -> None:
     share = one_share(device("gpu-0", memory=memory, compute=compute))
-    assert share.share.full
+    assert share.share.kind is GrantKind.FULL
     assert share.share.container_memory_mib == ()
     assert share.share.bounds == ((0, WHOLE_MIB),)
     assert not set(CAP_ENVS) & set(share.edits.envs)
@@ -305,7 +305,7 @@ def test_client_priority_1_reaches_the_containers_environment() -> None:
     share = one_share(device("gpu-0"), (parameters(clientPriority=1),))
     assert share.edits.envs[ENV_CLIENT_PRIORITY] == "1"
     whole = one_share(device("gpu-0", memory=None), (parameters(clientPriority=1),))
-    assert whole.share.full and whole.edits.envs[ENV_CLIENT_PRIORITY] == "1"
+    assert whole.share.kind is GrantKind.FULL and whole.edits.envs[ENV_CLIENT_PRIORITY] == "1"
 
 
 def test_parameters_without_a_priority_set_none() -> None:
@@ -426,7 +426,7 @@ def test_a_claims_caps_are_what_it_consumed_and_the_ceilings_cover_every_live_cl
         got = one_share(device(name, memory=memory, compute=compute))
         share = got.share
         assert 1 <= share.thread_percentage <= 100
-        if share.full:
+        if share.kind is GrantKind.FULL:
             assert memory // MIB == WHOLE_MIB and compute in (None, 0, 100)
         else:
             # The container sees the claim's one GPU, as its ordinal 0, whatever the daemon's GPUs.

@@ -400,7 +400,6 @@ def test_daemon_ceilings(enforce: bool, capped_live: bool, mode: str) -> None:
 def test_a_full_grant_has_no_caps() -> None:
     resource = resource_plan(t4_node(2), "{name: gpu, replicas: 4}", mps=MANY)
     grant = granted(resource, tuple(reversed(resource.device_ids)))
-    assert grant.full is True
     assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs
     assert ENV_PINNED_MEM_LIMIT not in grant.envs
@@ -429,7 +428,6 @@ def test_a_full_grant_has_no_caps() -> None:
 def test_a_partial_grant_is_capped_under_equal_grants(pairs: list[tuple[int, int]], visible: list[int]) -> None:
     resource = resource_plan(t4_node(4), "{name: gpu, replicas: 4}", mps=f"{EQUAL}\n{MANY}")
     grant = granted(resource, ids(*pairs))
-    assert grant.full is False
     assert grant.share.kind is GrantKind.CAPPED
     assert grant.envs[ENV_THREAD_PERCENTAGE] == "25"
     # One entry per GPU the container sees (the NVIDIA rule's 1/4 on each), keyed by its ordinal there: the
@@ -482,7 +480,7 @@ def test_cdi_full_grant_has_every_gpu_and_no_caps() -> None:
     )
     assert resource.device_list_strategy is DeviceListStrategy.CDI_CRI
     grant = granted(resource, resource.device_ids)
-    assert grant.full is True
+    assert grant.share.kind is GrantKind.FULL
     assert grant.cdi_devices == (f"nvidia.com/gpu={uuid(0)}", f"nvidia.com/gpu={uuid(1)}")
     assert set(grant.envs) == {ENV_PIPE_DIRECTORY}
 

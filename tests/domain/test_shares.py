@@ -14,9 +14,9 @@ from mpsagent.base.errors import ConfigError, RequestError
 from mpsagent.documents.report import dra_report, plan_report, render_text
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import claim_shares
-from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
+from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef, PreparedDevice
 from mpsagent.domain.container import ENV_PINNED_MEM_LIMIT, ENV_THREAD_PERCENTAGE, ENV_VISIBLE_DEVICES
-from mpsagent.domain.grant_kind import GrantKind
+from mpsagent.domain.grant_kind import GrantKind, describe_claim_share
 from mpsagent.domain.plan import ResourcePlan
 from mpsagent.domain.shares import Ceilings
 from mpsagent.mps.commands import daemon_default_commands
@@ -94,6 +94,25 @@ def test_whole_gpus_get_no_caps_and_only_their_gpus(counts: tuple[int, ...]) -> 
     assert grant.share.kind is GrantKind.FULL
     assert ENV_THREAD_PERCENTAGE not in grant.envs and ENV_PINNED_MEM_LIMIT not in grant.envs
     assert grant.envs[ENV_VISIBLE_DEVICES] == ",".join(uuid(g) for g, k in enumerate(counts) if k)
+
+
+def test_a_share_is_said_in_one_wording_on_both_routes() -> None:
+    """The logs, `--status` and `--once` say a share one way (`grant_kind.describe_share`): what it holds, of a
+    resource's IDs or a claim's memory, then `(whole)` for a full share or a capped one's thread cap."""
+    plan = resource("{name: gpu, replicas: 4}", gpus=2)
+    assert plan.shares.share_of(ids(1)).describe() == "1/4 of GPU 0, threads 25%"
+    assert plan.shares.share_of(ids(4, 4)).describe() == "4/4 of GPU 0, 4/4 of GPU 1 (whole)"
+    whole = PreparedDevice(
+        request="gpu", pool="n", device="gpu-0", share_id=None, cdi_device_ids=("mpsagent.io/mps-share=0-gpu-0",),
+        resource="gpu", gpu=uuid(0), memory_mib=143771, thread_percentage=100, kind=GrantKind.FULL,
+    )  # fmt: skip
+    assert describe_claim_share(whole) == "143771 MiB (whole)"
+    capped = msgspec.structs.replace(
+        whole, memory_mib=8192, thread_percentage=5, kind=GrantKind.CAPPED, rounded_off_bytes=1
+    )
+    assert describe_claim_share(capped) == (
+        "8192 MiB (the allocation rounded down to whole MiB: 1 byte left out), threads 5%"
+    )
 
 
 def test_equal_grants_keep_the_nvidia_rule() -> None:

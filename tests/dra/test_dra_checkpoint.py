@@ -16,6 +16,7 @@ import pytest
 
 from mpsagent.base.errors import HostError
 from mpsagent.domain.claims import ClaimRef, PreparedClaim, PreparedDevice
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.dra import checkpoint
 
 WAY_OUT = "delete it, and the kubelet's next prepare of each claim starts again"
@@ -32,7 +33,7 @@ def prepared(name: str, uid: str, *, whole: bool = False) -> PreparedClaim:
         gpu="GPU-7f3a",
         memory_mib=81559 if whole else 8192,
         thread_percentage=100 if whole else 25,
-        whole=whole,
+        kind=GrantKind.FULL if whole else GrantKind.CAPPED,
     )
     return PreparedClaim(
         claim=ClaimRef(namespace="team-a", name=name, uid=uid),
@@ -49,7 +50,7 @@ def test_saved_claims_load_back_the_same(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.json"
     checkpoint.save(path, CLAIMS)
     assert checkpoint.load(path) == CLAIMS
-    assert json.loads(path.read_bytes())["version"] == 2
+    assert json.loads(path.read_bytes())["version"] == 3
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it names pods
     checkpoint.save(path, ())
     assert checkpoint.load(path) == ()
@@ -57,13 +58,13 @@ def test_saved_claims_load_back_the_same(tmp_path: Path) -> None:
 
 
 def test_the_file_is_versioned_json_with_the_checksum_of_its_claims() -> None:
-    """Version 2: the SHA-256 of the claims' bytes as written, so that a file changed since the agent wrote it
-    (edited, damaged) is refused, not trusted."""
+    """Version 3: the SHA-256 of the claims' bytes as written, so that a file changed since the agent wrote it
+    (edited, damaged) is refused, not trusted; each device's grant kind stored as its word."""
     data = checkpoint.encode(CLAIMS[:1])
     claims = data[data.index(b'"claims":') + len(b'"claims":') : -len(b"}\n")]
     document = json.loads(data)
     assert document == {
-        "version": 2,
+        "version": 3,
         "sha256": hashlib.sha256(claims).hexdigest(),
         "claims": [
             {
@@ -79,7 +80,7 @@ def test_the_file_is_versioned_json_with_the_checksum_of_its_claims() -> None:
                         "gpu": "GPU-7f3a",
                         "memory_mib": 8192,
                         "thread_percentage": 25,
-                        "whole": False,
+                        "kind": "capped",
                         "rounded_off_bytes": 0,
                         "compute": 0,
                     }
@@ -97,10 +98,66 @@ def test_a_field_added_since_a_checkpoint_was_written_reads_as_its_default(tmp_p
     claims = msgspec.to_builtins(CLAIMS[:1])
     del claims[0]["devices"][0]["rounded_off_bytes"]
     body = json.dumps(claims).encode()
-    document = b'{"version":2,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body)
+    document = b'{"version":3,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body)
     (tmp_path / "checkpoint.json").write_bytes(document)
     (prepared,) = checkpoint.load(tmp_path / "checkpoint.json")
     assert prepared.devices[0].rounded_off_bytes == 0
+
+
+def version_2(claims: object) -> bytes:
+    """A checkpoint as the agent before version 3 wrote it: each device's kind a flag, `whole`."""
+    body = json.dumps(claims).encode()
+    return b'{"version":2,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body)
+
+
+def test_a_version_2_checkpoint_reads_each_devices_whole_flag_as_its_kind(tmp_path: Path) -> None:
+    """The agent before version 3 wrote `whole` (true for full); its claims stay prepared across the upgrade, each
+    device the kind it was, and the next save writes version 3."""
+    claims = msgspec.to_builtins(CLAIMS)
+    for claim in claims:
+        device = claim["devices"][0]
+        device["whole"] = device.pop("kind") == "full"
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(version_2(claims))
+    assert [claim["devices"][0]["whole"] for claim in claims] == [False, True]
+    assert checkpoint.load(path) == CLAIMS
+    checkpoint.save(path, checkpoint.load(path))
+    assert json.loads(path.read_bytes())["version"] == 3
+
+
+@pytest.mark.parametrize(
+    ("device", "problem"),
+    [
+        ({}, "Object missing required field `whole` - at `$[0].devices[0]`"),
+        ({"whole": "yes"}, "Expected `bool`, got `str` - at `$[0].devices[0].whole`"),
+    ],
+)
+def test_a_version_2_device_without_a_true_or_false_whole_is_refused_naming_it(
+    tmp_path: Path, device: dict[str, Any], problem: str
+) -> None:
+    claims = msgspec.to_builtins(CLAIMS[:1])
+    del claims[0]["devices"][0]["kind"]
+    claims[0]["devices"][0].update(device)
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(version_2(claims))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == f"the DRA checkpoint {path} is not a valid checkpoint ({problem}): {WAY_OUT}"
+
+
+def test_a_kind_this_agent_does_not_know_is_refused_naming_it(tmp_path: Path) -> None:
+    """A newer agent's kind is never read as one this agent knows."""
+    claims = msgspec.to_builtins(CLAIMS[:1])
+    claims[0]["devices"][0]["kind"] = "a-later-kind"
+    body = json.dumps(claims).encode()
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(b'{"version":3,"sha256":"%s","claims":%s}' % (hashlib.sha256(body).hexdigest().encode(), body))
+    with pytest.raises(HostError) as caught:
+        checkpoint.load(path)
+    assert str(caught.value) == (
+        f"the DRA checkpoint {path} is not a valid checkpoint (Invalid enum value 'a-later-kind' - at "
+        f"`$[0].devices[0].kind`): {WAY_OUT}"
+    )
 
 
 def test_a_missing_file_holds_no_claims(tmp_path: Path) -> None:
@@ -113,7 +170,7 @@ def test_a_missing_file_holds_no_claims(tmp_path: Path) -> None:
         (b'{"version": 2, "claims": [', "is not a checkpoint (Input data was truncated)"),
         (b"[]", "is not a checkpoint (Expected `object`, got `array`)"),
         (b'{"claims": []}', "is not a checkpoint (Object missing required field `version`)"),
-        (b'{"version": 3, "claims": []}', "has version 3; this agent reads version 2"),
+        (b'{"version": 4, "claims": []}', "has version 4; this agent reads versions 2 and 3"),
         (b'{"version": 2, "claims": []}', "is not a valid checkpoint (Object missing required field `sha256`)"),
         (b'{"version": 2, "sha256": "", "claims": [], "extra": 1}', "is not a valid checkpoint (Object contains"),
     ],

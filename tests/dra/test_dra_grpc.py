@@ -25,6 +25,7 @@ from structlog.testing import capture_logs
 
 from mpsagent.base.errors import HostError
 from mpsagent.domain.claims import DRA_DRIVER, ClaimRef, PreparedDevice
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import MAX_STREAMS, DeviceHealth
 from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, RECEIVE_LIMIT, SERVICE, PrepareOutcome
@@ -47,7 +48,7 @@ def prepared(request: str, device: str, share_id: str | None, *cdi: str) -> Prep
         gpu="GPU-0",
         memory_mib=1024,
         thread_percentage=25,
-        whole=False,
+        kind=GrantKind.CAPPED,
     )
 
 

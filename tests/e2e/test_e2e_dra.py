@@ -188,7 +188,7 @@ def test_a_claim_without_capacity_gets_a_whole_gpu_uncapped(cluster: str, agent:
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-e2e")
     (device,) = prepared()["whole"]["devices"]
-    assert device["whole"] is True
+    assert device["kind"] == "full"
 
 
 def test_device_plugin_grants_and_claims_share_one_ledger_daemon_and_client_limit(
@@ -495,7 +495,7 @@ def test_a_pod_asking_the_extended_resource_is_served_through_dra(cluster: str, 
         assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-e2e")
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env
         (device,) = prepared()["extended"]["devices"]
-        assert device["whole"] is True
+        assert device["kind"] == "full"
     finally:
         pods.delete("extended")
         kubectl.run("delete", "-f", str(claims.EXTENDED_RESOURCE_CLASS_FILE), "--ignore-not-found")

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from mpsagent.base.errors import UsageError
-from mpsagent.documents.status import read_status
+from mpsagent.documents.status_file import read_status
 from mpsagent_testing.agents import GRACE_S, AgentLauncher, start, status
 from mpsagent_testing.kubelet.calls import allocate
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for

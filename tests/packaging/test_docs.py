@@ -256,6 +256,14 @@ def test_the_metrics_table_gives_each_status_metric_its_labels() -> None:
         assert documented[name] == row.labels, name
 
 
+def test_the_metrics_table_gives_every_grant_kind() -> None:
+    """A grant kind is a value of the grant metrics' `kind` label: a new one is a new series the table names."""
+    from mpsagent.domain.grant_kind import GrantKind  # noqa: PLC0415
+
+    (row,) = re.findall(r"^\| `mpsagent_grants_total` \|.*$", (DOCS / "metrics.md").read_text(), re.MULTILINE)
+    assert f"`kind` ({', '.join(f'`{kind}`' for kind in GrantKind)})" in row
+
+
 def test_the_ceiling_watch_fields_of_status_json_are_the_documented_ones() -> None:
     """docs/operations.md's table of the daemon's watch fields names each field of the status document it covers."""
     import msgspec  # noqa: PLC0415

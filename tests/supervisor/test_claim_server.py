@@ -32,6 +32,7 @@ from mpsagent.base.errors import HostError, KubeApiError
 from mpsagent.documents.status import render_status_text, status_document
 from mpsagent.documents.status_document import PodResourcesStatus
 from mpsagent.domain.claims import DRA_DRIVER, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig, PreparedClaim
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Grant
 from mpsagent.domain.plan import NodePlan, build_plan
 from mpsagent.domain.shares import Ceilings
@@ -306,7 +307,7 @@ def test_a_prepared_claim_gets_its_devices_cdi_spec_ledger_share_and_daemon_ceil
                 GPU0,
                 RESOURCE,
             )
-            assert (device.memory_mib, device.thread_percentage, device.whole) == (30720, 37, False)
+            assert (device.memory_mib, device.thread_percentage, device.kind) == (30720, 37, GrantKind.CAPPED)
 
             env = node.spec_env(UID_A)
             assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=30720M"
@@ -761,7 +762,7 @@ def test_a_corrupt_checkpoint_makes_restore_fail_naming_the_file(node: Node) -> 
         (lambda d: {**d, "thread_percentage": 1000}, "has thread_percentage 1000; it must be 1 to 100"),
         (lambda d: {**d, "device": "gpu-0"}, "is not GPU"),
         (lambda d: {**d, "resource": "nvidia.com/other"}, "resource nvidia.com/other is not configured"),
-        (lambda d: {**d, "whole": True}, "marked full, but its figures make it capped"),
+        (lambda d: {**d, "kind": "full"}, "marked full, but its figures make it capped"),
     ],
 )
 def test_a_checkpoint_entry_a_fresh_prepare_would_refuse_is_refused_naming_the_file_and_entry(
@@ -965,11 +966,11 @@ def test_status_lists_the_claims_with_their_pods_and_devices_and_counts_the_call
         "ml/serve",
         ("ml/server-0", "ml/server-1"),
     )
-    assert [(d.device, d.gpu, d.resource, d.memory_mib, d.thread_percentage, d.whole) for d in a.devices] == [
-        ("gpu-0", GPU0, RESOURCE, 30720, 37, False)
+    assert [(d.device, d.gpu, d.resource, d.memory_mib, d.thread_percentage, d.kind) for d in a.devices] == [
+        ("gpu-0", GPU0, RESOURCE, 30720, 37, GrantKind.CAPPED)
     ]
-    assert [(d.device, d.gpu, d.resource, d.memory_mib, d.thread_percentage, d.whole) for d in b.devices] == [
-        ("gpu-1", GPU1, RESOURCE, 81920, 100, True)
+    assert [(d.device, d.gpu, d.resource, d.memory_mib, d.thread_percentage, d.kind) for d in b.devices] == [
+        ("gpu-1", GPU1, RESOURCE, 81920, 100, GrantKind.FULL)
     ]
     assert a.prepared_at
 

@@ -16,6 +16,7 @@ import pytest
 
 from mpsagent.base.devices import ContainerRef, GpuUuid
 from mpsagent.domain.claims import ClaimRef, PreparedClaim, PreparedDevice
+from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.stowaways import GpuUsers, SeenProcess, gpu_users, judge
 from mpsagent.kubelet.container_logs import MAX_LINKS, container_names
 from mpsagent_testing.agents import AgentLauncher, AgentProcess, serve, status, status_json
@@ -93,7 +94,7 @@ def test_who_may_use_a_gpu_comes_from_the_listed_grants_and_the_claims_pods() ->
     def claim(uid: str, gpu: str, *pods: str) -> PreparedClaim:
         device = PreparedDevice(
             request="gpu", pool="n", device="gpu-0", share_id=None, cdi_device_ids=(), resource=RESOURCE, gpu=gpu,
-            memory_mib=1024, thread_percentage=10, whole=False,
+            memory_mib=1024, thread_percentage=10, kind=GrantKind.CAPPED,
         )  # fmt: skip
         return PreparedClaim(claim=ClaimRef(namespace="ml", name=uid, uid=uid), devices=(device,), pods=pods)
 

@@ -1,4 +1,5 @@
-"""Registration with the kubelet: one Register call over the kubelet's unix socket."""
+"""The device plugin's registration with the kubelet: one Register call over the kubelet's unix socket, made by the
+endpoint."""
 
 from __future__ import annotations
 

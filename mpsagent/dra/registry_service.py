@@ -1,6 +1,7 @@
-"""The kubelet's plugin registry (`pluginregistration.Registration`, v1): the kubelet finds the registration socket
-in its `plugins_registry` directory, asks it what the plugin is (GetInfo), and says whether it took it
-(NotifyRegistrationStatus). It registers the plugin again whenever the socket is created again."""
+"""The driver's side of the kubelet's plugin registry (`pluginregistration.Registration`, v1), served by the
+endpoint: the kubelet finds the registration socket in its `plugins_registry` directory, asks it what the plugin is
+(GetInfo), and says whether it took it (NotifyRegistrationStatus). It registers the plugin again whenever the socket
+is created again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from mpsagent._proto import pluginregistration as pb
 from mpsagent.base.errors import shown
 from mpsagent.base.logs import get_logger
-from mpsagent.kubelet.registration import Registration, RegistrationRecord
+from mpsagent.kubelet.registration_record import Registration, RegistrationRecord
 
 log = get_logger(__name__)
 
