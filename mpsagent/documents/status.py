@@ -18,6 +18,8 @@ from mpsagent.base.devices import Gpu, GpuUuid, Health, gpu_of
 from mpsagent.base.values import MIB
 from mpsagent.base.words import counted
 from mpsagent.documents.status_document import (
+    ClaimDeviceStatus,
+    ClaimStatus,
     DraStatus,
     GpuStatus,
     GrantStatus,
@@ -29,6 +31,7 @@ from mpsagent.documents.status_document import (
 from mpsagent.documents.status_file import agent_running
 from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.claims import PreparedClaim
 from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
@@ -391,6 +394,28 @@ def _grant_line(grant: GrantStatus, now: float) -> str:
     limit = f", CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={grant.memory_limit}" if grant.memory_limit else ""
     share = f" [{grant.share}{limit}]" if grant.share else ""
     return f"    #{grant.grant_id} {grant.kind:<6} {_holder(grant, now)}{share}" + (f": {shown}" if ids else "")
+
+
+def claim_status(prepared: PreparedClaim) -> ClaimStatus:
+    """A prepared claim as the status document shows it (the claim server gives the DRA part its claims)."""
+    return ClaimStatus(
+        claim=str(prepared.claim),
+        uid=prepared.claim.uid,
+        pods=prepared.pods,
+        devices=tuple(
+            ClaimDeviceStatus(
+                device=d.device,
+                gpu=d.gpu,
+                resource=d.resource,
+                memory_mib=d.memory_mib,
+                thread_percentage=d.thread_percentage,
+                kind=d.kind,
+                rounded_off_bytes=d.rounded_off_bytes,
+            )
+            for d in prepared.devices
+        ),
+        prepared_at=utc(prepared.prepared_at),
+    )
 
 
 def _dra_lines(dra: DraStatus) -> list[str]:

@@ -13,14 +13,14 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
-from mpsagent.base.clock import utc
 from mpsagent.base.devices import GpuUuid, ResourceName
 from mpsagent.base.logs import get_logger
 from mpsagent.base.values import TaintEffect
-from mpsagent.documents.status_document import ClaimDeviceStatus, ClaimStatus, DraStatus
+from mpsagent.documents.status import claim_status
+from mpsagent.documents.status_document import DraStatus
 from mpsagent.domain.claim_grants import ClaimGrants
 from mpsagent.domain.claim_shares import device_name, node_slice
-from mpsagent.domain.claims import DRA_DRIVER, NodeSlice, PreparedClaim
+from mpsagent.domain.claims import DRA_DRIVER, NodeSlice
 from mpsagent.domain.plan import NodePlan
 from mpsagent.dra.api import KubeApi, connect
 from mpsagent.dra.driver import ClaimDriver, PrepareTimer
@@ -112,7 +112,7 @@ class ClaimServer:
             prepared=counts.prepared,
             refused=counts.refused,
             unprepared=counts.unprepared,
-            claims=tuple(_claim_status(prepared) for prepared in self.driver.prepared_claims()),
+            claims=tuple(claim_status(prepared) for prepared in self.driver.prepared_claims()),
         )
 
     # --- the task --------------------------------------------------------------------------------------
@@ -183,24 +183,3 @@ def _show_withheld(server: ResourceServer) -> None:
             )
     for uuid in before.keys() - now.keys():
         log.info("withheld replicas offered again", resource=server.plan.name, gpu=uuid)
-
-
-def _claim_status(prepared: PreparedClaim) -> ClaimStatus:
-    return ClaimStatus(
-        claim=str(prepared.claim),
-        uid=prepared.claim.uid,
-        pods=prepared.pods,
-        devices=tuple(
-            ClaimDeviceStatus(
-                device=d.device,
-                gpu=d.gpu,
-                resource=d.resource,
-                memory_mib=d.memory_mib,
-                thread_percentage=d.thread_percentage,
-                kind=d.kind,
-                rounded_off_bytes=d.rounded_off_bytes,
-            )
-            for d in prepared.devices
-        ),
-        prepared_at=utc(prepared.prepared_at),
-    )
