@@ -1,5 +1,6 @@
-"""Publishing what the agent is doing: the status file (`--status`), the metrics snapshot and liveness heartbeat
-(`/metrics`, `/healthz`, `/readyz`), and systemd's STATUS=, READY=1 and WATCHDOG=1."""
+"""Publishing what the agent is doing: the status document, built from the agent's parts whenever what it reads
+changed, written as the status file (`--status`), handed to the web endpoint (what `/metrics`, `/healthz` and
+`/readyz` read, and the liveness heartbeat) and told to systemd (STATUS=, READY=1); and systemd's WATCHDOG=1."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ STATUS_INTERVAL_S = 0.5
 
 
 class StatePublisher:
-    """Every STATUS_INTERVAL_S: the status file (when it changed, or until a failed write succeeds), the daemon
-    state files that could not be written, the web endpoint's snapshot and heartbeat, systemd's STATUS=, and
-    READY=1 the first time every resource is registered with its daemon up."""
+    """Every STATUS_INTERVAL_S: the status document built again when its parts' fingerprint changed, the status file
+    (when the document changed, or until a failed write succeeds), the web endpoint's snapshot and heartbeat,
+    systemd's STATUS=, and READY=1 the first time nothing keeps the agent unready (`readiness_problems`: every
+    resource registered with its daemon up, the DRA driver registered)."""
 
     def __init__(
         self,

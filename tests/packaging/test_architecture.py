@@ -185,7 +185,8 @@ def named_files(entry: str) -> tuple[set[Path], list[str]]:
         elif parts[0] in UNIQUE_MODULES:
             module_path, attributes = UNIQUE_MODULES[parts[0]], parts[1:]
         elif len(parts) > 1 and parts[0].islower():
-            broken.append(token)  # `module.attribute` of no module
+            if not _resolves(parts):
+                broken.append(token)  # `module.attribute` of no module, the agent's or another's
             continue
         else:
             continue  # a class, a method, an RPC: named beside its module
@@ -201,6 +202,19 @@ def named_files(entry: str) -> tuple[set[Path], list[str]]:
                 break
             target = getattr(target, attribute)
     return found, broken
+
+
+def _resolves(parts: list[str]) -> bool:
+    """Whether `parts` name a module outside the agent (the standard library, a dependency) and its attributes."""
+    try:
+        target: object = importlib.import_module(parts[0])
+    except ModuleNotFoundError:
+        return False
+    for attribute in parts[1:]:
+        if not hasattr(target, attribute):
+            return False
+        target = getattr(target, attribute)
+    return True
 
 
 def files_using(*names: str) -> set[Path]:
@@ -226,13 +240,14 @@ def test_each_entry_of_where_a_change_goes_names_real_files(entry: str) -> None:
 @pytest.mark.parametrize(
     ("entry", "names"),
     [
+        ("A new share kind", ("GrantKind",)),
         ("A new route", ("carry_out",)),
         ("A new enforcement layer", ("Enforcement", "MemoryLimitDevice")),
     ],
 )
 def test_an_entry_names_every_module_the_change_must_touch(entry: str, names: tuple[str, ...]) -> None:
-    """A module that uses what the entry is about (the grant transaction every route carries out; the enforcement
-    word and the memory-limit device) is one a change of that kind touches: the entry names it."""
+    """A module that uses what the entry is about (the grant kind; the grant transaction every route carries out;
+    the enforcement word and the memory-limit device) is one a change of that kind touches: the entry names it."""
     (text,) = [body for title, body in change_entries().items() if title.startswith(entry)]
     named, _ = named_files(text)
     unnamed = sorted(str(path.relative_to(ROOT)) for path in files_using(*names) - named)
