@@ -31,35 +31,12 @@ from mpsagent.deviceplugin.servicer import SERVICE, DevicePluginServicer
 from mpsagent.domain.allocation import ContainerAllocation, ResourceAllocator
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
-from mpsagent.domain.shares import Ceilings
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.kubelet.wire import EndedInsideMessage, RequestWire
+from mpsagent_testing.mps.ceilings import SWITCH_TURNS, FakeCeilings
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
 CALL_TIMEOUT_S = 5
-SWITCH_TURNS = 3
-
-
-@dataclass
-class Daemon:
-    """Stands in for the resource server's `set_ceilings`: records each call, fails while `failing` is set."""
-
-    calls: list[bool] = field(default_factory=list)
-    failing: str | None = None
-    allocator: ResourceAllocator | None = None
-    """Whose ceilings it holds (`held`), each switch taking SWITCH_TURNS of the loop's turns."""
-    held: Ceilings | None = None
-
-    async def set_ceilings(self, *, verify: bool = False) -> None:
-        self.calls.append(verify)
-        if self.failing is not None:
-            raise DaemonCommandError(self.failing)
-        if self.allocator is not None:
-            wanted = self.allocator.ceilings()
-            for _ in range(SWITCH_TURNS):
-                self.held = None  # halfway: some ceilings switched, some not
-                await asyncio.sleep(0)
-            self.held = wanted
 
 
 @dataclass
@@ -67,7 +44,7 @@ class Served:
     servicer: DevicePluginServicer
     allocator: ResourceAllocator
     inventory: Inventory
-    daemon: Daemon
+    daemon: FakeCeilings
     granted: list[ContainerAllocation] = field(default_factory=list)
     timed: list[tuple[str, str]] = field(default_factory=list)
 
@@ -81,14 +58,14 @@ def serve(tmp_path: Path, text: str | None = None) -> Served:
     resource = plan.resources[0]
     allocator = ResourceAllocator(resource, plan.shm_directory)
     inventory = Inventory(resource, daemon_ready=True)
-    daemon = Daemon()
+    daemon = FakeCeilings()
     granted: list[ContainerAllocation] = []
     timed: list[tuple[str, str]] = []
     servicer = DevicePluginServicer(
         allocator,
         inventory,
         pre_start_required=True,
-        set_ceilings=daemon.set_ceilings,
+        set_ceilings=daemon,
         on_granted=granted.extend,
         rpc_timer=lambda rpc, _seconds, outcome: timed.append((rpc, outcome)),
     )
@@ -228,7 +205,7 @@ def test_containers_of_one_share_get_the_same_answer_each_time(served: Served) -
 
 def test_an_allocate_whose_daemon_cannot_hold_the_caps_is_withdrawn(served: Served) -> None:
     allocate(served, ids(GPU0, 0))
-    served.daemon.failing = "set_default_active_thread_percentage 25 did not hold"
+    served.daemon.failing = DaemonCommandError("set_default_active_thread_percentage 25 did not hold")
     error = refused_allocate(served, ids(GPU0, 0, 1))
     assert error.status is Status.UNAVAILABLE
     assert error.message == (
@@ -266,7 +243,7 @@ def test_an_allocate_cancelled_at_any_await_is_withdrawn_or_stands_exactly_once(
     for turns in range(4 * SWITCH_TURNS):
         (tmp_path / f"turns-{turns}").mkdir()
         served = serve(tmp_path / f"turns-{turns}")
-        served.daemon.allocator = served.allocator
+        served.daemon.allocator, served.daemon.held = served.allocator, served.allocator.ceilings()
         completed, before, after = anyio.run(cancelled, served, turns)
         if completed:
             assert turns > SWITCH_TURNS
@@ -330,7 +307,7 @@ def test_pre_start_verifies_the_daemons_real_caps(served: Served) -> None:
         pb.PreStartContainerResponse()
     )
     assert served.daemon.calls == [True]
-    served.daemon.failing = "the daemon's thread percentage is 100, not 25"
+    served.daemon.failing = DaemonCommandError("the daemon's thread percentage is 100, not 25")
     error = refused(served.servicer, "PreStartContainer", request, pb.PreStartContainerResponse)
     assert (error.status, error.message) == (
         Status.UNAVAILABLE,

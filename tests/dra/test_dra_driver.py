@@ -1,6 +1,6 @@
 """The DRA driver (`dra.driver`) over fakes of its ports: the domain's real `ClaimGrants` over two resources' real
-ledgers (GPU 0 in `nvidia.com/low`, GPU 1 in `nvidia.com/high`, 80 GiB each), a fake daemon per resource that takes
-a few of the loop's turns to switch its ceilings (as a daemon's control sessions do) and can be made to fail, a fake
+ledgers (GPU 0 in `nvidia.com/low`, GPU 1 in `nvidia.com/high`, 80 GiB each), a fake daemon per resource
+(`mpsagent_testing.mps.ceilings`: its switch takes a few of the loop's turns, it can be made to fail), a fake
 API server, and real CDI spec and checkpoint files in a temporary directory. The real MPS daemon is left to
 test_claim_server.
 
@@ -34,6 +34,7 @@ from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.driver import ClaimDriver
 from mpsagent.dra.prepared_claims import CHECKPOINT_FILE
 from mpsagent.gpu.snapshot import SnapshotGpuSource
+from mpsagent_testing.mps.ceilings import SWITCH_TURNS, FakeCeilings
 from mpsagent_testing.node import small_node
 
 GIB = 1024**3
@@ -49,29 +50,8 @@ sharing:
 EARLIER = ClaimRef(namespace="ml", name="earlier", uid="0a000000-0000-4000-8000-000000000001")
 CLAIM_A = ClaimRef(namespace="ml", name="train", uid="0b5f1c52-8f5e-4a55-9b0e-3f8a1c2d4e6f")
 CLAIM_C = ClaimRef(namespace="ml", name="eval", uid="2d7b3e74-ab70-4c77-9d20-5bac3e4f6081")
-DAEMON_TURNS = 3
-"""The loop's turns a fake daemon takes to switch its ceilings."""
 TEST_TIMEOUT_S = 30
 _T = TypeVar("_T")
-
-
-class FakeDaemon:
-    """One resource's daemon, as the driver's ceilings port sees it: holds its ledger's ceilings once switched."""
-
-    def __init__(self, name: ResourceName, allocator: ResourceAllocator) -> None:
-        self.name = name
-        self.allocator = allocator
-        self.held: Ceilings | None = allocator.ceilings()
-        self.down = False
-
-    async def __call__(self, *, verify: bool = False) -> None:
-        if self.down:
-            raise DaemonError(f"the MPS daemon of {self.name} is not running")
-        wanted = self.allocator.ceilings()
-        for _ in range(DAEMON_TURNS):
-            self.held = None  # halfway: some ceilings switched, some not
-            await asyncio.sleep(0)
-        self.held = wanted
 
 
 @dataclass
@@ -115,7 +95,7 @@ class Node:
         gpus = SnapshotGpuSource(small_node(directory / "node.json", memory_bytes=80 * GIB)).discover()
         plan = build_plan(check_config(parse_config(CONFIG, "config.yaml")), gpus, directory / "mps")
         self.allocators = {ResourceName(r.name): ResourceAllocator(r, plan.shm_directory) for r in plan.resources}
-        self.daemons = {name: FakeDaemon(name, allocator) for name, allocator in self.allocators.items()}
+        self.daemons = {name: FakeCeilings(allocator) for name, allocator in self.allocators.items()}
         self.cdi_dir = directory / "cdi"
         self.checkpoint = directory / CHECKPOINT_FILE
         self.api = FakeApi()
@@ -230,7 +210,7 @@ def test_a_prepare_cancelled_at_any_await_holds_nothing_or_its_claims_exactly_on
         node = Node(tmp_path / f"turns-{turns}")
         completed, before, after = node.run(prepare_cancelled(node, turns))
         if completed:
-            assert turns is None or turns > 2 * DAEMON_TURNS, "every switch of both daemons a point of cancellation"
+            assert turns is None or turns > 2 * SWITCH_TURNS, "every switch of both daemons a point of cancellation"
             assert after == completed_state(before, node), f"completed after {turns} turns"
         else:
             assert after == before, f"cancelled after {turns} turns"
@@ -258,7 +238,7 @@ def test_an_unprepare_cancelled_at_any_await_gives_back_everything_or_nothing(tm
         reached.append(after == empty)
         if completed:
             break
-    assert reached.count(True) > DAEMON_TURNS, "cancelled within the daemon's switch, its ceilings were restored"
+    assert reached.count(True) > SWITCH_TURNS, "cancelled within the daemon's switch, its ceilings were restored"
 
 
 # --- a prepare that fails at any step ---------------------------------------------------------------------
@@ -269,7 +249,7 @@ def _fail_limit_devices(node: Node) -> None:
 
 
 def _fail_high_daemon(node: Node) -> None:
-    node.daemons[HIGH].down = True
+    node.daemons[HIGH].failing = DaemonError(f"the MPS daemon of {HIGH} is not running")
 
 
 def _fail_checkpoint(node: Node) -> None:
