@@ -14,7 +14,7 @@ mkdir -p "$out/upb"
   --python_betterproto2_out="$out" \
   --python_betterproto2_opt=client_generation=async,server_generation=async \
   protos/deviceplugin/v1beta1/api.proto protos/podresources/v1/api.proto \
-  protos/dra/v1/api.proto protos/dra_health/v1alpha1/api.proto protos/pluginregistration/v1/api.proto
+  protos/dra/v1/api.proto protos/dra_health/v1/api.proto protos/pluginregistration/v1/api.proto
 "${PYTHON:-python3}" -m grpc_tools.protoc -I protos --python_out="$out/upb" --pyi_out="$out/upb" \
   protos/deviceplugin/v1beta1/api.proto
 for package in "$out/upb" "$out/upb/deviceplugin" "$out/upb/deviceplugin/v1beta1"; do

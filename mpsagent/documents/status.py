@@ -418,12 +418,17 @@ def claim_status(prepared: PreparedClaim) -> ClaimStatus:
     )
 
 
+def _health_watched(services: Sequence[str]) -> str:
+    return f"watched by the kubelet over {', '.join(services)}" if services else "not watched by the kubelet"
+
+
 def _dra_lines(dra: DraStatus) -> list[str]:
     lines = [
         "",
         f"DRA driver {dra.driver} on node {dra.node}: {'registered' if dra.registered else 'NOT registered'} with "
         f"the kubelet, ResourceSlice {'published' if dra.slice_published else 'NOT published'}; "
         f"{counted(dra.prepared, 'prepare')}, {dra.refused} refused, {dra.unprepared} unprepared",
+        f"  device health {_health_watched(dra.health_watched)}",
         f"  prepared claims: {len(dra.claims)}",
     ]
     for claim in dra.claims:

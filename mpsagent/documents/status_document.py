@@ -311,6 +311,9 @@ class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     refused: Count = 0
     unprepared: Count = 0
     claims: tuple[ClaimStatus, ...] = ()
+    health_watched: tuple[str, ...] = ()
+    """The health service of each stream the kubelet holds open now, as it called it: `v1.DRAResourceHealth`
+    (kubelet 1.37 and later), `v1alpha1.DRAResourceHealth` (1.36); none while its `ResourceHealthStatus` is off."""
 
 
 DRA_METRICS: tuple[MetricRow[DraStatus], ...] = (

@@ -15,9 +15,9 @@ from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import HostError
 from mpsagent.base.logs import get_logger
-from mpsagent.dra.health_service import DeviceHealthSource, DraHealthService
+from mpsagent.dra.health_service import HEALTH_SERVICES, DeviceHealthSource, DraHealthService
 from mpsagent.dra.node_service import RECEIVE_LIMIT, ClaimHandler, DraNodeService
-from mpsagent.dra.registry_service import HEALTH_SERVICE_VERSION, NODE_SERVICE_VERSION, RegistrationService
+from mpsagent.dra.registry_service import NODE_SERVICE_VERSION, RegistrationService
 from mpsagent.kubelet.served_socket import ServedSocket
 from mpsagent.kubelet.wire import Servable
 
@@ -47,7 +47,7 @@ class DraEndpoint:
         """`kubelet_dir`: the kubelet's directory (`/var/lib/kubelet`), at the same path as the kubelet sees it (the
         registration tells the kubelet the DRA socket's absolute path); `driver`: the DRA driver's name, which
         names the sockets too; `health`: the devices' health, served beside the node service on the DRA socket
-        (`v1alpha1.DRAResourceHealth`) when given."""
+        (`v1.DRAResourceHealth` and `v1alpha1`, both listed in the registration) when given."""
         if not _DRIVER_NAME.fullmatch(driver) or len(driver) > 63:
             raise ValueError(f"{driver!r} is not a DRA driver name (a DNS subdomain of at most 63 characters)")
         if not kubelet_dir.is_absolute():
@@ -60,7 +60,7 @@ class DraEndpoint:
         self.registration = RegistrationService(
             driver=driver,
             endpoint=self.dra_socket,
-            versions=(NODE_SERVICE_VERSION, *((HEALTH_SERVICE_VERSION,) if health is not None else ())),
+            versions=(NODE_SERVICE_VERSION, *(HEALTH_SERVICES if health is not None else ())),
         )
         self._watch_interval_s = watch_interval_s
         self._log = log.bind(driver=driver)

@@ -1,6 +1,9 @@
-"""The DRA device health service (`v1alpha1.DRAResourceHealth`, KEP-4680, as kubelet 1.36 calls it): the kubelet
-opens one NodeWatchResources stream on the DRA socket and shows each prepared device's health in its pod's
-`status.containerStatuses[].allocatedResourcesStatus`.
+"""The DRA device health service (`DRAResourceHealth`, KEP-4680) in both its versions: the kubelet opens one
+NodeWatchResources stream on the DRA socket and shows each prepared device's health in its pod's
+`status.containerStatuses[].allocatedResourcesStatus`. Kubelet 1.37 to 1.39 call `v1.DRAResourceHealth` when the
+registration lists it (and `v1alpha1` when only that is listed); kubelet 1.36 calls `v1alpha1` whether listed or
+not. Both versions' messages are the same, field for field (kubelet 1.37 reads a v1alpha1 stream into v1's messages
+as they are), so one stream, in v1's messages, serves both.
 
 A stream gets every device of the node's slice at once, then again on each change and at least every
 RESEND_INTERVAL_S: the kubelet counts a device Unknown when it has not heard of it for `health_check_timeout_seconds`,
@@ -10,6 +13,7 @@ a GPU with a critical Xid, or whose MPS daemon is down or hung, is Unhealthy).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -20,15 +24,16 @@ from grpclib import GRPCError, Status
 from grpclib.const import Cardinality, Handler
 from grpclib.server import Stream
 
-from mpsagent._proto import v1alpha1 as pb
+from mpsagent._proto import v1 as pb  # the package `v1`: DRAResourceHealth v1 (and the pod-resources API)
 from mpsagent.base.changes import Changes
 from mpsagent.base.logs import get_logger
 from mpsagent.kubelet.wire import receive_message
 
 log = get_logger(__name__)
 
-SERVICE = "v1alpha1.DRAResourceHealth"
-"""The gRPC service, as the registration's supported versions name it."""
+HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+"""The gRPC services, newest first, as the registration's supported versions name them (a kubelet takes the first
+it knows)."""
 RESEND_INTERVAL_S = 10.0
 """How often a stream repeats every device's health, changed or not."""
 HEALTH_CHECK_TIMEOUT_S = 30
@@ -102,13 +107,18 @@ def health_message(devices: Sequence[DeviceHealth], now: float) -> pb.NodeWatchR
 
 
 class DraHealthService:
-    """The DRAResourceHealth servicer (grpclib's IServable)."""
+    """The DRAResourceHealth servicer (grpclib's IServable), one handler per version over one stream."""
 
     def __init__(self, source: DeviceHealthSource, *, resend_interval_s: float = RESEND_INTERVAL_S) -> None:
         self._source = source
         self._resend = resend_interval_s
-        self._streams = 0
+        self._streams: list[str] = []
         self.streams_opened = 0
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        """The service of each stream open now, as it was called (`v1.DRAResourceHealth`)."""
+        return tuple(self._streams)
 
     async def watch(self) -> AsyncIterator[pb.NodeWatchResourcesResponse]:
         """Every device's health now, then again on each change and every resend interval, until cancelled."""
@@ -118,7 +128,7 @@ class DraHealthService:
             with anyio.move_on_after(self._resend):
                 generation = await self._source.wait_health_changed(generation)
 
-    async def _handle(self, stream: Stream[Any, Any]) -> None:
+    async def _handle(self, service: str, stream: Stream[Any, Any]) -> None:
         rpc = "NodeWatchResources"
         request = await receive_message(
             stream,
@@ -129,20 +139,24 @@ class DraHealthService:
         )
         if request is None:
             return  # the kubelet went away before asking
-        if self._streams >= MAX_STREAMS:
+        if len(self._streams) >= MAX_STREAMS:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"NodeWatchResources: {MAX_STREAMS} streams are open already")
-        self._streams += 1
+        self._streams.append(service)
         self.streams_opened += 1
-        log.info("device health watched", streams=self._streams)
+        log.info("device health watched", service=service, streams=len(self._streams))
         try:
             async for message in self.watch():
                 await stream.send_message(message)
         finally:
-            self._streams -= 1
+            self._streams.remove(service)
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
-            f"/{SERVICE}/NodeWatchResources": Handler(
-                self._handle, Cardinality.UNARY_STREAM, pb.NodeWatchResourcesRequest, pb.NodeWatchResourcesResponse
+            f"/{service}/NodeWatchResources": Handler(
+                functools.partial(self._handle, service),
+                Cardinality.UNARY_STREAM,
+                pb.NodeWatchResourcesRequest,
+                pb.NodeWatchResourcesResponse,
             )
+            for service in HEALTH_SERVICES
         }

@@ -18,8 +18,6 @@ log = get_logger(__name__)
 PLUGIN_TYPE = "DRAPlugin"
 NODE_SERVICE_VERSION = "v1.DRAPlugin"
 """`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`, as the kubelet reads the supported versions."""
-HEALTH_SERVICE_VERSION = "v1alpha1.DRAResourceHealth"
-"""The device health service: kubelet 1.36 watches it whether listed or not, later kubelets only when listed."""
 MAX_ERROR_CHARS = 1000
 
 

@@ -113,6 +113,7 @@ class ClaimServer:
             refused=counts.refused,
             unprepared=counts.unprepared,
             claims=tuple(claim_status(prepared) for prepared in self.driver.prepared_claims()),
+            health_watched=() if self.endpoint.health_service is None else self.endpoint.health_service.watched,
         )
 
     # --- the task --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ PROTOS = (
     "dra/v1/api.proto",
     "pluginregistration/v1/api.proto",
     "dra_health/v1alpha1/api.proto",
+    "dra_health/v1/api.proto",
 )
 _MODULES = ("api_pb2", "api_pb2_grpc")
 
@@ -56,12 +57,12 @@ def load_dra() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
     return dra, dra_g, reg, reg_g
 
 
-def load_dra_health() -> tuple[ModuleType, ModuleType]:
-    """(DRA health v1alpha1 pb2, DRA health v1alpha1 grpc)"""
-    health, health_g = _modules(PROTOS[4])
-    return health, health_g
+def load_dra_health() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType]:
+    """(DRA health v1alpha1 pb2, DRA health v1alpha1 grpc, DRA health v1 pb2, DRA health v1 grpc)"""
+    alpha, alpha_g, health, health_g = _modules(PROTOS[4], PROTOS[5])
+    return alpha, alpha_g, health, health_g
 
 
 dp_pb2, dp_grpc, pr_pb2, pr_grpc = load()
 dra_pb2, dra_grpc, reg_pb2, reg_grpc = load_dra()
-health_pb2, health_grpc = load_dra_health()
+health_alpha_pb2, health_alpha_grpc, health_pb2, health_grpc = load_dra_health()

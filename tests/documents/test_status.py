@@ -19,6 +19,7 @@ from mpsagent.documents.status import (
     GrantEntries,
     ResourceView,
     readiness_problems,
+    render_status_text,
     starting_document,
     status_document,
     summary,
@@ -491,3 +492,18 @@ def test_metrics_read_the_published_document() -> None:
     assert scraped[("mpsagent_kubelet_registration_failures_total", gpu)] == 1
     assert scraped[("mpsagent_daemon_up", (("resource", "nvidia.com/gpu-mem"),))] == 0
     assert scraped[("mpsagent_pod_resources_failures_total", ())] == 3
+
+
+def test_the_dra_part_says_over_which_health_version_the_kubelet_watches() -> None:
+    pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
+
+    def text(*watched: str) -> str:
+        dra = DraStatus(driver="mps.mpsagent.io", node="node-1", registered=True, health_watched=watched)
+        return render_status_text(
+            status_document(
+                version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[], dra=dra
+            )
+        )
+
+    assert "\n  device health watched by the kubelet over v1.DRAResourceHealth\n" in text("v1.DRAResourceHealth")
+    assert "\n  device health not watched by the kubelet\n" in text()

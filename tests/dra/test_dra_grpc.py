@@ -29,7 +29,16 @@ from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import MAX_STREAMS, DeviceHealth
 from mpsagent.dra.node_service import MAX_CLAIMS, NO_OUTCOME, RECEIVE_LIMIT, SERVICE, PrepareOutcome
-from mpsagent_testing.kubelet.stubs import dra_grpc, dra_pb2, health_grpc, health_pb2, reg_grpc, reg_pb2
+from mpsagent_testing.kubelet.stubs import (
+    dra_grpc,
+    dra_pb2,
+    health_alpha_grpc,
+    health_alpha_pb2,
+    health_grpc,
+    health_pb2,
+    reg_grpc,
+    reg_pb2,
+)
 from mpsagent_testing.waiting import wait_for
 
 CALL_TIMEOUT_S = 5
@@ -437,7 +446,7 @@ def test_a_socket_that_cannot_be_served_again_is_tried_again(running: Running) -
         ]
 
 
-# --- the devices' health (v1alpha1.DRAResourceHealth) -------------------------------------------------------------
+# --- the devices' health (v1.DRAResourceHealth and v1alpha1) ------------------------------------------------------
 
 
 class FakeHealth:
@@ -488,14 +497,50 @@ def watched(kubelet_dir: Path) -> Iterator[tuple[Running, FakeHealth]]:
             served.stop()
 
 
-def watch(served: Running) -> Any:
-    stub = health_grpc.DRAResourceHealthStub(_channel(served.endpoint.dra_socket))
-    return stub.NodeWatchResources(health_pb2.NodeWatchResourcesRequest(), timeout=CALL_TIMEOUT_S)
+V1 = "v1.DRAResourceHealth"
+V1ALPHA1 = "v1alpha1.DRAResourceHealth"
+HEALTH_STUBS = {V1: (health_pb2, health_grpc), V1ALPHA1: (health_alpha_pb2, health_alpha_grpc)}
+"""Each version's messages and stub, as kubelet 1.37 (v1) and 1.36 (v1alpha1) call them."""
 
 
-def test_the_registration_lists_the_health_service_when_it_is_served(watched: tuple[Running, FakeHealth]) -> None:
+def watch(served: Running, service: str = V1) -> Any:
+    messages, stubs = HEALTH_STUBS[service]
+    stub = stubs.DRAResourceHealthStub(_channel(served.endpoint.dra_socket))
+    return stub.NodeWatchResources(messages.NodeWatchResourcesRequest(), timeout=CALL_TIMEOUT_S)
+
+
+def shown(message: Any) -> list[tuple[str, str, int, str, int]]:
+    """What a health message says of each device: its pool and name, health, message and timeout."""
+    return [
+        (d.device.pool_name, d.device.device_name, d.health, d.message, d.health_check_timeout_seconds)
+        for d in message.devices
+    ]
+
+
+def test_the_registration_lists_both_health_versions_newest_first(watched: tuple[Running, FakeHealth]) -> None:
     served, _ = watched
-    assert list(get_info(served).supported_versions) == ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+    assert list(get_info(served).supported_versions) == ["v1.DRAPlugin", V1, V1ALPHA1]
+
+
+def test_both_health_versions_stream_the_same_health_and_say_which_is_watched(
+    watched: tuple[Running, FakeHealth],
+) -> None:
+    served, health = watched
+    service = served.endpoint.health_service
+    assert service is not None
+    with capture_logs() as logs:
+        v1, alpha = watch(served, V1), watch(served, V1ALPHA1)
+        healthy = [("node-a", "gpu-0", health_pb2.HEALTHY, "", 30)]
+        assert shown(next(v1)) == shown(next(alpha)) == healthy
+        served.portal.call(health.set_problem, "critical Xid 79")
+        unhealthy = [("node-a", "gpu-0", health_pb2.UNHEALTHY, "critical Xid 79", 30)]
+        assert shown(next(v1)) == shown(next(alpha)) == unhealthy
+        assert sorted(service.watched) == [V1, V1ALPHA1]
+        assert sorted(e["service"] for e in logs if e["event"] == "device health watched") == [V1, V1ALPHA1]
+    alpha.cancel()
+    wait_for(lambda: service.watched == (V1,), what="the v1alpha1 stream's end")
+    v1.cancel()
+    wait_for(lambda: service.watched == (), what="the v1 stream's end")
 
 
 def test_the_health_stream_gives_every_device_then_each_change(watched: tuple[Running, FakeHealth]) -> None:
@@ -535,7 +580,7 @@ def test_the_health_stream_repeats_itself_before_the_kubelet_counts_a_device_unk
 
 def test_streams_beyond_the_bound_are_refused(watched: tuple[Running, FakeHealth]) -> None:
     served, _ = watched
-    streams = [watch(served) for _ in range(MAX_STREAMS)]
+    streams = [watch(served, (V1, V1ALPHA1)[i % 2]) for i in range(MAX_STREAMS)]
     for stream in streams:
         next(stream)
     with pytest.raises(grpc.RpcError) as refused:

@@ -282,12 +282,29 @@ def test_claims_then_device_plugin_grants_never_hold_more_than_the_gpus(cluster:
     pods.wait_running("dp-after", timeout=SCHEDULER_S + 30)  # the memory freed is the grant's
 
 
+def kubelet_version(cluster: str) -> tuple[int, int]:
+    """The node's kubelet release (1, 37), from the Node's status (`v1.37.2`)."""
+    major, minor = kubectl.get("node", cluster)["status"]["nodeInfo"]["kubeletVersion"].lstrip("v").split(".")[:2]
+    return int(major), int(minor)
+
+
+def health_service_called(cluster: str) -> str:
+    """The health service the node's kubelet calls: 1.37 and later take v1 when the registration lists it (and the
+    agent lists both), 1.36 knows only v1alpha1."""
+    return "v1.DRAResourceHealth" if kubelet_version(cluster) >= (1, 37) else "v1alpha1.DRAResourceHealth"
+
+
 def test_an_xid_taints_the_device_and_the_claims_pod_shows_it_unhealthy_then_healthy(
     cluster: str, agents: HostAgents, agent: AgentProcess
 ) -> None:
+    """Over the health service version the kubelet chose: v1 on 1.37, v1alpha1 on 1.36 (both served)."""
+    service = health_service_called(cluster)
     claims.create_pod("sick", {"memory": "4Gi"}, selector=_on_gpu(0))
     pods.wait_running("sick")
     kubectl.wait_for(lambda: claim_health("sick") == "Healthy", 30, "the device's health in the pod's status")
+    assert dra_status().get("healthWatched") == [service], dra_status().get("healthWatched")
+    watched = [e.get("service") for e in agent.log_events() if e.get("event") == "device health watched"]
+    assert watched and set(watched) == {service}, watched
 
     agents.driver.emit_xid(fake_gpu(0)["uuid"], 79)
     began = time.monotonic()
@@ -298,7 +315,8 @@ def test_an_xid_taints_the_device_and_the_claims_pod_shows_it_unhealthy_then_hea
     ((key, effect),) = _taints(0)
     assert (key, effect) == ("mps.mpsagent.io/unhealthy", "NoSchedule")
     print(
-        f"Xid 79: device tainted after {tainted_after:.2f} s, the pod's status Unhealthy after {unhealthy_after:.2f} s"
+        f"Xid 79 (kubelet {'.'.join(map(str, kubelet_version(cluster)))}, health over {service}): device tainted "
+        f"after {tainted_after:.2f} s, the pod's status Unhealthy after {unhealthy_after:.2f} s"
     )
     assert tainted_after <= 2.0, tainted_after
     assert unhealthy_after <= 2.0, unhealthy_after
