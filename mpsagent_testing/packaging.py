@@ -19,6 +19,7 @@ DRA_RULES = [
         "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
     },
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["devicetaintrules"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
     # A control-socket holder the agent ends is told on its pod: found by its UID among the node's pods.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},

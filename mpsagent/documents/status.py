@@ -27,11 +27,12 @@ from mpsagent.documents.status_document import (
     PodResourcesStatus,
     ResourceStatus,
     StatusDocument,
+    TaintRuleStatus,
 )
 from mpsagent.documents.status_file import agent_running
 from mpsagent.domain.accounting import GpuUse, Withheld, gpu_use
 from mpsagent.domain.allocation import ResourceAllocator
-from mpsagent.domain.claims import PreparedClaim
+from mpsagent.domain.claims import PreparedClaim, TaintRule
 from mpsagent.domain.grant_kind import describe_claim_share
 from mpsagent.domain.inventory import AdvertisedDevice, Inventory
 from mpsagent.domain.ledger import Grant
@@ -418,6 +419,31 @@ def claim_status(prepared: PreparedClaim) -> ClaimStatus:
     )
 
 
+def taint_rule_status(rule: TaintRule, devices: Sequence[str]) -> TaintRuleStatus:
+    """An administrator's DeviceTaintRule on the node's `devices` as the status document shows it."""
+    return TaintRuleStatus(
+        rule=rule.name,
+        devices=tuple(devices),
+        key=rule.key,
+        value=rule.value,
+        effect=rule.effect,
+        time_added=None if rule.added is None else utc(rule.added),
+    )
+
+
+def _taint_rule_lines(dra: DraStatus) -> list[str]:
+    count = len(dra.taint_rules)
+    if dra.taint_rules_unseen is None:
+        lines = [f"  DeviceTaintRules on its devices: {count}"]
+    else:
+        last_seen = f"; {count} on its devices when last seen" if count else ""
+        lines = [f"  DeviceTaintRules not watched: {dra.taint_rules_unseen}{last_seen}"]
+    for rule in dra.taint_rules:
+        since = f" (since {rule.time_added})" if rule.time_added else ""
+        lines.append(f"    {rule.rule}: {rule.key}={rule.value}:{rule.effect} on {', '.join(rule.devices)}{since}")
+    return lines
+
+
 def _health_watched(services: Sequence[str]) -> str:
     return f"watched by the kubelet over {', '.join(services)}" if services else "not watched by the kubelet"
 
@@ -429,6 +455,7 @@ def _dra_lines(dra: DraStatus) -> list[str]:
         f"the kubelet, ResourceSlice {'published' if dra.slice_published else 'NOT published'}; "
         f"{counted(dra.prepared, 'prepare')}, {dra.refused} refused, {dra.unprepared} unprepared",
         f"  device health {_health_watched(dra.health_watched)}",
+        *_taint_rule_lines(dra),
         f"  prepared claims: {len(dra.claims)}",
     ]
     for claim in dra.claims:

@@ -297,6 +297,18 @@ class ClaimStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     prepared_at: str
 
 
+class TaintRuleStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+    """An administrator's DeviceTaintRule that taints devices of the node's slice (the scheduler honours it; the
+    agent shows it)."""
+
+    rule: str
+    devices: tuple[str, ...]
+    key: str
+    value: str = ""
+    effect: str
+    time_added: str | None = None
+
+
 class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """The DRA driver's part (`--dra on`): its registration with the kubelet, the node's slice, the claims."""
 
@@ -314,6 +326,11 @@ class DraStatus(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     health_watched: tuple[str, ...] = ()
     """The health service of each stream the kubelet holds open now, as it called it: `v1.DRAResourceHealth`
     (kubelet 1.37 and later), `v1alpha1.DRAResourceHealth` (1.36); none while its `ResourceHealthStatus` is off."""
+    taint_rules: tuple[TaintRuleStatus, ...] = ()
+    """The administrators' DeviceTaintRules that taint devices of the node's slice, as last seen."""
+    taint_rules_unseen: str | None = None
+    """Why the DeviceTaintRules are not watched now (not listed yet, none served before Kubernetes 1.37, a failing
+    list or watch); None while they are."""
 
 
 DRA_METRICS: tuple[MetricRow[DraStatus], ...] = (

@@ -146,6 +146,45 @@ class NodeSlice(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[SliceDevice, ...]
 
 
+class TaintSelector(msgspec.Struct, frozen=True, kw_only=True):
+    """Which devices a DeviceTaintRule taints: every field given must match the device's driver, pool and name; none
+    given, every device."""
+
+    driver: str | None = None
+    pool: str | None = None
+    device: str | None = None
+
+
+class TaintRule(msgspec.Struct, frozen=True, kw_only=True):
+    """An administrator's DeviceTaintRule (KEP-5055; `resource.k8s.io/v1` from Kubernetes 1.37): one taint on every
+    device its selector matches. The scheduler (and the eviction controller, for NoExecute) adds it to those devices
+    as if their slice carried it, without changing the slice: the agent neither writes nor removes it, it shows it."""
+
+    name: str
+    selector: TaintSelector | None
+    """None: the rule has no selector, and taints no device."""
+    key: str
+    value: str
+    effect: str
+    """As the rule says it: `NoSchedule`, `NoExecute`, `None`, or one a later release adds (the scheduler takes an
+    effect it does not know for `None`)."""
+    added: float | None = None
+    """Wall-clock time the taint was added or its effect changed (`timeAdded`)."""
+
+
+def tainted_devices(rule: TaintRule, node_slice: NodeSlice) -> tuple[str, ...]:
+    """The devices of the node's slice that `rule` taints, matched as the scheduler matches them (k8s.io/dynamic-
+    resource-allocation's resourceslice tracker)."""
+    selector = rule.selector
+    if (
+        selector is None
+        or selector.driver not in (None, node_slice.driver)
+        or selector.pool not in (None, node_slice.pool)
+    ):
+        return ()
+    return tuple(device.name for device in node_slice.devices if selector.device in (None, device.name))
+
+
 # --- what a prepared claim holds ---------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """The DRA driver's client of the Kubernetes API server, through lightkube: the node's ResourceSlices (listed,
-watched, applied, deleted), the ResourceClaims the kubelet asks to prepare (read), and an Event on one of the
-node's pods (found by its UID). The claim handler and the
+watched, applied, deleted), the ResourceClaims the kubelet asks to prepare (read), the cluster's DeviceTaintRules
+(listed and watched), and an Event on one of the node's pods (found by its UID). The claim handler and the
 slice publisher call `KubeApi`; `connect` makes one from a kubeconfig or the pod's service account.
 
 The objects are translated by plain functions beside it: a claim into the domain's `ClaimAllocation`
@@ -13,12 +13,12 @@ and whatever goes wrong on the way (no connection, no answer, an HTTP error, an 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import httpx2
@@ -27,10 +27,11 @@ from lightkube import ApiError, AsyncClient, KubeConfig, NotReadyError, SingleCo
 from lightkube import ConfigError as LightkubeConfigError
 from lightkube.config.client_adapter import verify_cluster
 from lightkube.core.client import FieldSelector
+from lightkube.core.generic_client import ListAsyncIterable
 from lightkube.models.core_v1 import EventSource, ObjectReference
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Node, Pod
-from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+from lightkube.resources.resource_v1 import DeviceTaintRule, ResourceClaim, ResourceSlice
 
 from mpsagent.base.errors import (
     DocumentError,
@@ -60,9 +61,14 @@ MAX_CONNECTIONS = 16
 MAX_KUBECONFIG_BYTES = 4 * MIB
 MAX_LISTED_SLICES = 16
 """The ResourceSlices of this driver on this node read from one list (the agent writes one)."""
+MAX_LISTED_TAINT_RULES = 4096
+"""The cluster's DeviceTaintRules read from one list (the agent keeps those that taint its devices)."""
+LIST_CHUNK = 500
+"""Objects asked of the API server at a time in a list of many."""
 MAX_LISTED_PODS = 2048
 """The node's pods read to find one by its UID (a kubelet runs 110 by default, at most a few hundred)."""
 EVENT_SOURCE = "mpsagent"
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,22 +187,9 @@ class KubeApi:
         doing = f"listing the ResourceSlices of {driver} on node {node}"
         async with _call(doing):
             found = self._client.list(ResourceSlice, fields=_selector(driver, node), chunk_size=MAX_LISTED_SLICES)
-            items: list[ResourceSlice] = []
-            iterator = aiter(found)
-            try:
-                async for item in iterator:
-                    items.append(item)
-                    if len(items) == MAX_LISTED_SLICES:
-                        break
-            finally:
-                await _close(iterator)
-            try:
-                version = found.resourceVersion
-            except NotReadyError:
-                raise KubeApiError(doing, "the list has no resourceVersion to watch from") from None
-        return items, version
+            return await _first(found, MAX_LISTED_SLICES, doing)
 
-    async def watch_slices(
+    def watch_slices(
         self, *, driver: str, node: str, resource_version: str
     ) -> AsyncGenerator[tuple[str, ResourceSlice], None]:
         """The changes to the ResourceSlices of `driver` on `node` after `resource_version`, as lightkube reads
@@ -205,13 +198,22 @@ class KubeApi:
         Bounded in time by the caller, not here. Raises KubeApiError when the watch fails (an `ERROR` event, such
         as 410 for a `resource_version` too old: list again)."""
         events = self._client.watch(ResourceSlice, fields=_selector(driver, node), resource_version=resource_version)
-        try:
-            async for kind, item in events:
-                yield kind, item
-        except (*_FAILURES, AttributeError) as exc:  # lightkube reads an event's metadata, which may be missing
-            raise _api_error(f"watching the ResourceSlices of {driver} on node {node}", exc) from exc
-        finally:
-            await _close(events)
+        return _changes(events, f"watching the ResourceSlices of {driver} on node {node}")
+
+    async def list_taint_rules(self) -> tuple[list[DeviceTaintRule], str]:
+        """The cluster's DeviceTaintRules (`resource.k8s.io/v1`; the first MAX_LISTED_TAINT_RULES: the rest are not
+        read), and the resourceVersion the list was taken at, to watch from. KubeApiError 404: the API server serves
+        none (Kubernetes before 1.37)."""
+        doing = "listing the DeviceTaintRules"
+        async with _call(doing):
+            found = self._client.list(DeviceTaintRule, chunk_size=LIST_CHUNK)
+            return await _first(found, MAX_LISTED_TAINT_RULES, doing)
+
+    def watch_taint_rules(self, *, resource_version: str) -> AsyncGenerator[tuple[str, DeviceTaintRule], None]:
+        """The changes to the cluster's DeviceTaintRules after `resource_version`, as `watch_slices` gives the
+        slices'."""
+        events = self._client.watch(DeviceTaintRule, resource_version=resource_version)
+        return _changes(events, "watching the DeviceTaintRules")
 
     async def node_uid(self, node: str) -> str:
         """The UID of the Node object named `node` (a slice's owner); empty when the server gives none."""
@@ -235,7 +237,7 @@ class KubeApi:
         """The pod with `uid` among `node`'s pods (its first MAX_LISTED_PODS), and the name of its container whose
         runtime ID is `container_id`; None when it is not there (deleted since)."""
         async with _call(f"listing the pods of node {node}"):
-            found = self._client.list(Pod, namespace="*", fields={"spec.nodeName": node}, chunk_size=500)
+            found = self._client.list(Pod, namespace="*", fields={"spec.nodeName": node}, chunk_size=LIST_CHUNK)
             iterator = aiter(found)
             try:
                 seen = 0
@@ -291,6 +293,35 @@ def _pod_ref(pod: Pod, container_id: str) -> PodRef:
         uid=pod.metadata.uid or "",
         container=names[0] if names else None,
     )
+
+
+async def _first(found: ListAsyncIterable[_T], limit: int, doing: str) -> tuple[list[_T], str]:
+    """The first `limit` objects of a list, and the resourceVersion it was taken at."""
+    items: list[_T] = []
+    iterator = aiter(found)
+    try:
+        async for item in iterator:
+            items.append(item)
+            if len(items) == limit:
+                break
+    finally:
+        await _close(iterator)
+    try:
+        return items, found.resourceVersion
+    except NotReadyError:
+        raise KubeApiError(doing, "the list has no resourceVersion to watch from") from None
+
+
+async def _changes(events: AsyncIterable[tuple[str, _T]], doing: str) -> AsyncGenerator[tuple[str, _T], None]:
+    """A watch's events, whatever goes wrong in them a KubeApiError that says what the agent was `doing`; the watch
+    closed when the caller closes this."""
+    try:
+        async for kind, item in events:
+            yield kind, item
+    except (*_FAILURES, AttributeError) as exc:  # lightkube reads an event's metadata, which may be missing
+        raise _api_error(doing, exc) from exc
+    finally:
+        await _close(events)
 
 
 def _selector(driver: str, node: str) -> FieldSelector:

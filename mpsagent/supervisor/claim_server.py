@@ -1,7 +1,8 @@
 """The DRA driver's wiring (`--dra on`): the driver (`dra.driver`: prepares and unprepares over the domain's
 `ClaimGrants` and the resources' ceilings) served to the kubelet, the node's ResourceSlice kept published as the
-node's accounting and health say, the replicas the device plugins withhold beside the claims, and each device's
-health told to the kubelet, all owned as one task; and the DRA part of the status document.
+node's accounting and health say, the replicas the device plugins withhold beside the claims, each device's
+health told to the kubelet, and the administrators' DeviceTaintRules on the node's devices followed, all owned as
+one task; and the DRA part of the status document.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from mpsagent.base.backoff import Backoff
 from mpsagent.base.devices import GpuUuid, ResourceName
 from mpsagent.base.logs import get_logger
 from mpsagent.base.values import TaintEffect
-from mpsagent.documents.status import claim_status
+from mpsagent.documents.status import claim_status, taint_rule_status
 from mpsagent.documents.status_document import DraStatus
 from mpsagent.domain.claim_grants import ClaimGrants
 from mpsagent.domain.claim_shares import device_name, node_slice
@@ -28,11 +30,14 @@ from mpsagent.dra.endpoint import DraEndpoint
 from mpsagent.dra.health_service import DeviceHealth, DeviceHealthBoard
 from mpsagent.dra.prepared_claims import CHECKPOINT_FILE
 from mpsagent.dra.slice_publisher import SlicePublisher
+from mpsagent.dra.taint_rule_watch import NOT_LISTED, TaintRuleWatcher
 from mpsagent.kubelet.memory_limit_devices import MemoryLimitDevices
 from mpsagent.supervisor.resource_server import ResourceServer
 
 log = get_logger("mpsagent.claim_server")
 
+TAINT_RULES_BACKOFF_S = (1.0, 30.0)
+"""A failed list or watch of the DeviceTaintRules is tried again after this long, growing to the most."""
 FOLLOW_INTERVAL_S = 0.2
 """How often the node's accounting and health are looked at for a change the slice, the withheld replicas and the
 health streams must show (a look is a few integer comparisons)."""
@@ -82,6 +87,7 @@ class ClaimServer:
         if api is not None:
             self.driver.connected(api)
         self._publisher: SlicePublisher | None = None
+        self._taint_rules: TaintRuleWatcher | None = None
         self.slice: NodeSlice = node_slice(plan, node)
         self.health = DeviceHealthBoard(self._device_health())
         self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self.driver, health=self.health)
@@ -101,7 +107,7 @@ class ClaimServer:
         return self.driver.restore()
 
     def status(self) -> DraStatus:
-        publisher = self._publisher
+        publisher, taint_rules = self._publisher, self._taint_rules
         counts = self.driver.counts
         return DraStatus(
             driver=DRA_DRIVER,
@@ -114,6 +120,8 @@ class ClaimServer:
             unprepared=counts.unprepared,
             claims=tuple(claim_status(prepared) for prepared in self.driver.prepared_claims()),
             health_watched=() if self.endpoint.health_service is None else self.endpoint.health_service.watched,
+            taint_rules=() if taint_rules is None else tuple(taint_rule_status(*on) for on in taint_rules.rules),
+            taint_rules_unseen=NOT_LISTED if taint_rules is None else taint_rules.unseen,
         )
 
     # --- the task --------------------------------------------------------------------------------------
@@ -125,11 +133,13 @@ class ClaimServer:
             self._api = await connect(self._kubeconfig)
         self.driver.connected(self._api)
         self._publisher = SlicePublisher(self._api, driver=DRA_DRIVER, node=self._node)
+        self._taint_rules = TaintRuleWatcher(self._api, self.slice, backoff=Backoff(*TAINT_RULES_BACKOFF_S))
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.follow)
                 await tg.start(self.endpoint.run)
                 await tg.start(self._publisher.run)
+                tg.start_soon(self._taint_rules.run)
                 log.info("dra driver serving", driver=DRA_DRIVER, node=self._node, devices=len(self.slice.devices))
                 task_status.started()
         finally:

@@ -23,10 +23,12 @@ from mpsagent.documents.status import (
     starting_document,
     status_document,
     summary,
+    taint_rule_status,
 )
 from mpsagent.documents.status_document import DraStatus, GrantStatus, PodResourcesStatus
 from mpsagent.documents.status_file import STATUS_FILE, write_status
 from mpsagent.domain.allocation import ResourceAllocator
+from mpsagent.domain.claims import TaintRule, TaintSelector
 from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.reconcile import ListedGrant
@@ -494,16 +496,44 @@ def test_metrics_read_the_published_document() -> None:
     assert scraped[("mpsagent_pod_resources_failures_total", ())] == 3
 
 
-def test_the_dra_part_says_over_which_health_version_the_kubelet_watches() -> None:
+def dra_text(dra: DraStatus) -> str:
+    """The status text of an agent with no resource and this DRA part."""
     pod_resources = PodResourcesStatus(socket="/kubelet.sock", available=True)
-
-    def text(*watched: str) -> str:
-        dra = DraStatus(driver="mps.mpsagent.io", node="node-1", registered=True, health_watched=watched)
-        return render_status_text(
-            status_document(
-                version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[], dra=dra
-            )
+    return render_status_text(
+        status_document(
+            version="1", pid=1, tasks=1, pod_resources=pod_resources, unhealthy_gpus={}, resources=[], dra=dra
         )
+    )
+
+
+def test_the_dra_part_says_over_which_health_version_the_kubelet_watches() -> None:
+    def text(*watched: str) -> str:
+        return dra_text(DraStatus(driver="mps.mpsagent.io", node="node-1", registered=True, health_watched=watched))
 
     assert "\n  device health watched by the kubelet over v1.DRAResourceHealth\n" in text("v1.DRAResourceHealth")
     assert "\n  device health not watched by the kubelet\n" in text()
+
+
+def test_the_dra_part_shows_the_administrators_taint_rules_on_its_devices_and_why_they_are_not_watched() -> None:
+    maintenance = TaintRule(
+        name="gpu-0-maintenance",
+        selector=TaintSelector(driver="mps.mpsagent.io", device="gpu-0"),
+        key="example.com/maintenance",
+        value="planned",
+        effect="NoSchedule",
+        added=1796637600.0,
+    )
+    rules = (taint_rule_status(maintenance, ["gpu-0"]),)
+    watched = dra_text(DraStatus(driver="mps.mpsagent.io", node="node-1", taint_rules=rules))
+    assert (
+        "\n  DeviceTaintRules on its devices: 1\n"
+        "    gpu-0-maintenance: example.com/maintenance=planned:NoSchedule on gpu-0 (since 2026-12-07T10:00:00Z)\n"
+    ) in watched
+    failing = DraStatus(
+        driver="mps.mpsagent.io", node="node-1", taint_rules=rules, taint_rules_unseen="watching ...: refused"
+    )
+    assert "\n  DeviceTaintRules not watched: watching ...: refused; 1 on its devices when last seen\n" in dra_text(
+        failing
+    )
+    none_served = DraStatus(driver="mps.mpsagent.io", node="node-1", taint_rules_unseen="the API server serves none")
+    assert "\n  DeviceTaintRules not watched: the API server serves none\n" in dra_text(none_served)

@@ -466,6 +466,75 @@ def test_an_idle_node_writes_no_slice_and_a_deleted_slice_is_back_within_5_s(clu
     assert _node_slice()["spec"]["pool"]["generation"] == generation, "a repair shows the same devices"
 
 
+ADMIN_RULE = "e2e-gpu-0-maintenance"
+ADMIN_TAINT = "example.com/maintenance=planned:NoSchedule"
+
+
+def _admin_rules() -> list[tuple[str, list[str], str]]:
+    """The DeviceTaintRules on the node's devices as --status shows them: (rule, devices, key=value:effect)."""
+    return [
+        (rule["rule"], rule["devices"], f"{rule['key']}={rule.get('value', '')}:{rule['effect']}")
+        for rule in dra_status().get("taintRules", [])
+    ]
+
+
+def test_an_admins_device_taint_rule_keeps_new_claims_off_its_device_and_outlives_the_agents_repairs(
+    cluster: str, agent: AgentProcess
+) -> None:
+    """KEP-5055 as an operator uses it (GA in 1.37): a DeviceTaintRule on gpu-0. The scheduler adds its taint to the
+    device (the slice does not carry it), the agent writes nothing for it and shows it in --status, and after the
+    agent puts a deleted slice back the rule still keeps new claims off the device."""
+    if kubelet_version(cluster) < (1, 37):
+        unseen = kubectl.wait_for(lambda: dra_status().get("taintRulesUnseen"), 30, "--status on DeviceTaintRules")
+        assert unseen.startswith("the API server serves none"), unseen
+        pytest.skip(
+            "DeviceTaintRule is resource.k8s.io/v1 from Kubernetes 1.37; a 1.36 node serves none (as --status says)"
+        )
+    kubectl.wait_for(lambda: dra_status().get("taintRulesUnseen") is None, 30, "the DeviceTaintRules watched")
+    name = _node_slice()["metadata"]["name"]
+    writes = kubectl.api_writes("resourceslices")
+    key_value, effect = ADMIN_TAINT.rsplit(":", 1)
+    key, value = key_value.split("=")
+    rule = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceTaintRule",
+        "metadata": {"name": ADMIN_RULE},
+        "spec": {
+            "deviceSelector": {"driver": claims.DRIVER, "pool": cluster, "device": "gpu-0"},
+            "taint": {"key": key, "value": value, "effect": effect},
+        },
+    }
+    kubectl.apply(rule)
+    try:
+        began = time.monotonic()
+        expected = [(ADMIN_RULE, ["gpu-0"], ADMIN_TAINT)]
+        kubectl.wait_for(lambda: _admin_rules() == expected, 10, "--status to show the rule")
+        print(f"DeviceTaintRule in --status after {time.monotonic() - began:.2f} s")
+
+        claims.create_pod("beside-rule", {"memory": "4Gi"}, selector=ON_MPS_GPUS)
+        pods.wait_running("beside-rule")
+        assert claims.allocated_device("beside-rule") == "gpu-1", "the tainted gpu-0 takes no new claim"
+        claims.create_pod("on-ruled", {"memory": "1Gi"}, selector=_on_gpu(0))
+        reason = kubectl.wait_for(
+            lambda: claims.unschedulable_reason("on-ruled"), SCHEDULER_S, "the scheduler's reason"
+        )
+        assert "taint" in reason.lower() or "claim" in reason.lower(), reason
+        assert not _taints(0), "the slice does not carry the rule's taint: the scheduler adds it"
+        assert kubectl.api_writes("resourceslices") == writes, "the agent writes nothing for an administrator's rule"
+
+        kubectl.run("delete", "resourceslice", name, "--wait=true")
+        kubectl.wait_for(lambda: _listed_slices() == [name], 10, "the deleted slice to be back")
+        time.sleep(3.0)  # the scheduler tries the pending pod again on the slice's return
+        assert kubectl.get("devicetaintrule", ADMIN_RULE)["spec"]["deviceSelector"]["device"] == "gpu-0"
+        assert claims.unschedulable_reason("on-ruled"), "the rule still keeps the claim off gpu-0"
+        assert _admin_rules() == expected
+    finally:
+        kubectl.run("delete", "devicetaintrule", ADMIN_RULE, "--ignore-not-found")
+    pods.wait_running("on-ruled", timeout=SCHEDULER_S + 30)  # the rule, and nothing else, kept it off gpu-0
+    assert claims.allocated_device("on-ruled") == "gpu-0"
+    kubectl.wait_for(lambda: _admin_rules() == [], 10, "--status without the rule")
+
+
 def _listed_slices() -> list[str]:
     listed = kubectl.get("resourceslices", "--field-selector", f"spec.driver={claims.DRIVER}")["items"]
     return [item["metadata"]["name"] for item in listed]
