@@ -1,7 +1,8 @@
 """The node's upstream binaries, built once into the cache: kube-apiserver, kube-controller-manager,
-kube-scheduler, kubelet and kubectl from `gomod/` (a wrapper module: k8s.io/kubernetes with its staging modules
-replaced by their published releases), and helm and containerd (with its runc shim and ctr) from their own modules.
-A changed recipe (the wrapper module, the flags or a version) builds again; otherwise nothing runs."""
+kube-scheduler, kubelet and kubectl of the chosen Kubernetes release (layout.KUBERNETES_VERSION) from its wrapper
+module `gomod/v1.<minor>/` (k8s.io/kubernetes with its staging modules replaced by their published releases), and
+helm and containerd (with its runc shim and ctr) from their own modules, once for every release. A changed recipe
+(the wrapper module, the flags or a version) builds again; otherwise nothing runs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from mpsagent_testing.cluster.layout import (
     CONTAINERD_VERSION,
     HELM_VERSION,
     KUBERNETES_VERSION,
+    KUBERNETES_VERSIONS,
+    TOOLS_BIN,
+    VERSION_VARIABLE,
 )
 
 GOMOD = Path(__file__).with_name("gomod")
@@ -43,20 +47,37 @@ class BuildError(RuntimeError):
     """A binary could not be built; the message has the tail of Go's output."""
 
 
-def _recipe() -> str:
+def wrapper_module(version: str = KUBERNETES_VERSION) -> Path:
+    """The folder of the wrapper module `version` is built from; BuildError, naming the releases there are, for a
+    version the node does not build."""
+    if version not in KUBERNETES_VERSIONS:
+        raise BuildError(
+            f"{VERSION_VARIABLE}={version} is not a Kubernetes release the e2e node builds: "
+            f"{', '.join(KUBERNETES_VERSIONS)} (mpsagent_testing/cluster/layout.py)"
+        )
+    return GOMOD / version.rsplit(".", 1)[0]
+
+
+def _recipe(module: Path) -> str:
     digest = hashlib.sha256(LDFLAGS.encode())
     for name in ("go.mod", "go.sum", "tools.go"):
-        digest.update((GOMOD / name).read_bytes())
+        digest.update((module / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
+def path(name: str) -> Path:
+    """Where the built command `name` is kept: the chosen release's folder for Kubernetes' own, the shared one for
+    the tools."""
+    return (BIN if name in COMMANDS else TOOLS_BIN) / name
+
+
 def _stamp(name: str) -> Path:
-    return BIN / f".{name}.recipe"
+    return path(name).with_name(f".{name}.recipe")
 
 
 def _current(name: str, recipe: str) -> bool:
     stamp = _stamp(name)
-    return (BIN / name).is_file() and stamp.is_file() and stamp.read_text() == recipe
+    return path(name).is_file() and stamp.is_file() and stamp.read_text() == recipe
 
 
 def _go() -> str:
@@ -75,17 +96,18 @@ def _run_go(argv: list[str], cwd: Path, **extra_env: str) -> None:
 
 def ensure_binaries(log: bool = True) -> dict[str, float]:
     """Build what is missing or stale; the seconds each build took (empty when everything was current)."""
-    BIN.mkdir(parents=True, exist_ok=True)
+    module = wrapper_module()
     took: dict[str, float] = {}
-    recipe = _recipe()
+    recipe = _recipe(module)
     stale = [name for name in COMMANDS if not _current(name, recipe)]
     if stale:
         if log:
             what = f"{', '.join(stale)} {KUBERNETES_VERSION}"
             print(f"e2e-cluster: building {what} (cold: about 9 min on 2 cores)", file=sys.stderr)
+        BIN.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in stale]
-        _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], GOMOD)
+        _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], module)
         for name in stale:
             _stamp(name).write_text(recipe)
         took["kubernetes"] = time.monotonic() - started
@@ -102,8 +124,10 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
             continue
         if log:
             print(f"e2e-cluster: building {', '.join(names)} ({modules[0].rsplit('@', 1)[1]})", file=sys.stderr)
+        TOOLS_BIN.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", *modules], BIN, GOBIN=str(BIN), GOFLAGS="")
+        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", *modules], TOOLS_BIN, GOBIN=str(TOOLS_BIN),
+                GOFLAGS="")  # fmt: skip
         for name in names:
             _stamp(name).write_text(recipe)
         took[part] = time.monotonic() - started
@@ -112,7 +136,7 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
 
 def binary(name: str) -> Path:
     """The cached binary `name`; BuildError (saying what builds it) when it is not there."""
-    path = BIN / name
-    if not path.is_file():
-        raise BuildError(f"{path} is missing: `scripts/e2e-cluster build` builds it")
-    return path
+    built = path(name)
+    if not built.is_file():
+        raise BuildError(f"{built} is missing: `scripts/e2e-cluster build` builds it")
+    return built

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from mpsagent_testing.cluster import build, node, pods
-from mpsagent_testing.cluster.layout import BIN, COMMANDS, CONTAINERD_COMMANDS, LOGS
+from mpsagent_testing.cluster.layout import COMMANDS, LOGS, TOOLS
 
 
 def _missing_tools() -> list[str]:
     needed = ["etcd", "runc", "openssl"]
-    if not all((BIN / name).is_file() for name in (*COMMANDS, *CONTAINERD_COMMANDS, "helm")):
+    if not all(build.path(name).is_file() for name in (*COMMANDS, *TOOLS)):
         needed.append("go")  # only to build what the cache lacks
     missing = [tool for tool in needed if shutil.which(tool) is None and not Path(f"/usr/local/go/bin/{tool}").exists()]
     if not Path("/bin/busybox").exists():
@@ -40,6 +40,8 @@ def cluster() -> Iterator[str]:
     was_up = bool(node.recorded())
     try:
         node.up()
+    except node.OtherReleaseUp:
+        raise  # someone else's node: left up
     except BaseException:
         node.down()
         raise
