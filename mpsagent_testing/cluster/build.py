@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from mpsagent_testing.cluster.layout import (
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
 """A cold build of the five commands took 9 minutes on 2 cores, helm 3 more (docs/e2e.md); the bound leaves room."""
+OLDEST_GO_MINOR = 21
+"""Go 1.21 is the first that fetches the toolchain a module names (the wrapper modules name Go 1.26)."""
 
 _MINOR = KUBERNETES_VERSION.lstrip("v").split(".")[1]
 LDFLAGS = " ".join(
@@ -80,10 +83,47 @@ def _current(name: str, recipe: str) -> bool:
     return path(name).is_file() and stamp.is_file() and stamp.read_text() == recipe
 
 
+def _go_minor(go: str) -> int | None:
+    """The minor version of the Go at `go` (23 for go1.23.5), as that binary itself says, fetching nothing."""
+    try:
+        done = subprocess.run(
+            [go, "version"], cwd="/", env={**os.environ, "GOTOOLCHAIN": "local"},
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except OSError:
+        return None
+    found = re.search(r"\bgo1\.(\d+)", done.stdout)
+    return int(found.group(1)) if done.returncode == 0 and found else None
+
+
+def go_candidates(usr_lib: Path = Path("/usr/lib")) -> list[str]:
+    """Where a go command may be, in the order tried: on PATH, Go's own tarball (/usr/local/go), then Debian's
+    golang-1.N-go packages, newest first (/usr/lib/go-1.N/bin/go, which they put on no PATH: the install script
+    installs golang-1.23-go from bookworm-backports where no Go 1.21+ is on PATH)."""
+    on_path = shutil.which("go")
+    debian = sorted(usr_lib.glob("go-1.*/bin/go"), key=lambda go: int(go.parent.parent.name.rsplit(".", 1)[1]))
+    return [*([on_path] if on_path else []), "/usr/local/go/bin/go", *(str(go) for go in reversed(debian))]
+
+
+def find_go(candidates: list[str]) -> str | None:
+    """The first of `candidates` that is a Go 1.21 or newer."""
+    for go in candidates:
+        minor = _go_minor(go) if Path(go).is_file() else None
+        if minor is not None and minor >= OLDEST_GO_MINOR:
+            return go
+    return None
+
+
 def _go() -> str:
-    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").is_file() else None)
+    candidates = go_candidates()
+    go = find_go(candidates)
     if go is None:
-        raise BuildError("go is not installed: the e2e node builds Kubernetes from its Go modules (Go 1.26)")
+        found = [f"{c} (go1.{_go_minor(c)})" for c in candidates if Path(c).is_file() and _go_minor(c) is not None]
+        raise BuildError(
+            f"no Go 1.{OLDEST_GO_MINOR} or newer (found: {', '.join(found) or 'none'}): the e2e node builds "
+            "Kubernetes from its Go modules; scripts/install-system-deps.sh installs golang-1.23-go from "
+            "bookworm-backports"
+        )
     return go
 
 

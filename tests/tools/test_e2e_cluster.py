@@ -1,7 +1,7 @@
 """scripts/e2e-cluster's choice of Kubernetes release without building anything: each release in the table has a
 wrapper module that builds exactly that release, `MPSAGENT_E2E_KUBERNETES` picks the release (and its own cache
 folder, the tools' shared) for every process that reads the layout, one the node does not build is refused before
-anything is made."""
+anything is made, and the build finds a Go 1.21 or newer where Debian puts its backported Go."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,23 @@ def test_a_release_the_node_does_not_build_is_refused_naming_those_it_does() -> 
         f"{', '.join(layout.KUBERNETES_VERSIONS)} (mpsagent_testing/cluster/layout.py)"
     )
     assert not (layout.CACHE_ROOT / unknown).exists()
+
+
+def _fake_go(path: Path, version: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\n[ "$1" = version ] && echo "go version {version} linux/amd64"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_debian_s_backported_go_is_found_past_an_older_go_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_path = _fake_go(tmp_path / "bin" / "go", "go1.19.8")  # Debian 12's golang-go
+    debian_119 = _fake_go(tmp_path / "lib" / "go-1.19" / "bin" / "go", "go1.19.8")
+    debian_123 = _fake_go(tmp_path / "lib" / "go-1.23" / "bin" / "go", "go1.23.5")  # golang-1.23-go, backports
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    candidates = build.go_candidates(usr_lib=tmp_path / "lib")
+    assert candidates == [on_path, "/usr/local/go/bin/go", debian_123, debian_119]
+    assert build.find_go([on_path, debian_123, debian_119]) == debian_123
+    assert build.find_go([on_path, debian_119]) is None
