@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from mpsagent.base.errors import MpsAgentError
 from mpsagent.base.logs import get_logger
@@ -38,18 +39,21 @@ class SetCeilings(Protocol):
 
 async def to_the_end(step: Callable[[], Awaitable[_T]]) -> _T:
     """`step`'s result, with `step` run to its end in a task of its own whatever cancellation this task receives
-    meanwhile; that cancellation is raised once `step` has ended."""
+    meanwhile; that cancellation is raised once `step` has ended. The wait is shielded from anyio's cancel scopes
+    (which would cancel it again on every turn of the loop), and catches asyncio's own cancellations, each time."""
     task = asyncio.ensure_future(step())
     cancelled: asyncio.CancelledError | None = None
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError as exc:
-            cancelled = exc
+    with anyio.CancelScope(shield=True):
+        while not task.done():
+            try:
+                await asyncio.wait((task,))
+            except asyncio.CancelledError as exc:
+                cancelled = exc
     if cancelled is not None:
         if not task.cancelled():
             task.exception()  # retrieved: the cancellation is what the caller is told
         raise cancelled
+    await anyio.lowlevel.checkpoint_if_cancelled()  # a cancel scope's cancellation, now that the step has ended
     return task.result()
 
 

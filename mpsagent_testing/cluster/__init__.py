@@ -2,8 +2,10 @@
 kube-scheduler and kubelet built from their published Go modules, with Debian's etcd, containerd, runc and CNI
 plugins, on loopback, GPU-less. `scripts/e2e-cluster` is its command line (`python -m mpsagent_testing.cluster`).
 
-- `layout` — the pinned versions and every path the node uses (cache, state, sockets, logs);
-- `build` — the binaries, built once into the cache from the wrapper module in `gomod/`;
+- `layout` — the pinned versions, the Kubernetes releases the node runs and the one chosen, and every path the node
+  uses (cache, state, sockets, logs);
+- `build` — the binaries, built once into the cache, Kubernetes' from its release's wrapper module in
+  `gomod/v1.<minor>/`;
 - `images` — the sandbox and busybox images, made from Debian's busybox-static, and importing images into
   containerd;
 - `node` — starting the node (`up`), its state, a real kubelet restart, and `down`, which ends every process it
@@ -14,5 +16,6 @@ plugins, on loopback, GPU-less. `scripts/e2e-cluster` is its command line (`pyth
   the DaemonSets, the test overlay and Helm values; `noop_plugin` — a device plugin that does nothing (the bench's
   baseline).
 
-The modules `scripts/e2e-cluster` runs (`layout`, `build`, `images`, `node`, `__main__`) use only the standard
-library: it runs before any virtual environment exists. The others need the test extra."""
+The modules `scripts/e2e-cluster` runs (`layout`, `build`, `images`, `node`, `__main__`, and
+`mpsagent_testing.repo`) use only the standard library: it runs before any virtual environment exists. The others
+need the test extra."""

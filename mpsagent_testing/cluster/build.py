@@ -1,12 +1,14 @@
 """The node's upstream binaries, built once into the cache: kube-apiserver, kube-controller-manager,
-kube-scheduler, kubelet and kubectl from `gomod/` (a wrapper module: k8s.io/kubernetes with its staging modules
-replaced by their published releases), and helm and containerd (with its runc shim and ctr) from their own modules.
-A changed recipe (the wrapper module, the flags or a version) builds again; otherwise nothing runs."""
+kube-scheduler, kubelet and kubectl of the chosen Kubernetes release (layout.KUBERNETES_VERSION) from its wrapper
+module `gomod/v1.<minor>/` (k8s.io/kubernetes with its staging modules replaced by their published releases), and
+helm and containerd (with its runc shim and ctr) from their own modules, once for every release. A changed recipe
+(the wrapper module, the flags or a version) builds again; otherwise nothing runs."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +22,16 @@ from mpsagent_testing.cluster.layout import (
     CONTAINERD_VERSION,
     HELM_VERSION,
     KUBERNETES_VERSION,
+    KUBERNETES_VERSIONS,
+    TOOLS_BIN,
+    VERSION_VARIABLE,
 )
 
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
 """A cold build of the five commands took 9 minutes on 2 cores, helm 3 more (docs/e2e.md); the bound leaves room."""
+OLDEST_GO_MINOR = 21
+"""Go 1.21 is the first that fetches the toolchain a module names (the wrapper modules name Go 1.26)."""
 
 _MINOR = KUBERNETES_VERSION.lstrip("v").split(".")[1]
 LDFLAGS = " ".join(
@@ -43,26 +50,80 @@ class BuildError(RuntimeError):
     """A binary could not be built; the message has the tail of Go's output."""
 
 
-def _recipe() -> str:
+def wrapper_module(version: str = KUBERNETES_VERSION) -> Path:
+    """The folder of the wrapper module `version` is built from; BuildError, naming the releases there are, for a
+    version the node does not build."""
+    if version not in KUBERNETES_VERSIONS:
+        raise BuildError(
+            f"{VERSION_VARIABLE}={version} is not a Kubernetes release the e2e node builds: "
+            f"{', '.join(KUBERNETES_VERSIONS)} (mpsagent_testing/cluster/layout.py)"
+        )
+    return GOMOD / version.rsplit(".", 1)[0]
+
+
+def _recipe(module: Path) -> str:
     digest = hashlib.sha256(LDFLAGS.encode())
     for name in ("go.mod", "go.sum", "tools.go"):
-        digest.update((GOMOD / name).read_bytes())
+        digest.update((module / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
+def path(name: str) -> Path:
+    """Where the built command `name` is kept: the chosen release's folder for Kubernetes' own, the shared one for
+    the tools."""
+    return (BIN if name in COMMANDS else TOOLS_BIN) / name
+
+
 def _stamp(name: str) -> Path:
-    return BIN / f".{name}.recipe"
+    return path(name).with_name(f".{name}.recipe")
 
 
 def _current(name: str, recipe: str) -> bool:
     stamp = _stamp(name)
-    return (BIN / name).is_file() and stamp.is_file() and stamp.read_text() == recipe
+    return path(name).is_file() and stamp.is_file() and stamp.read_text() == recipe
+
+
+def _go_minor(go: str) -> int | None:
+    """The minor version of the Go at `go` (23 for go1.23.5), as that binary itself says, fetching nothing."""
+    try:
+        done = subprocess.run(
+            [go, "version"], cwd="/", env={**os.environ, "GOTOOLCHAIN": "local"},
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except OSError:
+        return None
+    found = re.search(r"\bgo1\.(\d+)", done.stdout)
+    return int(found.group(1)) if done.returncode == 0 and found else None
+
+
+def go_candidates(usr_lib: Path = Path("/usr/lib")) -> list[str]:
+    """Where a go command may be, in the order tried: on PATH, Go's own tarball (/usr/local/go), then Debian's
+    golang-1.N-go packages, newest first (/usr/lib/go-1.N/bin/go, which they put on no PATH: the install script
+    installs golang-1.23-go from bookworm-backports where no Go 1.21+ is on PATH)."""
+    on_path = shutil.which("go")
+    debian = sorted(usr_lib.glob("go-1.*/bin/go"), key=lambda go: int(go.parent.parent.name.rsplit(".", 1)[1]))
+    return [*([on_path] if on_path else []), "/usr/local/go/bin/go", *(str(go) for go in reversed(debian))]
+
+
+def find_go(candidates: list[str]) -> str | None:
+    """The first of `candidates` that is a Go 1.21 or newer."""
+    for go in candidates:
+        minor = _go_minor(go) if Path(go).is_file() else None
+        if minor is not None and minor >= OLDEST_GO_MINOR:
+            return go
+    return None
 
 
 def _go() -> str:
-    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").is_file() else None)
+    candidates = go_candidates()
+    go = find_go(candidates)
     if go is None:
-        raise BuildError("go is not installed: the e2e node builds Kubernetes from its Go modules (Go 1.26)")
+        found = [f"{c} (go1.{_go_minor(c)})" for c in candidates if Path(c).is_file() and _go_minor(c) is not None]
+        raise BuildError(
+            f"no Go 1.{OLDEST_GO_MINOR} or newer (found: {', '.join(found) or 'none'}): the e2e node builds "
+            "Kubernetes from its Go modules; scripts/install-system-deps.sh installs golang-1.23-go from "
+            "bookworm-backports"
+        )
     return go
 
 
@@ -75,17 +136,18 @@ def _run_go(argv: list[str], cwd: Path, **extra_env: str) -> None:
 
 def ensure_binaries(log: bool = True) -> dict[str, float]:
     """Build what is missing or stale; the seconds each build took (empty when everything was current)."""
-    BIN.mkdir(parents=True, exist_ok=True)
+    module = wrapper_module()
     took: dict[str, float] = {}
-    recipe = _recipe()
+    recipe = _recipe(module)
     stale = [name for name in COMMANDS if not _current(name, recipe)]
     if stale:
         if log:
             what = f"{', '.join(stale)} {KUBERNETES_VERSION}"
             print(f"e2e-cluster: building {what} (cold: about 9 min on 2 cores)", file=sys.stderr)
+        BIN.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in stale]
-        _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], GOMOD)
+        _run_go([_go(), "build", "-trimpath", "-ldflags", LDFLAGS, "-o", str(BIN) + "/", *packages], module)
         for name in stale:
             _stamp(name).write_text(recipe)
         took["kubernetes"] = time.monotonic() - started
@@ -102,8 +164,10 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
             continue
         if log:
             print(f"e2e-cluster: building {', '.join(names)} ({modules[0].rsplit('@', 1)[1]})", file=sys.stderr)
+        TOOLS_BIN.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", *modules], BIN, GOBIN=str(BIN), GOFLAGS="")
+        _run_go([_go(), "install", "-trimpath", "-ldflags", "-s -w", *modules], TOOLS_BIN, GOBIN=str(TOOLS_BIN),
+                GOFLAGS="")  # fmt: skip
         for name in names:
             _stamp(name).write_text(recipe)
         took[part] = time.monotonic() - started
@@ -112,7 +176,7 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
 
 def binary(name: str) -> Path:
     """The cached binary `name`; BuildError (saying what builds it) when it is not there."""
-    path = BIN / name
-    if not path.is_file():
-        raise BuildError(f"{path} is missing: `scripts/e2e-cluster build` builds it")
-    return path
+    built = path(name)
+    if not built.is_file():
+        raise BuildError(f"{built} is missing: `scripts/e2e-cluster build` builds it")
+    return built

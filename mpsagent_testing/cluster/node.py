@@ -27,18 +27,20 @@ from mpsagent_testing.cluster import images
 from mpsagent_testing.cluster.build import binary, ensure_binaries
 from mpsagent_testing.cluster.layout import (
     API_PORT,
-    BIN,
     CDI_SPEC_DIRS,
     CONTAINERD_SOCKET,
     ETCD_PORT,
     KUBECONFIG,
     KUBELET_ROOT,
+    KUBERNETES_VERSION,
     LOGS,
     PAUSE_IMAGE,
     PIDS,
     RUN,
     SERVICE_CIDR,
     STATE,
+    TOOLS_BIN,
+    VERSION_VARIABLE,
 )
 from mpsagent_testing.processes import kill_container
 
@@ -61,6 +63,10 @@ FEATURE_GATES = {"ResourceHealthStatus": True}
 
 class NodeError(RuntimeError):
     """The node could not be brought up or down; the message says which part and has its log's tail."""
+
+
+class OtherReleaseUp(NodeError):
+    """`up` was asked for one Kubernetes release while a node of another is up; that node is left as it is."""
 
 
 def node_name() -> str:
@@ -105,6 +111,12 @@ def recorded() -> dict[str, Recorded]:
     if not PIDS.is_file():
         return {}
     return {name: Recorded(name=name, **entry) for name, entry in json.loads(PIDS.read_text()).items()}
+
+
+def running_version() -> str | None:
+    """The Kubernetes release of the recorded kubelet (the cache folder its binary is in); None without one."""
+    kubelet = recorded().get("kubelet")
+    return Path(kubelet.argv[0]).parent.parent.name if kubelet else None
 
 
 def _record(process: Recorded) -> None:
@@ -463,11 +475,17 @@ def _containerd_ready() -> bool:
 
 
 def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict[str, float]:
-    """Start the node and wait until it is Ready; the seconds each step took. A node that is already up is left
-    as it is; what a node that is partly up (or was left by a machine's restart) left behind is taken down first."""
+    """Start the node and wait until it is Ready; the seconds each step took. A node of this Kubernetes release
+    that is already up is left as it is (one of another release is refused); what a node that is partly up (or was
+    left by a machine's restart) left behind is taken down first."""
     running = recorded()
     if running:
         if all(p.alive() for p in running.values()) and len(running) == 6 and node_ready():
+            if running_version() != KUBERNETES_VERSION:
+                raise OtherReleaseUp(
+                    f"a Kubernetes {running_version()} node is up and this run asks for {KUBERNETES_VERSION} "
+                    f"({VERSION_VARIABLE}): `scripts/e2e-cluster down` first"
+                )
             return {}
         for line in down():
             log(f"e2e-cluster: (a node was partly up) {line}")
@@ -503,7 +521,7 @@ def up(log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -
     _spawn("kube-scheduler", _scheduler_argv())
     containerd_argv = [str(binary("containerd")), "--config", str(_containerd_config())]
     # Its shim is found on PATH: the one built with it.
-    containerd = _spawn("containerd", containerd_argv, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    containerd = _spawn("containerd", containerd_argv, PATH=f"{TOOLS_BIN}:{os.environ.get('PATH', '')}")
     _wait(_containerd_ready, "containerd to answer", containerd)
     for archive in archives:
         images.import_archive(archive)

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from mpsagent_testing.cluster import build, node, pods
-from mpsagent_testing.cluster.layout import BIN, COMMANDS, CONTAINERD_COMMANDS, LOGS
+from mpsagent_testing.cluster.layout import COMMANDS, LOGS, TOOLS
 
 
 def _missing_tools() -> list[str]:
-    needed = ["etcd", "runc", "openssl"]
-    if not all((BIN / name).is_file() for name in (*COMMANDS, *CONTAINERD_COMMANDS, "helm")):
-        needed.append("go")  # only to build what the cache lacks
-    missing = [tool for tool in needed if shutil.which(tool) is None and not Path(f"/usr/local/go/bin/{tool}").exists()]
+    missing = [tool for tool in ("etcd", "runc", "openssl") if shutil.which(tool) is None]
+    built = all(build.path(name).is_file() for name in (*COMMANDS, *TOOLS))
+    if not built and build.find_go(build.go_candidates()) is None:
+        missing.append("Go 1.21+")  # only to build what the cache lacks
     if not Path("/bin/busybox").exists():
         missing.append("busybox-static")
     return missing
@@ -40,6 +40,8 @@ def cluster() -> Iterator[str]:
     was_up = bool(node.recorded())
     try:
         node.up()
+    except node.OtherReleaseUp:
+        raise  # someone else's node: left up
     except BaseException:
         node.down()
         raise

@@ -241,8 +241,10 @@ def test_the_e2e_page_names_every_real_node_scenario_and_the_node_s_pins() -> No
     tests = real_node_tests()
     assert sorted(name for name in tests if f"`{name}`" not in text) == [], "add these scenarios to docs/e2e.md"
     assert sorted(set(re.findall(r"`(test_\w+)`", text)) - tests) == [], "docs/e2e.md names tests that are gone"
-    pins = (layout.KUBERNETES_VERSION, layout.HELM_VERSION, layout.BUSYBOX_IMAGE, layout.SERVICE_CIDR)
-    paths = (layout.CACHE, layout.BIN, layout.IMAGES, layout.STATE, layout.RUN, layout.KUBECONFIG, layout.KUBELET_ROOT)
+    releases = (*layout.KUBERNETES_VERSIONS, layout.VERSION_VARIABLE)
+    pins = (*releases, layout.HELM_VERSION, layout.BUSYBOX_IMAGE, layout.SERVICE_CIDR)
+    caches = [layout.CACHE_ROOT / version / "bin" for version in layout.KUBERNETES_VERSIONS]
+    paths = (*caches, layout.TOOLS_BIN, layout.IMAGES, layout.STATE, layout.RUN, layout.KUBECONFIG, layout.KUBELET_ROOT)
     assert sorted(str(value) for value in (*pins, *paths) if str(value) not in text) == []
 
 

@@ -22,7 +22,7 @@ import yaml
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from mpsagent_testing.cluster.layout import BIN
+from mpsagent_testing.cluster.layout import BIN, TOOLS_BIN
 from mpsagent_testing.packaging import DRA_RULES
 from mpsagent_testing.repo import ROOT
 
@@ -40,16 +40,16 @@ def _helm() -> Path | None:
         if not os.access(configured, os.X_OK):
             raise RuntimeError(f"HELM={configured} is not an executable file")
         return Path(configured)
-    cached = BIN / "helm"
+    cached = TOOLS_BIN / "helm"
     return cached if cached.is_file() else None
 
 
 HELM = _helm()
 if HELM is None:
     if os.environ.get("CI"):
-        raise RuntimeError(f"helm is missing in CI: `scripts/e2e-cluster build` builds it into {BIN} (or set HELM)")
+        raise RuntimeError(f"helm is missing in CI: `scripts/e2e-cluster build` builds it in {TOOLS_BIN} (or set HELM)")
     pytest.skip(
-        f"helm not built (`scripts/e2e-cluster build` builds it into {BIN}; or set HELM)", allow_module_level=True
+        f"helm not built (`scripts/e2e-cluster build` builds it in {TOOLS_BIN}; or set HELM)", allow_module_level=True
     )
 
 # Removed before comparing with kustomize: Helm's standard labels, on each object's metadata only.
