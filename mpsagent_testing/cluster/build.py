@@ -29,7 +29,8 @@ from mpsagent_testing.cluster.layout import (
 
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
-"""A cold build of the five commands took 9 minutes on 2 cores, helm 3 more (docs/e2e.md); the bound leaves room."""
+"""A cold build of v1.37.2's five commands took 7 minutes on 2 cores, helm and containerd 1 each (docs/e2e.md); the
+bound leaves room."""
 OLDEST_GO_MINOR = 21
 """Go 1.21 is the first that fetches the toolchain a module names (the wrapper modules name Go 1.26)."""
 
@@ -143,7 +144,7 @@ def ensure_binaries(log: bool = True) -> dict[str, float]:
     if stale:
         if log:
             what = f"{', '.join(stale)} {KUBERNETES_VERSION}"
-            print(f"e2e-cluster: building {what} (cold: about 9 min on 2 cores)", file=sys.stderr)
+            print(f"e2e-cluster: building {what} (cold: about 7 min on 2 cores)", file=sys.stderr)
         BIN.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in stale]
