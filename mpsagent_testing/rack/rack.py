@@ -7,7 +7,9 @@ accounts and the namespace."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -32,6 +34,8 @@ NAMESPACE_GONE_S = 180.0
 SLICES_TIMEOUT_S = 120.0
 GRANT_SEEN_TIMEOUT_S = 10.0
 SETTLE_TIMEOUT_S = 240.0
+PROBLEMS_SHOWN = 10
+"""An agent's last warnings and errors printed when the block fails."""
 PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
 CLAIMS = f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -89,7 +93,19 @@ class Rack:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if error is not None:
+            self._tell_agents_problems()
         self.close()
+
+    def _tell_agents_problems(self) -> None:
+        """Print each agent's last warnings and errors (its log goes with the rack's directory): the test's or the
+        bench's output shows them beside the failure."""
+        for agent in self.agents.agents:
+            if agent.process is None:
+                continue
+            events = [e for e in agent.process.log_events() if e.get("level") in {"warning", "error", "critical"}]
+            for event in events[-PROBLEMS_SHOWN:]:
+                print(f"{agent.node}: {json.dumps(event)}", file=sys.stderr)
 
     def _up(self) -> None:
         self._clean()
