@@ -12,6 +12,8 @@ only; nothing in `mpsagent` imports it (an import-linter contract).
   (`podresources`), the device-plugin calls a kubelet makes (`calls`);
 - `kube_api` — the Kubernetes API server's objects (a claim, the node, its slice) and the agent's API client over a
   mock transport;
+- `cluster` — the real single-node Kubernetes of the e2e tests; `rack` — N agents on its API server, each on a node
+  no kubelet runs, for the rack bench and its test;
 - `nvml` — the fake `libnvidia-ml.so.1` (`build`) and what drives it from outside (`control`);
 - `mps` — the real control daemon's front-end for tests (`daemon`) and a fake `nvidia-cuda-mps-control` for faults;
 - `cuda_torch` — a stand-in `torch` for the GPU share bench's clients;

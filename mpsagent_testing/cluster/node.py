@@ -59,6 +59,11 @@ STOP_GRACE_S = 10.0
 START_TIMEOUT_S = 90.0
 FEATURE_GATES = {"ResourceHealthStatus": True}
 """Device health in pod status (`allocatedResourcesStatus`, KEP-4680), for the agent's health scenarios."""
+AUDITED_NAMESPACE = "mpsagent-audited"
+"""The API server logs every request of this namespace's service accounts, and no one else's, to AUDIT_LOG (its
+metadata: who, verb, resource, stage, status), so that a client's own requests can be counted: the rack's agents
+(`mpsagent_testing.rack`) each run as one. Its request metrics have no user label."""
+AUDIT_LOG = LOGS / "audit.log"
 
 
 class NodeError(RuntimeError):
@@ -284,7 +289,7 @@ def _pki() -> None:
     _openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
 
-def _kubeconfig(path: Path, user: str, token: str) -> None:
+def write_kubeconfig(path: Path, user: str, token: str) -> None:
     """A kubeconfig (JSON is YAML) for `user` with a bearer token."""
     config = {
         "apiVersion": "v1",
@@ -311,8 +316,18 @@ def _credentials() -> None:
     node = f"system:node:{node_name()}"
     (STATE / "tokens.csv").write_text(f'{admin},admin,admin,"system:masters"\n{kubelet},{node},{node},"system:nodes"\n')
     (STATE / "admin.token").write_text(admin)
-    _kubeconfig(KUBECONFIG, "admin", admin)
-    _kubeconfig(STATE / "kubelet.kubeconfig", node, kubelet)
+    write_kubeconfig(KUBECONFIG, "admin", admin)
+    write_kubeconfig(STATE / "kubelet.kubeconfig", node, kubelet)
+
+
+def _audit_policy() -> Path:
+    """Metadata of the requests of AUDITED_NAMESPACE's service accounts; nothing of anyone else's (the node's own
+    parts and the tests write no audit line)."""
+    path = STATE / "audit-policy.json"
+    rules = [{"level": "Metadata", "userGroups": [f"system:serviceaccounts:{AUDITED_NAMESPACE}"]}, {"level": "None"}]
+    policy = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": rules}
+    path.write_text(json.dumps(policy, indent=1))
+    return path
 
 
 def _containerd_config() -> Path:
@@ -426,6 +441,8 @@ def _apiserver_argv() -> list[str]:
         "--kubelet-preferred-address-types=Hostname",
         "--feature-gates=" + ",".join(f"{gate}={str(on).lower()}" for gate, on in FEATURE_GATES.items()),
         "--profiling=false",
+        f"--audit-policy-file={_audit_policy()}",
+        f"--audit-log-path={AUDIT_LOG}",
     ]
 
 
