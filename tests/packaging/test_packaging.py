@@ -31,6 +31,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from mpsagent_testing.cluster.layout import KUBERNETES_VERSIONS
 from mpsagent_testing.images import DOCKERFILE, IMAGE_TIMEOUT_S, podman
 from mpsagent_testing.kubelet.fake import FakeKubelet, wait_for
 from mpsagent_testing.node import small_node, write_config
@@ -1020,10 +1021,15 @@ def test_the_agents_wheel_carries_the_agent_only(wheels: dict[str, set[str]]) ->
 def test_the_test_supports_wheel_carries_the_fakes_and_the_protos(wheels: dict[str, set[str]]) -> None:
     members = wheels["mpsagent_testing"]
     assert {m.split("/")[0] for m in members if not m.startswith("mpsagent_testing-")} == {"mpsagent_testing"}
+    modules = {
+        f"cluster/gomod/{module.parent.name}/{module.name}"
+        for module in (ROOT / "mpsagent_testing" / "cluster" / "gomod").glob("v1.*/*")
+    }
+    assert len(modules) == 3 * len(KUBERNETES_VERSIONS), "each release's wrapper module: go.mod, go.sum, tools.go"
     needed = {
         "nvml/fake_nvml.c",
         "mps/nvidia-cuda-mps-control",
-        "cluster/gomod/go.sum",
+        *modules,
         "kubelet/protos/deviceplugin/v1beta1/api.proto",
         "kubelet/protos/podresources/v1/api.proto",
     }
