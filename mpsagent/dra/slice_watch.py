@@ -1,26 +1,22 @@
 """Watching what the API server has: the slice publisher's watcher lists the driver's slices on the node into the
-view (`slice_view`), the resourceVersion to watch from, and follows the watch, listing again when it fails (with
-backoff) and every WATCH_SESSION_S (a connection gone silent raises nothing). It tells the publisher
-(`slice_publisher`, which starts it) each time the view changes.
+view (`slice_view`), the resourceVersion to watch from, and follows the watch (`list_watch`: listed again when it
+fails, with backoff, and every WATCH_SESSION_S). It tells the publisher (`slice_publisher`, which starts it) each time
+the view changes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import aclosing
 
-import anyio
+from lightkube.resources.resource_v1 import ResourceSlice
 
 from mpsagent.base.backoff import Backoff
 from mpsagent.base.episodes import FailureEpisodes
 from mpsagent.base.errors import KubeApiError
 from mpsagent.dra.api import KubeApi
+from mpsagent.dra.list_watch import list_and_watch
 from mpsagent.dra.slice_view import SliceView
 
-WATCH_SESSION_S = 300.0
-"""The slices are listed and watched again at least this often: a connection gone silent raises nothing."""
-WATCH_HEALTHY_S = 30.0
-"""A watch that lasted this long was a good one: the next list follows without backoff."""
 _EVENTS = frozenset({"ADDED", "MODIFIED", "DELETED"})
 
 
@@ -49,36 +45,29 @@ class SliceWatcher:
 
     async def run(self) -> None:
         """List and watch until cancelled."""
-        view, backoff = self._view, self._backoff
-        while True:
-            started = anyio.current_time()
-            try:
-                items, version = await self._api.list_slices(driver=view.driver, node=view.node)
-            except KubeApiError as exc:
-                view.fresh = False
-                self._publishing.failed(str(exc))
-                await backoff.wait()
-                continue
-            view.take_list(items, version)
-            self._changed()
-            try:
-                with anyio.move_on_after(WATCH_SESSION_S):
-                    await self._follow(version, started)
-                self._watching.works()
-            except KubeApiError as exc:
-                self._watching.failed(str(exc))
-            if anyio.current_time() - started >= WATCH_HEALTHY_S:
-                backoff.reset()
-            else:
-                await backoff.wait()
-
-    async def _follow(self, version: str, started: float) -> None:
         view = self._view
-        async with aclosing(
-            self._api.watch_slices(driver=view.driver, node=view.node, resource_version=version)
-        ) as events:
-            async for kind, item in events:
-                if anyio.current_time() - started >= WATCH_HEALTHY_S:
-                    self._watching.works()
-                if kind in _EVENTS and not view.own_write(item) and view.saw(item, gone=kind == "DELETED"):
-                    self._changed()
+        await list_and_watch(
+            listed=self._listed,
+            events=lambda version: self._api.watch_slices(driver=view.driver, node=view.node, resource_version=version),
+            seen=self._seen,
+            watching=self._watching,
+            backoff=self._backoff,
+        )
+
+    async def _listed(self) -> str | None:
+        view = self._view
+        try:
+            items, version = await self._api.list_slices(driver=view.driver, node=view.node)
+        except KubeApiError as exc:
+            view.fresh = False
+            self._publishing.failed(str(exc))
+            await self._backoff.wait()
+            return None
+        view.take_list(items, version)
+        self._changed()
+        return version
+
+    def _seen(self, kind: str, item: ResourceSlice) -> None:
+        view = self._view
+        if kind in _EVENTS and not view.own_write(item) and view.saw(item, gone=kind == "DELETED"):
+            self._changed()

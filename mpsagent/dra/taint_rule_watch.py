@@ -1,15 +1,12 @@
-"""The administrators' DeviceTaintRules (KEP-5055; `resource.k8s.io/v1` from Kubernetes 1.37) that taint devices of
-the node's slice, as the API server has them: listed, then watched, listed again when the watch fails (with backoff)
-and every WATCH_SESSION_S (a connection gone silent raises nothing). The scheduler applies a rule to the devices it
-selects without changing their slice, so the agent writes nothing for one and nothing it does depends on one: it
-shows them (`--status`, and a log line as a rule starts or stops tainting the node's devices). An API server that
-serves none (Kubernetes 1.36, whose beta API is off by default) is asked again every NOT_SERVED_RETRY_S. The claim
-server starts the watcher and reads `rules` and `unseen` for the status.
+"""The administrators' DeviceTaintRules (KEP-5055; `resource.k8s.io/v1` from Kubernetes 1.37) that taint devices of the
+node's slice, as the API server has them: listed, then watched (`list_watch`, as the slices are). The scheduler
+applies a rule to the devices it selects without changing their slice, so the agent writes nothing for one and
+nothing it does depends on one: it shows them (`--status`, and a log line as a rule starts or stops tainting the
+node's devices). An API server that serves none (Kubernetes 1.36, whose beta API is off by default) is asked again
+every NOT_SERVED_RETRY_S. The claim server starts the watcher and reads `rules` and `unseen` for the status.
 """
 
 from __future__ import annotations
-
-from contextlib import aclosing
 
 import anyio
 from lightkube.resources.resource_v1 import DeviceTaintRule
@@ -20,13 +17,10 @@ from mpsagent.base.errors import KubeApiError, shown
 from mpsagent.base.logs import get_logger
 from mpsagent.domain.claims import NodeSlice, TaintRule, TaintSelector, tainted_devices
 from mpsagent.dra.api import KubeApi
+from mpsagent.dra.list_watch import list_and_watch
 
 log = get_logger("mpsagent.taint_rules")
 
-WATCH_SESSION_S = 300.0
-"""The rules are listed and watched again at least this often, as the slices are."""
-WATCH_HEALTHY_S = 30.0
-"""A watch that lasted this long was a good one: the next list follows without backoff, and a failure is over."""
 NOT_SERVED_RETRY_S = 600.0
 """How often an API server that serves no DeviceTaintRules is asked again (it may be upgraded meanwhile)."""
 NOT_LISTED = "not listed yet"
@@ -105,41 +99,34 @@ class TaintRuleWatcher:
 
     async def run(self) -> None:
         """List and watch until cancelled."""
-        backoff = self._backoff
-        while True:
-            started = anyio.current_time()
-            try:
-                items, version = await self._api.list_taint_rules()
-            except KubeApiError as exc:
-                if exc.status != 404:
-                    self.listing.failed(str(exc))
-                    await backoff.wait()
-                    continue
-                self._not_served()
-                await anyio.sleep(NOT_SERVED_RETRY_S)
-                continue
-            self.listing.works()
-            self._take_list(items)
-            try:
-                with anyio.move_on_after(WATCH_SESSION_S):
-                    await self._follow(version, started)
-                self.watching.works()
-            except KubeApiError as exc:
-                self.watching.failed(str(exc))
-            if anyio.current_time() - started >= WATCH_HEALTHY_S:
-                backoff.reset()
-            else:
-                await backoff.wait()
+        await list_and_watch(
+            listed=self._listed,
+            events=lambda version: self._api.watch_taint_rules(resource_version=version),
+            seen=self._seen,
+            watching=self.watching,
+            backoff=self._backoff,
+        )
 
-    async def _follow(self, version: str, started: float) -> None:
-        async with aclosing(self._api.watch_taint_rules(resource_version=version)) as events:
-            async for kind, item in events:
-                if anyio.current_time() - started >= WATCH_HEALTHY_S:
-                    self.watching.works()
-                if kind in ("ADDED", "MODIFIED"):
-                    self._saw(taint_rule(item))
-                elif kind == "DELETED":
-                    self._gone(taint_rule(item).name)
+    async def _listed(self) -> str | None:
+        try:
+            items, version = await self._api.list_taint_rules()
+        except KubeApiError as exc:
+            if exc.status != 404:
+                self.listing.failed(str(exc))
+                await self._backoff.wait()
+                return None
+            self._not_served()
+            await anyio.sleep(NOT_SERVED_RETRY_S)
+            return None
+        self.listing.works()
+        self._take_list(items)
+        return version
+
+    def _seen(self, kind: str, item: DeviceTaintRule) -> None:
+        if kind in ("ADDED", "MODIFIED"):
+            self._saw(taint_rule(item))
+        elif kind == "DELETED":
+            self._gone(taint_rule(item).name)
 
     def _take_list(self, items: list[DeviceTaintRule]) -> None:
         listed = {rule.name: rule for rule in map(taint_rule, items)}

@@ -22,7 +22,7 @@ from lightkube.resources.resource_v1 import ResourceSlice
 from structlog.testing import capture_logs
 
 from mpsagent.domain.claims import DRA_DRIVER, NodeSlice
-from mpsagent.dra import slice_publisher, slice_watch, slice_writer
+from mpsagent.dra import list_watch, slice_publisher, slice_writer
 from mpsagent.dra.slice_object import CONTENT_ANNOTATION, resource_slice, slice_matches
 from mpsagent.dra.slice_publisher import SlicePublisher
 from mpsagent_testing.kube_api import NODE, NODE_OBJECT, NODE_SLICE, SLICE, SLICE_PATH, kube_api, status
@@ -250,7 +250,7 @@ async def test_the_slice_is_published_once_and_an_idle_node_writes_nothing_after
 ) -> None:
     """Today's claim server applied the slice every 60 s; the publisher writes once, then only reads: the watch,
     and a list each WATCH_SESSION_S (shortened here, so that the idle window sees several)."""
-    monkeypatch.setattr(slice_watch, "WATCH_SESSION_S", 0.2)
+    monkeypatch.setattr(list_watch, "WATCH_SESSION_S", 0.2)
     server = FakeApiServer()
     async with running(server) as publisher:
         await until(lambda: publisher.published)
