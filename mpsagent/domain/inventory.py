@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import anyio
-
+from mpsagent.base.changes import Changes
 from mpsagent.base.devices import GpuUuid, Health, ReplicaId, gpu_of
 from mpsagent.domain.accounting import Withheld
 from mpsagent.domain.plan import ResourcePlan
@@ -39,14 +38,13 @@ class Inventory:
         self._gpu_problems: dict[GpuUuid, dict[str, str]] = {gpu.uuid: {} for gpu in resource.gpus}
         self._resource_problems: dict[str, str] = {} if daemon_ready else {"mps daemon": "its MPS daemon is not up"}
         self._withheld: dict[GpuUuid, Withheld] = {}
-        self._generation = 0
+        self._changes = Changes()
         self._snapshot: InventorySnapshot | None = None
         """The last snapshot taken, reused while the generation is its own (every change bumps it)."""
-        self._changed: anyio.Event | None = None  # created by the first waiter, inside the event loop
 
     @property
     def generation(self) -> int:
-        return self._generation
+        return self._changes.count
 
     def has_gpu(self, uuid: GpuUuid) -> bool:
         return uuid in self._gpu_problems
@@ -64,7 +62,7 @@ class Inventory:
         return tuple(self._withheld.values())
 
     def snapshot(self) -> InventorySnapshot:
-        if self._snapshot is None or self._snapshot.generation != self._generation:
+        if self._snapshot is None or self._snapshot.generation != self._changes.count:
             self._snapshot = self._take_snapshot()
         return self._snapshot
 
@@ -80,7 +78,7 @@ class Inventory:
             )
             for replica, gpu in ((r, gpu_of(r)) for r in self._resource.device_ids)
         )
-        return InventorySnapshot(generation=self._generation, devices=devices)
+        return InventorySnapshot(generation=self._changes.count, devices=devices)
 
     def _withheld_ids(self) -> list[ReplicaId]:
         """The IDs withheld: each GPU's last free IDs (so that the lowest stay offered, as they were)."""
@@ -114,15 +112,8 @@ class Inventory:
         return True
 
     def _bump(self) -> None:
-        self._generation += 1
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        self._changes.changed()
 
     async def wait_changed(self, since: int) -> int:
         """Wait until the generation differs from `since`; returns the new generation."""
-        while self._generation == since:
-            if self._changed is None:
-                self._changed = anyio.Event()
-            await self._changed.wait()
-        return self._generation
+        return await self._changes.wait(since)
