@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from mpsagent_testing.agents import AgentProcess, spawn_agent, status_of
-from mpsagent_testing.cluster.layout import RUN
+from mpsagent_testing.cluster import kubectl
+from mpsagent_testing.cluster.layout import KUBECONFIG, RUN
 from mpsagent_testing.nvml.build import build_fake_nvml, fake_nvml_env
 from mpsagent_testing.nvml.control import CgroupLayout, FakeNvmlDriver
 from mpsagent_testing.processes import kill_processes_using
@@ -83,6 +84,17 @@ class HostAgents:
         self.started.append(agent)
         return agent
 
+    def start_dra(self, config_text: str, node: str, *extra: str) -> AgentProcess:
+        """An agent with `--dra on` as node `node` (the node's kubeconfig, no metrics endpoint), once its DRA driver
+        serves and the kubelet has registered it."""
+        agent = self.start(
+            config_text,
+            "--dra", "on", "--kubeconfig", str(KUBECONFIG), "--node-name", node, "--metrics-address", "", *extra,
+        )  # fmt: skip
+        agent.wait_log("dra driver serving", timeout=30)
+        kubectl.wait_for(lambda: dra_status().get("registered"), 30, "the DRA driver to be registered with the kubelet")
+        return agent
+
     def close(self) -> None:
         """Stop every agent still running (SIGTERM, so that it removes its sockets and its ResourceSlice: the
         kubelet keeps calling a registered socket left behind; SIGKILL after 10 s) and end the MPS daemons they
@@ -101,6 +113,12 @@ def status() -> dict[str, Any]:
         raise AssertionError(f"mpsagent --status exited {done.returncode}: {done.stderr[-2000:]}")
     document: dict[str, Any] = json.loads(done.stdout)
     return document
+
+
+def dra_status() -> dict[str, Any]:
+    """The DRA part of `status()` (empty without `--dra on`)."""
+    found: dict[str, Any] = status().get("dra") or {}
+    return found
 
 
 def status_text() -> str:

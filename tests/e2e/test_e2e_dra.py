@@ -20,8 +20,7 @@ import pytest
 from mpsagent_testing.agents import AgentProcess
 from mpsagent_testing.cgroups import pod_cgroup
 from mpsagent_testing.cluster import claims, kubectl, node, pods
-from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, pipe_directory, status
-from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.cluster.host_agent import GIB, HostAgents, dra_status, fake_gpu, pipe_directory, status
 from mpsagent_testing.mps.daemon import require_real_control, silent_connection
 
 require_real_control()
@@ -80,20 +79,15 @@ the next scenario finds its GPUs empty sooner."""
 
 
 def start(agents: HostAgents, cluster: str) -> AgentProcess:
-    agent = agents.start(
+    agent = agents.start_dra(
         CONFIG,
-        "--dra", "on",
-        "--kubeconfig", str(KUBECONFIG),
-        "--node-name", cluster,
-        "--metrics-address", "",
+        cluster,
         "--health-recovery-seconds", RECOVERY_S,
         "--reconcile-grace-seconds", RECONCILE_S,
         "--probe-interval-seconds", PROBE_INTERVAL_S,
     )  # fmt: skip
-    agent.wait_log("dra driver serving", timeout=30)
     # A restarted agent may find its slice as it should be, and write nothing.
     kubectl.wait_for(_listed_slices, 30, "the node's ResourceSlice")
-    kubectl.wait_for(lambda: dra_status().get("registered"), 30, "the DRA driver to be registered with the kubelet")
     return agent
 
 
@@ -114,11 +108,6 @@ def _clean(cluster: str) -> Iterator[None]:
         float(RECONCILE_S) + UNPREPARE_S,
         "every device-plugin grant to be freed",
     )
-
-
-def dra_status() -> dict[str, Any]:
-    found: dict[str, Any] = status().get("dra") or {}
-    return found
 
 
 def prepared() -> dict[str, dict[str, Any]]:

@@ -20,8 +20,7 @@ import pytest
 
 from mpsagent_testing.agents import AgentProcess
 from mpsagent_testing.cluster import claims, kubectl, pods
-from mpsagent_testing.cluster.host_agent import GIB, MPS_ROOT, HostAgents, fake_gpu, status
-from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.cluster.host_agent import GIB, MPS_ROOT, HostAgents, dra_status, fake_gpu, status
 from mpsagent_testing.mps.daemon import require_real_control
 from mpsagent_testing.repo import ROOT
 
@@ -69,19 +68,13 @@ def agents(cluster: str) -> Iterator[HostAgents]:
 
 
 def start(agents: HostAgents, cluster: str) -> AgentProcess:
-    agent = agents.start(
+    return agents.start_dra(
         CONFIG,
-        "--dra", "on",
-        "--kubeconfig", str(KUBECONFIG),
-        "--node-name", cluster,
-        "--metrics-address", "",
+        cluster,
         "--reconcile-grace-seconds", str(RECONCILE_S),
         "--probe-interval-seconds", "1",
         "--cdi-hook", str(hook_wrapper(agents.directory, agents.env)),
     )  # fmt: skip
-    agent.wait_log("dra driver serving", timeout=30)
-    kubectl.wait_for(lambda: (status().get("dra") or {}).get("registered"), 30, "the DRA driver registered")
-    return agent
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +87,7 @@ def _clean(cluster: str) -> Iterator[None]:
     yield
     pods.delete_all()
     claims.delete_templates()
-    kubectl.wait_for(lambda: not (status().get("dra") or {}).get("claims"), UNPREPARE_S, "every claim unprepared")
+    kubectl.wait_for(lambda: not dra_status().get("claims"), UNPREPARE_S, "every claim unprepared")
 
 
 def with_command(manifest: dict[str, Any], script: str, *, restart: str = "Never") -> dict[str, Any]:

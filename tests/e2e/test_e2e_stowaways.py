@@ -15,8 +15,7 @@ import pytest
 
 from mpsagent_testing.agents import AgentProcess
 from mpsagent_testing.cluster import claims, kubectl, pods
-from mpsagent_testing.cluster.host_agent import GIB, HostAgents, fake_gpu, status
-from mpsagent_testing.cluster.layout import KUBECONFIG
+from mpsagent_testing.cluster.host_agent import GIB, HostAgents, dra_status, fake_gpu, status
 from mpsagent_testing.mps.daemon import require_real_control
 
 require_real_control()
@@ -44,18 +43,9 @@ def agents(cluster: str) -> Iterator[HostAgents]:
 
 @pytest.fixture(scope="module")
 def agent(agents: HostAgents, cluster: str) -> AgentProcess:
-    started = agents.start(
-        CONFIG,
-        "--dra", "on",
-        "--kubeconfig", str(KUBECONFIG),
-        "--node-name", cluster,
-        "--metrics-address", "",
-        "--reconcile-grace-seconds", str(RECONCILE_S),
-        "--probe-interval-seconds", str(PROBE_S),
-    )  # fmt: skip
-    started.wait_log("dra driver serving", timeout=30)
-    kubectl.wait_for(lambda: (status().get("dra") or {}).get("registered"), 30, "the DRA driver registered")
-    return started
+    return agents.start_dra(
+        CONFIG, cluster, "--reconcile-grace-seconds", str(RECONCILE_S), "--probe-interval-seconds", str(PROBE_S)
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +55,7 @@ def _clean(agents: HostAgents, cluster: str) -> Iterator[None]:
         agents.driver.set_processes(gpu["uuid"], [], mps=True)
     pods.delete_all()
     kubectl.run("delete", "resourceclaim", "--all", "-n", pods.NAMESPACE, "--ignore-not-found", check=False)
-    kubectl.wait_for(lambda: not (status().get("dra") or {}).get("claims"), UNPREPARE_S, "every claim unprepared")
+    kubectl.wait_for(lambda: not dra_status().get("claims"), UNPREPARE_S, "every claim unprepared")
 
 
 def sleeper(pod: str) -> int:
@@ -142,7 +132,7 @@ def test_a_pod_that_shares_a_claim_prepared_for_another_is_not_a_stowaway(
     pods.wait_running("first")
     kubectl.apply(second)
     pods.wait_running("second")
-    (claim,) = (status().get("dra") or {})["claims"]
+    (claim,) = dra_status()["claims"]
     assert claim["pods"] == [f"{pods.NAMESPACE}/first"], "prepared once, for the first pod"
     uuid = pods.report("second").env["NVIDIA_VISIBLE_DEVICES"]
     before = len(found(agent))
