@@ -4,8 +4,6 @@ agent's socket: test_plugin_integration.py, test_hostile_requests.py, test_input
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ from mpsagent.domain.inventory import Inventory
 from mpsagent.domain.plan import build_plan
 from mpsagent.gpu.snapshot import SnapshotGpuSource
 from mpsagent.kubelet.wire import EndedInsideMessage, RequestWire
+from mpsagent_testing.kubelet.cancel import cancelled_after
 from mpsagent_testing.mps.ceilings import SWITCH_TURNS, FakeCeilings
 from mpsagent_testing.node import ALL, GPU0, GPU1, RESOURCE, config, ids, small_node
 
@@ -229,15 +228,8 @@ def test_an_allocate_cancelled_at_any_await_is_withdrawn_or_stands_exactly_once(
     async def cancelled(served: Served, turns: int) -> tuple[bool, object, object]:
         await served.servicer.allocate(allocate_request(ids(GPU0, 0)))  # an earlier grant, its ceilings held
         before = (served.live(), served.daemon.held)
-        call = asyncio.ensure_future(served.servicer.allocate(allocate_request(ids(GPU0, 1, 2))))
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        completed = call.done()
-        for _ in range(cancels):
-            call.cancel()
-            await asyncio.sleep(0)
-        with contextlib.suppress(asyncio.CancelledError):
-            await call
+        call = served.servicer.allocate(allocate_request(ids(GPU0, 1, 2)))
+        completed = await cancelled_after(call, turns=turns, cancels=cancels)
         return completed, before, (served.live(), served.daemon.held)
 
     for turns in range(4 * SWITCH_TURNS):

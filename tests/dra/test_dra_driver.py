@@ -12,7 +12,6 @@ written, nothing."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from mpsagent.dra import cdi, checkpoint
 from mpsagent.dra.driver import ClaimDriver
 from mpsagent.dra.prepared_claims import CHECKPOINT_FILE
 from mpsagent.gpu.snapshot import SnapshotGpuSource
+from mpsagent_testing.kubelet.cancel import cancelled_after
 from mpsagent_testing.mps.ceilings import SWITCH_TURNS, FakeCeilings
 from mpsagent_testing.node import small_node
 
@@ -171,21 +171,6 @@ def completed_state(before: NodeState, node: Node) -> NodeState:
 # --- cancelled at every await ------------------------------------------------------------------------------
 
 
-async def cancelled_after(turns: int | None, call: Coroutine[object, object, object]) -> bool:
-    """Start `call`, let the loop turn `turns` times (None: until it completes), then cancel it as grpclib does (the
-    task's own `cancel`); whether it had completed by then."""
-    task = asyncio.ensure_future(call)
-    if turns is None:
-        await asyncio.wait((task,))
-    for _ in range(turns or 0):
-        await asyncio.sleep(0)
-    completed = task.done()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return completed
-
-
 SWEPT_TURNS = 40
 """Turns swept one by one: past the API reads and every switch of both daemons; then the worker thread's writes take
 real time, and a last call runs to its end."""
@@ -195,7 +180,7 @@ async def prepare_cancelled(node: Node, turns: int | None) -> tuple[bool, NodeSt
     """Whether the prepare of A and C had completed, the state before it, the state once it was cancelled; then the
     kubelet's retry, which holds each claim once whatever the cancelled call left."""
     before = await prepared_earlier(node)
-    completed = await cancelled_after(turns, node.driver.prepare([CLAIM_A, CLAIM_C]))
+    completed = await cancelled_after(node.driver.prepare([CLAIM_A, CLAIM_C]), turns=turns)
     after = node.state()
     retried = await node.driver.prepare([CLAIM_A, CLAIM_C])
     assert [o.error for o in retried.values()] == ["", ""]
@@ -222,7 +207,7 @@ async def unprepare_cancelled(node: Node, turns: int) -> tuple[bool, NodeState, 
     empty = node.state()
     assert (await node.driver.prepare([CLAIM_A]))[CLAIM_A.uid].error == ""
     prepared = node.state()
-    completed = await cancelled_after(turns, node.driver.unprepare([CLAIM_A]))
+    completed = await cancelled_after(node.driver.unprepare([CLAIM_A]), turns=turns)
     after = node.state()
     assert await node.driver.unprepare([CLAIM_A]) == {CLAIM_A.uid: ""}
     assert node.state() == empty

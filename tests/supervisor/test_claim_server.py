@@ -11,8 +11,6 @@ again; and `--status`'s view of it all."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -46,6 +44,7 @@ from mpsagent.mps.paths import prepare_directories
 from mpsagent.supervisor.claim_server import ClaimServer
 from mpsagent.supervisor.resource_server import ResourceServer
 from mpsagent_testing.domain import claims_held
+from mpsagent_testing.kubelet.cancel import cancelled_after
 from mpsagent_testing.mps.daemon import REAL_BIN, control, require_real_control, restored_after
 from mpsagent_testing.node import GPU0, GPU1, RESOURCE, config, small_node, write_config
 from mpsagent_testing.processes import alive, processes_using
@@ -1045,12 +1044,8 @@ def test_a_prepare_cancelled_at_any_point_leaves_the_node_as_if_it_never_happene
         async with agent.running():
             node.api.allocate(allocation(CLAIM_A), allocation(CLAIM_C, device="gpu-1", memory_bytes=20 * GIB))
             for turns in range(400):
-                call = asyncio.ensure_future(agent.claims.driver.prepare([CLAIM_A, CLAIM_C]))
-                await asyncio.sleep(turns / 2000)
-                completed = call.done()
-                call.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await call
+                call = agent.claims.driver.prepare([CLAIM_A, CLAIM_C])
+                completed = await cancelled_after(call, seconds=turns / 2000)
                 state = (agent.claim_grants(), node.checkpointed(), node.spec_uids(), agent.ceilings())
                 if not completed:
                     assert state == ([], [], set(), WHOLE), f"cancelled after {turns} turns"
