@@ -261,6 +261,19 @@ def kubelet_healthy() -> bool:
     return _http_ok("http://127.0.0.1:10248/healthz")
 
 
+def kubelet_goroutines() -> str:
+    """The kubelet's goroutines with their stacks (its pprof handler: anonymous, on loopback), or why not."""
+    unverified = ssl.create_default_context()
+    unverified.check_hostname = False
+    unverified.verify_mode = ssl.CERT_NONE  # the kubelet's self-signed serving certificate
+    try:
+        url = "https://127.0.0.1:10250/debug/pprof/goroutine?debug=2"
+        with urllib.request.urlopen(url, timeout=10, context=unverified) as response:
+            return str(response.read().decode(errors="replace"))
+    except OSError as exc:
+        return f"(the kubelet's goroutines could not be read: {exc})"
+
+
 # --- configuration ----------------------------------------------------------------------------------------------
 
 

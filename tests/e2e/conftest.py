@@ -1,6 +1,7 @@
 """The real node for the end-to-end tests: built once (cached; `scripts/test` builds it before pytest), brought up
 for these tests and taken down after them, pass or fail. A failed test prints the tails of the kubelet's, the
-agents' and its pods' logs."""
+agents' and its pods' logs, the kubelet's last lines of DRA and device-plugin work (its tail is mostly node status),
+and the kubelet's goroutines inside a DRA or device-plugin call (one that waits on an agent shows there)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,29 @@ def cluster() -> Iterator[str]:
         node.down()
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def _tail(path: Path, lines: int = 30, *, mentioning: tuple[str, ...] = ()) -> str:
     if not path.is_file():
         return f"(no {path})"
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    found = path.read_text(errors="replace").splitlines()
+    if mentioning:
+        found = [line for line in found if any(word in line for word in mentioning)]
+    return "\n".join(found[-lines:])
+
+
+KUBELET_PLUGIN_WORDS = ("dra", "DRA", "claim", "Claim", "plugin", "Plugin", "Error syncing")
+"""What the kubelet logs of its DRA and device-plugin work (and a pod's sync failing), at the node's verbosity."""
+
+
+def _kubelet_calls_waiting() -> str:
+    """The kubelet's goroutines inside a DRA or device-plugin call, from its pprof handler through the API server:
+    a call the kubelet waits on for an agent's answer shows here and nowhere in its log."""
+    dump = node.kubelet_goroutines()
+    stacks = [
+        stack
+        for stack in dump.split("\n\n")
+        if any(part in stack.partition("\ncreated by ")[0] for part in ("/cm/dra", "/cm/devicemanager"))
+    ]
+    return "\n\n".join(stacks) if stacks else dump[:200] if dump.startswith("(") else "(none)"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -63,11 +83,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()
     if report.when != "call" or not report.failed or not node.recorded():
         return
-    sections = [("kubelet", _tail(LOGS / "kubelet.log"))]
+    kubelet_log = LOGS / "kubelet.log"
+    sections = [
+        ("kubelet", _tail(kubelet_log)),
+        ("kubelet's DRA and device-plugin lines", _tail(kubelet_log, 40, mentioning=KUBELET_PLUGIN_WORDS)),
+    ]
     launcher = item.funcargs.get("agents")
     for agent in getattr(launcher, "started", []):
         sections.append((f"agent {agent.log_path.name}", _tail(agent.log_path)))
     try:
+        sections.append(("kubelet's goroutines in DRA and device-plugin calls", _kubelet_calls_waiting()))
         listed = pods.kubectl.get("pods", "-A")["items"]
         for pod in listed:
             name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
