@@ -261,17 +261,29 @@ def kubelet_healthy() -> bool:
     return _http_ok("http://127.0.0.1:10248/healthz")
 
 
-def kubelet_goroutines() -> str:
-    """The kubelet's goroutines with their stacks (its pprof handler: anonymous, on loopback), or why not."""
+def _kubelet_get(path: str) -> str:
+    """GET `path` of the kubelet's authenticated port (anonymous and always allowed on this node, on loopback)."""
     unverified = ssl.create_default_context()
     unverified.check_hostname = False
     unverified.verify_mode = ssl.CERT_NONE  # the kubelet's self-signed serving certificate
+    with urllib.request.urlopen(f"https://127.0.0.1:10250{path}", timeout=10, context=unverified) as response:
+        return str(response.read().decode(errors="replace"))
+
+
+def kubelet_goroutines() -> str:
+    """The kubelet's goroutines with their stacks (its pprof handler), or why not."""
     try:
-        url = "https://127.0.0.1:10250/debug/pprof/goroutine?debug=2"
-        with urllib.request.urlopen(url, timeout=10, context=unverified) as response:
-            return str(response.read().decode(errors="replace"))
+        return _kubelet_get("/debug/pprof/goroutine?debug=2")
     except OSError as exc:
         return f"(the kubelet's goroutines could not be read: {exc})"
+
+
+def kubelet_pods() -> set[str]:
+    """The names of the pods the kubelet has (its pod manager's, `namespace/name`): a restarted kubelet has none
+    until it has listed them from the API server. A pod deleted before that is an orphan to it, killed without its
+    DRA claims unprepared (its DRA manager's reconcile loop does that, up to a minute later)."""
+    listed = json.loads(_kubelet_get("/pods"))
+    return {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in listed.get("items") or []}
 
 
 # --- configuration ----------------------------------------------------------------------------------------------

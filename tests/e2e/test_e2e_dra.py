@@ -547,6 +547,11 @@ def test_an_agent_killed_and_a_kubelet_restarted_lose_nothing_and_prepare_nothin
 
     node.restart_kubelet()
     kubectl.wait_for(lambda: dra_status().get("registered"), 60, "the DRA driver registered with the new kubelet")
+    # A pod deleted before the restarted kubelet has listed it is an orphan to the kubelet, killed without its claims
+    # unprepared; its DRA reconcile loop unprepares them a minute later (measured 60.2 to 60.5 s; 4.3 s once listed).
+    kubectl.wait_for(
+        lambda: {"default/keep-a", "default/keep-b"} <= node.kubelet_pods(), 30, "the restarted kubelet's pods"
+    )
     for name in ("keep-a", "keep-b"):
         assert pods.get(name)["status"]["phase"] == "Running"
     assert prepared() == before
