@@ -99,10 +99,11 @@ the claim's own configurations."""
 GIB = 1 << 30
 MEMORY = CapacityPolicy(value=141 * GIB, default=GIB, minimum=1 << 20, maximum=141 * GIB, step=1 << 20)
 COMPUTE = CapacityPolicy(value=100, default=100, minimum=1, maximum=100, step=1)
+CLIENTS = CapacityPolicy(value=48, default=1, minimum=1, maximum=1, step=1)
 
 
 def slice_device(index: int, product: str = "NVIDIA H200") -> SliceDevice:
-    """GPU `index` of the node's slice: an H200, whole (141 GiB, 100 % of its SMs) and untainted."""
+    """GPU `index` of the node's slice: an H200, whole (141 GiB, 100 % of its SMs, 48 MPS clients) and untainted."""
     return SliceDevice(
         name=f"gpu-{index}",
         uuid=f"GPU-5c1f0e7a-0000-4000-8000-00000000000{index}",
@@ -113,6 +114,7 @@ def slice_device(index: int, product: str = "NVIDIA H200") -> SliceDevice:
         resource="nvidia.com/gpu",
         memory=MEMORY,
         compute=COMPUTE,
+        clients=CLIENTS,
     )
 
 

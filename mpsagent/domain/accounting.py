@@ -143,13 +143,22 @@ def _refusal(use: GpuUse, memory_mib: int, compute: int, problem: GpuProblem) ->
     return None
 
 
-def claim_capacity(shares: ShareModel, tally: ShareTally, ordinal: int) -> tuple[int, int]:
-    """What the ResourceSlice offers the claims of one GPU: its memory (MiB) and SMs (per cent) less what the
-    device-plugin grants hold (the scheduler counts the claims it allocated itself)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClaimCapacity:
+    """What the ResourceSlice offers the claims of one GPU: its memory (MiB), SMs (per cent) and MPS clients less
+    what the device-plugin grants hold (the scheduler counts the claims it allocated itself)."""
+
+    memory_mib: int
+    compute: int
+    clients: int
+
+
+def claim_capacity(shares: ShareModel, tally: ShareTally, ordinal: int) -> ClaimCapacity:
     use = gpu_use(shares, tally, ordinal)
-    return (
-        max(0, use.gpu.memory_mib - use.grant_memory_mib),
-        max(0, FULL_THREAD_PERCENTAGE - use.grant_compute),
+    return ClaimCapacity(
+        memory_mib=max(0, use.gpu.memory_mib - use.grant_memory_mib),
+        compute=max(0, FULL_THREAD_PERCENTAGE - use.grant_compute),
+        clients=max(0, use.gpu.max_clients - tally.clients(ordinal, Route.DEVICE_PLUGIN)),
     )
 
 

@@ -15,12 +15,21 @@ from dataclasses import dataclass
 from mpsagent.base.devices import GpuUuid, ResourceName
 from mpsagent.base.errors import GrantRefusedError, RequestError
 from mpsagent.base.values import TaintEffect
-from mpsagent.domain.accounting import GpuProblem, GpuRefusal, RefusalKind, admit, claim_capacity, healthy
+from mpsagent.domain.accounting import (
+    ClaimCapacity,
+    GpuProblem,
+    GpuRefusal,
+    RefusalKind,
+    admit,
+    claim_capacity,
+    healthy,
+)
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_shares import ClaimShare, DeviceRoom, claim_shares, device_name
 from mpsagent.domain.claims import (
     FULL_COMPUTE,
     TAINT_FULL,
+    TAINT_NO_CLIENTS,
     TAINT_UNHEALTHY,
     ClaimAllocation,
     ClaimDevice,
@@ -196,17 +205,17 @@ class ClaimGrants:
         for allocator in self._allocators.values():
             shares, tally = allocator.resource.shares, allocator.ledger.tally
             for gpu in shares.gpus:
-                memory, compute = claim_capacity(shares, tally, gpu.ordinal)
-                taints = self._taints(gpu.uuid, memory, now)
-                room[gpu.uuid] = DeviceRoom(memory_mib=memory, compute=compute, taints=taints)
+                capacity = claim_capacity(shares, tally, gpu.ordinal)
+                room[gpu.uuid] = DeviceRoom(capacity=capacity, taints=self._taints(gpu.uuid, capacity, now))
         return room
 
-    def _taints(self, uuid: GpuUuid, memory_mib: int, now: float) -> tuple[DeviceTaint, ...]:
+    def _taints(self, uuid: GpuUuid, left: ClaimCapacity, now: float) -> tuple[DeviceTaint, ...]:
         problem = self._problem(uuid)
         # A GPU full of device-plugin grants only keeps new claims off: the claims already on it are within it.
         found = (
             (TAINT_UNHEALTHY, None if problem is None else _taint_value(problem), self._unhealthy_effect),
-            (TAINT_FULL, "device-plugin-grants" if memory_mib < 1 else None, TaintEffect.NO_SCHEDULE),
+            (TAINT_FULL, "device-plugin-grants" if left.memory_mib < 1 else None, TaintEffect.NO_SCHEDULE),
+            (TAINT_NO_CLIENTS, "device-plugin-grants" if left.clients < 1 else None, TaintEffect.NO_SCHEDULE),
         )
         taints = []
         for key, value, effect in found:

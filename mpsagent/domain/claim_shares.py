@@ -19,6 +19,7 @@ from mpsagent.base.devices import Gpu, GpuUuid
 from mpsagent.base.errors import RequestError, shown
 from mpsagent.base.values import MIB
 from mpsagent.base.words import counted
+from mpsagent.domain.accounting import ClaimCapacity
 from mpsagent.domain.claims import (
     DEVICE_NAME_PREFIX,
     DRA_DRIVER,
@@ -33,7 +34,7 @@ from mpsagent.domain.claims import (
     SliceDevice,
 )
 from mpsagent.domain.container import ContainerEdits, share_edits
-from mpsagent.domain.plan import NodePlan, ResourcePlan
+from mpsagent.domain.plan import NodePlan, ResourcePlan, mps_client_limit
 from mpsagent.domain.shares import Share
 
 PARAMETERS_API_VERSION = f"{DRA_DRIVER}/v1alpha1"
@@ -74,13 +75,18 @@ def compute_capacity(free: int) -> CapacityPolicy:
     return CapacityPolicy(value=free, default=0, minimum=0, maximum=free, step=1)
 
 
+def clients_capacity(free: int) -> CapacityPolicy:
+    """A device's `clients`: the MPS clients the claims may be (its server's limit less the device-plugin grants');
+    every claim consumes exactly one (the policy's default and only value), asked or not."""
+    return CapacityPolicy(value=free, default=1, minimum=1, maximum=1, step=1)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceRoom:
-    """What one GPU's device offers the claims now: memory (MiB) and compute (per cent) the device-plugin grants do
-    not hold, and its taints."""
+    """What one GPU's device offers the claims now: what the device-plugin grants leave of its memory, SMs and MPS
+    clients, and its taints."""
 
-    memory_mib: int
-    compute: int
+    capacity: ClaimCapacity
     taints: tuple[DeviceTaint, ...] = ()
 
 
@@ -91,7 +97,10 @@ def node_slice(plan: NodePlan, node: str, room: Mapping[GpuUuid, DeviceRoom] | N
     for resource in plan.resources:
         for gpu in resource.gpus:
             offered = (room or {}).get(gpu.uuid)
-            memory = whole_memory(gpu) if offered is None else offered.memory_mib * MEMORY_STEP_BYTES
+            whole = ClaimCapacity(
+                memory_mib=whole_memory(gpu) // MEMORY_STEP_BYTES, compute=FULL_COMPUTE, clients=mps_client_limit(gpu)
+            )
+            left = whole if offered is None else offered.capacity
             devices.append(
                 SliceDevice(
                     name=device_name(gpu),
@@ -101,8 +110,9 @@ def node_slice(plan: NodePlan, node: str, room: Mapping[GpuUuid, DeviceRoom] | N
                     compute_capability=f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}.0",
                     driver_version=_semver(plan.driver_version),
                     resource=resource.name,
-                    memory=memory_capacity(min(memory, whole_memory(gpu))),
-                    compute=compute_capacity(FULL_COMPUTE if offered is None else offered.compute),
+                    memory=memory_capacity(min(left.memory_mib * MEMORY_STEP_BYTES, whole_memory(gpu))),
+                    compute=compute_capacity(left.compute),
+                    clients=clients_capacity(left.clients),
                     taints=() if offered is None else offered.taints,
                 )
             )

@@ -23,6 +23,9 @@ CDI_VENDOR_CLASS = "mpsagent.io/mps-share"
 DEVICE_NAME_PREFIX = "gpu-"
 MEMORY = "memory"
 COMPUTE = "compute"
+CLIENTS = "clients"
+"""A device's MPS clients: each claim allocated on it consumes one, so that the scheduler places no more claims on
+a GPU than its MPS server takes (48; 16 before Volta) beside the device-plugin grants."""
 MEMORY_STEP_BYTES = 1 << 20
 """A claim's memory is counted in MiB (MPS's pinned-memory limits are MiB): the request policy's step and least."""
 FULL_COMPUTE = 100
@@ -106,6 +109,10 @@ TAINT_UNHEALTHY = f"{DRA_DRIVER}/unhealthy"
 """The taint of a device whose GPU failed (a critical Xid, NVML lost it) or whose MPS daemon is down or hung."""
 TAINT_FULL = f"{DRA_DRIVER}/no-memory-left"
 """The taint of a device whose memory the device-plugin grants hold whole: no claim fits beside them."""
+TAINT_NO_CLIENTS = f"{DRA_DRIVER}/no-clients-left"
+"""The taint of a device whose MPS clients the device-plugin grants are all of: no claim's client would be served.
+(A capacity with nothing left has no request policy, and a request that names it not then consumes nothing: the
+taint, not the capacity, keeps the scheduler off.)"""
 
 
 class DeviceTaint(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +141,7 @@ class SliceDevice(msgspec.Struct, frozen=True, kw_only=True):
     """The device-plugin resource whose MPS daemon serves the GPU."""
     memory: CapacityPolicy
     compute: CapacityPolicy
+    clients: CapacityPolicy
     taints: tuple[DeviceTaint, ...] = ()
 
 

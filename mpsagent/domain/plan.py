@@ -102,6 +102,11 @@ def _reference_key(ref: int | str) -> str:
     return (ref.lstrip("0") or "0") if ref.isascii() and ref.isdigit() else ref
 
 
+def mps_client_limit(gpu: Gpu) -> int:
+    """How many MPS clients the GPU's server takes: 48 from Volta on, 16 before."""
+    return MAX_CLIENTS_PER_GPU if gpu.compute_capability >= (7, 0) else MAX_CLIENTS_PER_GPU_BEFORE_VOLTA
+
+
 def _select_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> tuple[Gpu, ...]:
     path = f"{spec.path}.devices"
     if spec.devices == "all":
@@ -133,11 +138,11 @@ def _check_gpus(spec: ResourceSpec, gpus: tuple[Gpu, ...]) -> None:
                 f"GPU {gpu.index} ({gpu.uuid}) has MIG enabled; MPS sharing needs MIG disabled "
                 "(nvidia-smi -i <index> -mig 0), or leave the GPU out of this resource",
             )
-        if gpu.compute_capability < (7, 0) and (spec.replicas or 0) > MAX_CLIENTS_PER_GPU_BEFORE_VOLTA:
+        if (spec.replicas or 0) > (limit := mps_client_limit(gpu)):
             raise ConfigError(
                 f"{spec.path}.replicas",
                 f"GPU {gpu.index} has compute capability {gpu.compute_capability_text}, where MPS allows at most "
-                f"{MAX_CLIENTS_PER_GPU_BEFORE_VOLTA} clients; {spec.replicas} is too many",
+                f"{limit} clients; {spec.replicas} is too many",
             )
 
 
@@ -171,9 +176,7 @@ def _share_model(spec: ResourceSpec, sharing: SharingConfig, gpus: tuple[Gpu, ..
                 ordinal=ordinal,
                 memory_bytes=gpu.memory_bytes,
                 id_count=count,
-                max_clients=MAX_CLIENTS_PER_GPU
-                if gpu.compute_capability >= (7, 0)
-                else MAX_CLIENTS_PER_GPU_BEFORE_VOLTA,
+                max_clients=mps_client_limit(gpu),
             )
             for ordinal, (gpu, count) in enumerate(zip(gpus, ids, strict=True))
         ),

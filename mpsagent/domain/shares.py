@@ -161,9 +161,8 @@ class ShareTally:
     def __init__(self, shares: Iterable[Share] = ()) -> None:
         self._memory: dict[int, Counter[int]] = {}
         self._threads: Counter[int] = Counter()
-        self._clients: Counter[int] = Counter()
         self._held: dict[Route, dict[int, list[int]]] = {route: {} for route in Route}
-        """Per route and ordinal: [memory MiB, compute per cent] the live shares hold of the GPU."""
+        """Per route and ordinal: [memory MiB, compute per cent, MPS clients] the live shares hold of the GPU."""
         self.changes = 0
         """Moves whenever a share is added or removed: what is worked out from the tally holds until it moves."""
         for share in shares:
@@ -176,10 +175,10 @@ class ShareTally:
         self._threads[share.thread_percentage] += 1
         held = self._held[share.route]
         for gpu in share.gpus:
-            self._clients[gpu.ordinal] += 1
-            use = held.setdefault(gpu.ordinal, [0, 0])
+            use = held.setdefault(gpu.ordinal, [0, 0, 0])
             use[0] += gpu.memory_mib
             use[1] += gpu.compute
+            use[2] += 1
 
     def remove(self, share: Share) -> None:
         self.changes += 1
@@ -188,19 +187,23 @@ class ShareTally:
         _take(self._threads, share.thread_percentage)
         held = self._held[share.route]
         for gpu in share.gpus:
-            _take(self._clients, gpu.ordinal)
             use = held[gpu.ordinal]
             use[0] -= gpu.memory_mib
             use[1] -= gpu.compute
+            use[2] -= 1
 
-    def clients(self, ordinal: int) -> int:
-        return self._clients[ordinal]
+    def clients(self, ordinal: int, route: Route | None = None) -> int:
+        """The MPS clients the live shares of `route` (None: both) make of the GPU: one each."""
+        return sum(use[2] for use in self._uses(ordinal, route))
 
     def held(self, ordinal: int, route: Route | None = None) -> tuple[int, int]:
         """The memory (MiB) and compute (per cent) the live shares of `route` (None: both) hold of the GPU."""
-        routes = tuple(Route) if route is None else (route,)
-        uses = [self._held[r].get(ordinal, (0, 0)) for r in routes]
+        uses = self._uses(ordinal, route)
         return sum(use[0] for use in uses), sum(use[1] for use in uses)
+
+    def _uses(self, ordinal: int, route: Route | None) -> list[list[int]]:
+        routes = tuple(Route) if route is None else (route,)
+        return [self._held[r].get(ordinal, [0, 0, 0]) for r in routes]
 
     def largest_memory(self, ordinal: int) -> int | None:
         values = self._memory.get(ordinal)

@@ -11,8 +11,9 @@ from lightkube.models import resource_v1 as models
 
 from mpsagent.base.config import quantity_value
 from mpsagent.base.errors import ClaimRefusedError, shown
+from mpsagent.base.words import listed
 from mpsagent.domain.allocation import describe_ids
-from mpsagent.domain.claims import COMPUTE, MEMORY, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig
+from mpsagent.domain.claims import CLIENTS, COMPUTE, MEMORY, ClaimAllocation, ClaimDevice, ClaimRef, OpaqueConfig
 
 MAX_RESULTS = 128
 """Device results of this driver on this node in one claim (the API server allows 32 a claim)."""
@@ -23,8 +24,9 @@ MAX_PARAMETERS_BYTES = 64 * 1024
 MAX_PODS = 256
 """The pods a claim is reserved for, as the API server bounds them."""
 _SOURCES = {"FromClass": "class", "FromClaim": "claim"}
-_CAPACITIES = (MEMORY, COMPUTE)
-"""The capacities the node's devices have, all a claim can consume of them."""
+_CAPACITIES = (MEMORY, COMPUTE, CLIENTS)
+"""The capacities the node's devices have, all a claim can consume of them (`clients`: one, always; the agent counts
+one client a device whatever it says)."""
 
 
 def _consumed_capacity(ref: ClaimRef, result: models.DeviceRequestAllocationResult) -> dict[str, object]:
@@ -36,7 +38,7 @@ def _consumed_capacity(ref: ClaimRef, result: models.DeviceRequestAllocationResu
         raise ClaimRefusedError(
             str(ref),
             f"device {shown(result.device)}'s consumed capacity names {describe_ids(unknown)}, which the devices of "
-            f"{result.driver} do not have (they have {' and '.join(_CAPACITIES)}): the allocation was not made from "
+            f"{result.driver} do not have (they have {listed(_CAPACITIES)}): the allocation was not made from "
             "the node's ResourceSlice",
         )
     return consumed

@@ -14,7 +14,7 @@ import msgspec
 from mpsagent.base.clock import utc
 from mpsagent.base.config import quantity_value
 from mpsagent.base.errors import KubeApiError
-from mpsagent.domain.claims import COMPUTE, MEMORY, CapacityPolicy, DeviceTaint, NodeSlice, SliceDevice
+from mpsagent.domain.claims import CLIENTS, COMPUTE, MEMORY, CapacityPolicy, DeviceTaint, NodeSlice, SliceDevice
 
 SliceManifest = dict[str, Any]
 """A ResourceSlice as JSON: what the API server reads, and what the agent's API client's `to_dict()` gives of the
@@ -68,7 +68,11 @@ def _device(device: SliceDevice) -> dict[str, Any]:
         "name": device.name,
         "allowMultipleAllocations": True,
         "attributes": attributes,
-        "capacity": {MEMORY: _capacity(device.memory), COMPUTE: _capacity(device.compute)},
+        "capacity": {
+            MEMORY: _capacity(device.memory),
+            COMPUTE: _capacity(device.compute),
+            CLIENTS: _capacity(device.clients),
+        },
     }
     if device.taints:
         manifest["taints"] = [_taint(taint) for taint in device.taints]

@@ -15,9 +15,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mpsagent.base.devices import MIB, GpuUuid, ReplicaId, ResourceName, format_replica_id
 from mpsagent.base.errors import GrantRefusedError, RequestError
 from mpsagent.base.values import TaintEffect
-from mpsagent.domain.accounting import claim_capacity
+from mpsagent.domain.accounting import ClaimCapacity, claim_capacity
 from mpsagent.domain.allocation import ResourceAllocator
 from mpsagent.domain.claim_grants import ClaimGrants, LiveClaim
+from mpsagent.domain.claim_shares import node_slice
 from mpsagent.domain.claims import ClaimAllocation, ClaimDevice, ClaimRef
 from mpsagent.domain.plan import NodePlan
 from mpsagent.domain.shares import Route
@@ -72,7 +73,7 @@ def test_a_claim_beside_device_plugin_grants_gets_only_what_they_leave() -> None
     node = Node(plan_of())
     node.allocator.allocate([node.ids(0, 0, 1)])
     shares, tally = node.allocator.resource.shares, node.allocator.ledger.tally
-    assert claim_capacity(shares, tally, 0) == (8192, 50)
+    assert claim_capacity(shares, tally, 0) == ClaimCapacity(memory_mib=8192, compute=50, clients=47)
     for refused, asked in ((claim("whole", 0, None), "16384 MiB"), (claim("ten", 0, 10), "10240 MiB")):
         with pytest.raises(GrantRefusedError) as error:
             node.claims.prepare(refused, now=0)
@@ -165,6 +166,24 @@ def test_the_client_limit_counts_both_routes_with_one_wording() -> None:
     )
 
 
+def test_the_slice_offers_the_claims_the_mps_clients_the_grants_leave_and_taints_a_gpu_they_fill() -> None:
+    """Without it the scheduler allocated a 49th client that the agent then refused at prepare. None left: the
+    capacity has no request policy (a request then consumes nothing), so the device is tainted NoSchedule."""
+    node = Node(plan_of("{name: gpu-mem, memoryUnit: 256Mi}", gpus=1))
+    for i in range(47):
+        node.allocator.allocate([node.ids(0, i)])
+    room = node.claims.room(now=0)[uuid(0)]
+    assert (room.capacity.clients, room.taints) == (1, ())
+    node.allocator.allocate([node.ids(0, 47)])
+    room = node.claims.room(now=3.0)[uuid(0)]
+    assert room.capacity.clients == 0
+    assert [(t.key, t.value, t.effect, t.added) for t in room.taints] == [
+        ("mps.mpsagent.io/no-clients-left", "device-plugin-grants", "NoSchedule", 3.0)
+    ]
+    (device,) = node_slice(node.plan, "node-1", node.claims.room(now=4.0)).devices
+    assert not device.clients.has_policy and device.clients.value == 0
+
+
 # --- any order, both routes -------------------------------------------------------------------------------------
 
 
@@ -224,9 +243,10 @@ class BothRoutes(RuleBasedStateMachine):
             assert memory <= gpu.memory_mib, (gpu.uuid, memory)
             assert compute <= 100, (gpu.uuid, compute)
             assert tally.clients(gpu.ordinal) <= gpu.max_clients
-            offered_memory, offered_compute = claim_capacity(shares, tally, gpu.ordinal)
+            offered = claim_capacity(shares, tally, gpu.ordinal)
             claims_memory, claims_compute = tally.held(gpu.ordinal, Route.CLAIM)
-            assert claims_memory <= offered_memory and claims_compute <= offered_compute
+            assert claims_memory <= offered.memory_mib and claims_compute <= offered.compute
+            assert tally.clients(gpu.ordinal, Route.CLAIM) <= offered.clients
 
     @invariant()
     def the_replicas_offered_fit(self) -> None:

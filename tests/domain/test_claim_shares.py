@@ -39,7 +39,7 @@ from mpsagent.domain.grant_kind import GrantKind
 from mpsagent.domain.ledger import Ledger
 from mpsagent.domain.plan import NodePlan, ResourcePlan
 from mpsagent.domain.shares import Share
-from mpsagent_testing.domain import H100, gpus_of, node_gpus, node_plan, uuid
+from mpsagent_testing.domain import H100, T4, gpu, gpus_of, node_gpus, node_plan, uuid
 
 GIB = 1024**3
 WHOLE_MIB = 81920
@@ -121,6 +121,16 @@ def test_the_slice_offers_each_gpus_whole_memory_in_mib_steps_and_compute_in_per
         )
         assert dev.memory.value < GPU_BYTES  # floored to whole MiB
         assert dev.compute == CapacityPolicy(value=100, default=0, minimum=0, maximum=100, step=1)
+
+
+def test_each_claim_consumes_one_of_the_mps_clients_a_gpus_server_takes() -> None:
+    """48 from Volta on, 16 before: the scheduler places no more claims on a GPU than its MPS server serves (a
+    request cannot ask another number: the only valid one is 1)."""
+    plan = node_plan(node_gpus(gpu(0, H100), gpu(1, T4, compute_capability=(6, 1))), "{name: gpu, replicas: 2}")
+    assert [dev.clients for dev in node_slice(plan, NODE).devices] == [
+        CapacityPolicy(value=48, default=1, minimum=1, maximum=1, step=1),
+        CapacityPolicy(value=16, default=1, minimum=1, maximum=1, step=1),
+    ]
 
 
 def test_the_slice_lists_its_devices_by_host_index_whatever_the_resources_order() -> None:

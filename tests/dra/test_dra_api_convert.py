@@ -159,8 +159,8 @@ def test_a_consumed_capacity_the_devices_do_not_have_is_refused_naming_it(consum
         claim_allocation(claim(edit), REF, driver=DRA_DRIVER, node=NODE)
     assert str(caught.value) == (
         f"claim team-a/trainer-gpu: device gpu-0's consumed capacity names {named}, which the devices of "
-        f"{DRA_DRIVER} do not have (they have memory and compute): the allocation was not made from the node's "
-        "ResourceSlice"
+        f"{DRA_DRIVER} do not have (they have memory, compute and clients): the allocation was not made from the "
+        "node's ResourceSlice"
     )
 
 
@@ -260,6 +260,10 @@ def test_the_slice_shows_each_gpu_with_its_attributes_and_consumable_capacity() 
             "compute": {
                 "value": "100",
                 "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
+            },
+            "clients": {
+                "value": "48",
+                "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1", "step": "1"}},
             },
         },
     }

@@ -200,16 +200,19 @@ def test_device_plugin_grants_and_claims_share_one_ledger_daemon_and_client_limi
     kinds = [bool(g.get("claim")) for r in status()["resources"] if r["name"] == GPU_OLD for g in r["grants"]]
     assert sorted(kinds) == [False] * (OLD_CLIENTS - 2) + [True, True], "one ledger holds both routes' grants"
 
-    # Memory left (1 GiB of the slice's 2 GiB), no MPS client left: the scheduler places it, the prepare refuses.
+    # Memory left (1 GiB of the slice's 2 GiB), no MPS client left: the slice offered the claims the 2 clients the
+    # grants left, the scheduler allocated both, and places no third claim there (it used to, and the prepare
+    # refused it).
+    clients = kubectl.wait_for(lambda: _device(2)["capacity"].get("clients"), 5, "the slice offering clients")
+    assert clients["value"] == "2", clients
     claims.create_pod("one-too-many", {"memory": "256Mi"}, selector=ON_OLD_GPU)
-
-    def refused() -> str | None:
-        return next((e for e in claims.events("one-too-many") if "at most 16" in e), None)
-
-    event = kubectl.wait_for(refused, SCHEDULER_S, "the prepare refused at the client limit")
-    assert "device-plugin grants and claims" in event, event
+    reason = kubectl.wait_for(
+        lambda: claims.unschedulable_reason("one-too-many"), SCHEDULER_S, "the scheduler's reason"
+    )
+    assert "cannot allocate all claims" in reason, reason
+    assert pods.get("one-too-many")["status"].get("phase") == "Pending"
     assert "one-too-many" not in prepared()
-    assert gpu_status(GPU_OLD, 0)["liveGrants"] == OLD_CLIENTS, "a refused prepare holds nothing"
+    assert gpu_status(GPU_OLD, 0)["liveGrants"] == OLD_CLIENTS
 
 
 def _on_gpu(index: int) -> str:

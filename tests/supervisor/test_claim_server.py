@@ -611,7 +611,7 @@ def test_a_claim_consuming_a_capacity_the_devices_do_not_have_is_refused_naming_
             assert outcome.devices == ()
             assert (
                 "claim ml/train: device gpu-0's consumed capacity names 'bogus', which the devices of "
-                f"{DRA_DRIVER} do not have (they have memory and compute)"
+                f"{DRA_DRIVER} do not have (they have memory, compute and clients)"
             ) in outcome.error
             assert agent.claim_grants() == []
             assert agent.ceilings() == WHOLE
