@@ -1,9 +1,9 @@
-"""The rack's agents: N agents on one machine, each as the node's systemd unit runs one (`--dra on`, a host process,
-the real `nvidia-cuda-mps-control`), with its own fake NVML of GPUS GPUs, node name, kubelet directory, MPS root,
-CDI directory and MPS daemon, and its own identity at the API server: a service account of the namespace the node
-audits (`node.AUDITED_NAMESPACE`), so that the API server's audit log tells each agent's requests apart. No kubelet
-calls them: the rack's kubelet stand-in (`rack.kubelet`) prepares their claims, and a device-plugin grant is made
-through the grpcio kubelet stand-in (`grant`)."""
+"""The rack's agents: N agents on one machine, each as the node's systemd unit runs one (`--dra on`, a host process, the
+real `nvidia-cuda-mps-control`), with its own fake NVML of GPUS GPUs (or as many as asked), node name, kubelet
+directory, MPS root, CDI directory and MPS daemon, and its own identity at the API server: a service account of the
+namespace the node audits (`node.AUDITED_NAMESPACE`), so that the API server's audit log tells each agent's requests
+apart. No kubelet calls them: the rack's kubelet stand-in (`rack.kubelet`) prepares their claims, and a device-plugin
+grant is made through the grpcio kubelet stand-in (`grant`)."""
 
 from __future__ import annotations
 
@@ -104,9 +104,10 @@ class Usage:
 class RackAgents:
     """Starts the rack's agents in `directory` (one folder each) and ends them and their MPS daemons."""
 
-    def __init__(self, api: Api, directory: Path, nodes: list[str]) -> None:
+    def __init__(self, api: Api, directory: Path, nodes: list[str], *, gpus: int = GPUS) -> None:
         self._api = api
         self.directory = directory
+        self.gpus = gpus
         self.agents = [RackAgent(index, node, directory / f"a{index:02d}") for index, node in enumerate(nodes)]
         self._library = build_fake_nvml(BUILD)
 
@@ -135,7 +136,7 @@ class RackAgents:
 
     def _spawn(self, agent: RackAgent, kubeconfig: Path) -> AgentProcess:
         nvml = agent.directory / "nvml.json"
-        nvml.write_text(fake_nvml_config([rack_gpu(agent.index, i) for i in range(GPUS)]))
+        nvml.write_text(fake_nvml_config([rack_gpu(agent.index, i) for i in range(self.gpus)]))
         config = agent.directory / "config.yaml"
         config.write_text(CONFIG)
         env = fake_nvml_env(self._library, nvml, agent.directory / "nvml-state.json")

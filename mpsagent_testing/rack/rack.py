@@ -21,13 +21,13 @@ from types import TracebackType
 from mpsagent_testing.cluster import claims, kubectl
 from mpsagent_testing.cluster.node import AUDITED_NAMESPACE
 from mpsagent_testing.rack import nodes
-from mpsagent_testing.rack.agents import RackAgent, RackAgents, account, grant
+from mpsagent_testing.rack.agents import GPUS, RackAgent, RackAgents, account, grant
 from mpsagent_testing.rack.audit import AuditLog, Requests, check_audited
 from mpsagent_testing.rack.capacity import CapacityWatch, allocated, offered
 from mpsagent_testing.rack.kubelet import KubeletStandIn, Prepared
 from mpsagent_testing.rack.nodes import RackNodes
 from mpsagent_testing.rack.rest import Api, ApiError, Informer, Object
-from mpsagent_testing.rack.workload import Workload, unschedulable
+from mpsagent_testing.rack.workload import Size, Workload, unschedulable
 
 NAMESPACE = AUDITED_NAMESPACE
 NAMESPACE_GONE_S = 180.0
@@ -60,9 +60,9 @@ class Window:
 
 
 class Rack:
-    """`size` agents on nodes `rack-00`…, up for the block it is used in."""
+    """`size` agents on nodes `rack-00`…, each with `gpus` GPUs, up for the block it is used in."""
 
-    def __init__(self, size: int, *, seed: int = 1) -> None:
+    def __init__(self, size: int, *, seed: int = 1, gpus: int = GPUS) -> None:
         self.size = size
         self.api = Api()
         self.names = [node_name(i) for i in range(size)]
@@ -70,7 +70,7 @@ class Rack:
         self.audit = AuditLog()
         self._directory = Path(tempfile.mkdtemp(prefix="mpa-rack-", dir="/tmp"))
         self.nodes = RackNodes(self.api, self.names)
-        self.agents = RackAgents(self.api, self._directory, self.names)
+        self.agents = RackAgents(self.api, self._directory, self.names, gpus=gpus)
         self.capacity = CapacityWatch(self.api, NAMESPACE)
         self.kubelet: KubeletStandIn | None = None
         self.started_at: list[float] = []
@@ -216,12 +216,12 @@ class Rack:
 
     # --- pods --------------------------------------------------------------------------------------------------
 
-    def submit(self, count: int) -> list[str]:
-        """`count` more pods with their claims; their names."""
+    def submit(self, count: int, size: Size | None = None) -> list[str]:
+        """`count` more pods with their claims (of `size`, or the workload's random sizes); their names."""
         made = []
         for _ in range(count):
-            name, size = self.workload.next()
-            self.api.create(CLAIMS, self.workload.claim(name, size))
+            name, drawn = self.workload.next(size)
+            self.api.create(CLAIMS, self.workload.claim(name, drawn))
             self.api.create(PODS, self.workload.pod(name))
             made.append(name)
         return made

@@ -59,17 +59,19 @@ class Workload:
         self.sizes: dict[str, Size] = {}
         """Each pod's (and its claim's) size, by name."""
 
-    def next(self) -> tuple[str, Size]:
-        """The next pod's name and size."""
+    def next(self, size: Size | None = None) -> tuple[str, Size]:
+        """The next pod's name and size (`size`, or drawn)."""
         name = f"{self._prefix}-{self._made:05d}"
-        if self._made % TOO_BIG_EVERY == 0:
-            size = Size(TOO_BIG_GIB, None)
-        else:
-            compute = self._random.randint(*COMPUTE) if self._random.random() < 0.5 else None
-            size = Size(self._random.randint(*MEMORY_GIB), compute)
+        size = self._drawn() if size is None else size
         self._made += 1
         self.sizes[name] = size
         return name, size
+
+    def _drawn(self) -> Size:
+        if self._made % TOO_BIG_EVERY == 0:
+            return Size(TOO_BIG_GIB, None)
+        compute = self._random.randint(*COMPUTE) if self._random.random() < 0.5 else None
+        return Size(self._random.randint(*MEMORY_GIB), compute)
 
     def claim(self, name: str, size: Size) -> Object:
         exactly = {"deviceClassName": claims.DEVICE_CLASS, "capacity": {"requests": size.requests()}}

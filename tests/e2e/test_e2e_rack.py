@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mpsagent_testing.mps.daemon import require_real_control
 from mpsagent_testing.rack.rack import Rack
-from mpsagent_testing.rack.workload import UNSCHEDULABLE, unschedulable
+from mpsagent_testing.rack.workload import UNSCHEDULABLE, Size, unschedulable
 
 require_real_control()
 
@@ -55,3 +55,32 @@ def test_a_rack_places_random_claims_without_oversubscribing_a_gpu_and_its_idle_
         for node, requests in idle.requests.items():
             assert (requests.writes, requests.reads, requests.watches) == (0, 0, 0), f"{node}: {requests.by_kind}"
             assert requests.held >= 1, f"{node} holds its slice's watch"
+
+
+def test_a_gpu_takes_no_more_claims_than_its_mps_server_has_clients_beside_the_device_plugins(cluster: str) -> None:
+    """One agent with one 80 GiB GPU and a device-plugin grant on it; 48 claims of 1 GiB each (memory and SMs to
+    spare): the slice offers 47 clients, so the scheduler places 47 and leaves the 48th Pending with its reason,
+    instead of allocating what the agent must refuse at prepare (MPS serves 48 clients a GPU). A claim that goes
+    makes room for it."""
+    with Rack(1, seed=SEED, gpus=1) as rack:
+        rack.wait_slices()
+        rack.grant_followed(rack.agents.agents[0], 0)
+        names = rack.submit(48, Size(1, None))
+        pods = rack.settle(SETTLE_S)
+
+        assert rack.capacity.violations == [], "no GPU ever holds more than 48 MPS clients"
+        assert rack.kubelet is not None
+        assert rack.kubelet.failures == []
+        prepared = rack.kubelet.prepared()
+        placed = [name for name in names if pods[name]["spec"].get("nodeName")]
+        assert len(placed) == 47, "the grant's client and 47 claims' are all MPS serves"
+        assert all(prepared[name].error == "" for name in placed), "the agent prepares every claim it is given"
+        (waiting,) = set(names) - set(placed)
+        reason = unschedulable(pods[waiting])
+        assert reason is not None and UNSCHEDULABLE in reason, f"{waiting}: {reason}"
+
+        rack.delete(placed[:1])
+        pods = rack.settle(SETTLE_S)
+        assert pods[waiting]["spec"].get("nodeName") == rack.names[0]
+        assert rack.kubelet.prepared()[waiting].error == ""
+        assert rack.capacity.violations == []
