@@ -89,6 +89,9 @@ class ClaimServer:
         self._publisher: SlicePublisher | None = None
         self._taint_rules: TaintRuleWatcher | None = None
         self.slice: NodeSlice = node_slice(plan, node)
+        self._followed: tuple[tuple[int, int], ...] | None = None
+        """The node's generations (`_generations`) when the slice, the withheld replicas and the health were last
+        worked out: while they hold, so does what was worked out."""
         self.health = DeviceHealthBoard(self._device_health())
         self.endpoint = DraEndpoint(kubelet_dir=kubelet_dir, driver=DRA_DRIVER, handler=self.driver, health=self.health)
 
@@ -160,13 +163,24 @@ class ClaimServer:
 
     def _follow_node(self) -> None:
         """Show what the node's accounting and health say now: the slice's capacity and taints, the replicas
-        ListAndWatch withholds, the devices' health (each only when it changed)."""
+        ListAndWatch withholds, the devices' health (each only when it changed); nothing to do while the node's
+        generations are those of the last time."""
+        if self._generations() == self._followed:
+            return
         self.slice = node_slice(self._plan, self._node, self._grants.room(now=time.time()))
         if self._publisher is not None:
             self._publisher.want(self.slice)
         for server in self._resources.values():
             _show_withheld(server)
         self.health.show(self._device_health())
+        self._followed = self._generations()  # after the pass: the withheld replicas it set moved a generation
+
+    def _generations(self) -> tuple[tuple[int, int], ...]:
+        """Each resource's ledger (its grants and claims) and inventory (its GPUs' health, withheld replicas)
+        generations: all the slice, the withheld replicas and the devices' health are worked out from."""
+        return tuple(
+            (server.allocator.ledger.tally.changes, server.inventory.generation) for server in self._resources.values()
+        )
 
     def _device_health(self) -> tuple[DeviceHealth, ...]:
         return tuple(
