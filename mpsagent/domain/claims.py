@@ -111,8 +111,8 @@ TAINT_FULL = f"{DRA_DRIVER}/no-memory-left"
 """The taint of a device whose memory the device-plugin grants hold whole: no claim fits beside them."""
 TAINT_NO_CLIENTS = f"{DRA_DRIVER}/no-clients-left"
 """The taint of a device whose MPS clients the device-plugin grants are all of: no claim's client would be served.
-(A capacity with nothing left has no request policy, and a request that names it not then consumes nothing: the
-taint, not the capacity, keeps the scheduler off.)"""
+(A capacity with nothing left has no request policy, and a request that does not name it then consumes its value,
+0: the taint, not the capacity, keeps the scheduler off.)"""
 
 
 class DeviceTaint(msgspec.Struct, frozen=True, kw_only=True):
