@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mpsagent_testing.cgroups import PodCgroup
+from mpsagent_testing.waiting import wait_for
 
 REAL_BIN = shutil.which("nvidia-cuda-mps-control")
 """The real front-end, or None where it is not installed (`require_real_control`)."""
@@ -197,10 +198,18 @@ def plain_daemon(directory: Path, *, logged: bool = True) -> Iterator[tuple[Path
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the control daemon on {pipe} did not answer")
             time.sleep(0.02)
+        if logged:  # the probe's session in the log (it comes a moment after the answer), so that a test counts its own
+            wait_for(lambda: _sessions_closed(logs / "control.log"), 10, "the readiness probe's session in the log")
         yield pipe, daemon
     finally:
         daemon.kill()
         daemon.wait(10)
+
+
+def _sessions_closed(log: Path) -> bool:
+    """Whether the daemon's log shows a control session, and every session it shows closed."""
+    text = log.read_text(errors="replace")
+    return 0 < text.count("NEW UI") == text.count("UI closed")
 
 
 def logged_commands(log: Path) -> list[tuple[float, str]]:
