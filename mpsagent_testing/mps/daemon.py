@@ -199,17 +199,20 @@ def plain_daemon(directory: Path, *, logged: bool = True) -> Iterator[tuple[Path
                 raise RuntimeError(f"the control daemon on {pipe} did not answer")
             time.sleep(0.02)
         if logged:  # the probe's session in the log (it comes a moment after the answer), so that a test counts its own
-            wait_for(lambda: _sessions_closed(logs / "control.log"), 10, "the readiness probe's session in the log")
+            wait_for(lambda: sessions_closed(logs / "control.log"), 10, "the readiness probe's session in the log")
         yield pipe, daemon
     finally:
         daemon.kill()
         daemon.wait(10)
 
 
-def _sessions_closed(log: Path) -> bool:
-    """Whether the daemon's log shows a control session, and every session it shows closed."""
+def sessions_closed(log: Path, last_command: str | None = None) -> bool:
+    """Whether the daemon's log shows a control session (with `last_command` in it, when given) and every session it
+    shows closed: the daemon writes a session's lines a moment after its answers, so a test reads the log once this
+    holds."""
     text = log.read_text(errors="replace")
-    return 0 < text.count("NEW UI") == text.count("UI closed")
+    shown = last_command is None or f"Cmd:{last_command}\n" in text
+    return shown and 0 < text.count("NEW UI") == text.count("UI closed")
 
 
 def logged_commands(log: Path) -> list[tuple[float, str]]:

@@ -66,15 +66,17 @@ KUBELET_PLUGIN_WORDS = ("dra", "DRA", "claim", "Claim", "plugin", "Plugin", "Err
 
 
 def _kubelet_calls_waiting() -> str:
-    """The kubelet's goroutines inside a DRA or device-plugin call, from its pprof handler through the API server:
-    a call the kubelet waits on for an agent's answer shows here and nowhere in its log."""
+    """The kubelet's goroutines inside a DRA or device-plugin call, from its pprof handler (or why they could not be
+    read): a call the kubelet waits on for an agent's answer shows here and nowhere in its log."""
     dump = node.kubelet_goroutines()
+    if dump.startswith("("):
+        return dump
     stacks = [
         stack
         for stack in dump.split("\n\n")
         if any(part in stack.partition("\ncreated by ")[0] for part in ("/cm/dra", "/cm/devicemanager"))
     ]
-    return "\n\n".join(stacks) if stacks else dump[:200] if dump.startswith("(") else "(none)"
+    return "\n\n".join(stacks) if stacks else "(none)"
 
 
 @pytest.hookimpl(hookwrapper=True)

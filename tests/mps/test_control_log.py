@@ -23,7 +23,7 @@ from mpsagent.mps.control_log import (
     Verdict,
     ceiling_command,
 )
-from mpsagent_testing.mps.daemon import plain_daemon, require_real_control, session
+from mpsagent_testing.mps.daemon import plain_daemon, require_real_control, session, sessions_closed
 from mpsagent_testing.waiting import wait_for
 
 WANTED = Ceilings(thread_percentage=25, memory_mib=(5461, 5461))
@@ -199,13 +199,6 @@ def test_lines_of_other_processes_and_stray_text_answer_no_command() -> None:
     ]
 
 
-def every_session_closed(log: Path, last_command: str) -> bool:
-    """Whether the daemon's log shows the last session's command and every session it shows closed. (Counting the
-    sessions does not do: the readiness probe's are not always in the log yet when its answer is back.)"""
-    text = log.read_text()
-    return f"Cmd:{last_command}\n" in text and text.count("NEW UI") == text.count("UI closed")
-
-
 def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> None:
     """Debian's 535 daemon, driven through its front-end: every line after a ceiling command is understood, the
     accepted commands are accepted, the refused ones refused."""
@@ -223,7 +216,7 @@ def test_the_real_daemons_log_reads_as_the_commands_sent(short_dir: Path) -> Non
         for text in sessions:
             assert session(pipe, text).returncode == 0, text
         last = sessions[-1].splitlines()[-1]
-        wait_for(lambda: every_session_closed(log, last), what="every session in the log")
+        wait_for(lambda: sessions_closed(log, last), what="every session in the log")
         found = verdicts(log.read_text().splitlines())
     assert [(v.daemon, v.command.text, v.outcome) for v in found if isinstance(v, Verdict)] == [
         (daemon.pid, "set_default_active_thread_percentage 25", Outcome.ACCEPTED),
