@@ -940,7 +940,10 @@ class HardwareCheck:
         self.control(refused_command, user=65534)
         wait_until(lambda: any(_text_of(v) == refused_command for v in verdicts()), 5)
         outcome = next((v.outcome for v in verdicts() if _text_of(v) == refused_command), None)
-        time.sleep(1.0)  # the watch's polls: a refused command must stay uncounted
+        if outcome is Outcome.ACCEPTED:  # counted once the watch reads it and a publish shows it: waited for
+            wait_until(lambda: self.tamper_count("control_log") == 2, 5)
+        else:
+            time.sleep(1.0)  # the watch's polls and a publish: a refused command must stay uncounted
         count = self.tamper_count("control_log")
         self.report.add(
             "control-log-refused",
