@@ -7,11 +7,13 @@ helm and containerd (with its runc shim and ctr) from their own modules, once fo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from mpsagent_testing.cluster.layout import (
     TOOLS_BIN,
     VERSION_VARIABLE,
 )
+from mpsagent_testing.cluster.wrapper_module import folder_name, minor_of, required_release, wrapper_go_mod
 
 GOMOD = Path(__file__).with_name("gomod")
 BUILD_TIMEOUT_S = 40 * 60
@@ -34,7 +37,7 @@ bound leaves room."""
 OLDEST_GO_MINOR = 21
 """Go 1.21 is the first that fetches the toolchain a module names (the wrapper modules name Go 1.26)."""
 
-_MINOR = KUBERNETES_VERSION.lstrip("v").split(".")[1]
+_MINOR = minor_of(KUBERNETES_VERSION)
 LDFLAGS = " ".join(
     (
         "-s -w",
@@ -45,6 +48,10 @@ LDFLAGS = " ".join(
         f"-X k8s.io/client-go/pkg/version.gitVersion={KUBERNETES_VERSION}",
     )
 )
+
+
+_PROGRESS = ("go: downloading ", "go: finding ", "go: extracting ")
+"""Lines of go's progress, left out of a failure's tail: a cold `go mod tidy` prints hundreds before its error."""
 
 
 class BuildError(RuntimeError):
@@ -59,7 +66,7 @@ def wrapper_module(version: str = KUBERNETES_VERSION) -> Path:
             f"{VERSION_VARIABLE}={version} is not a Kubernetes release the e2e node builds: "
             f"{', '.join(KUBERNETES_VERSIONS)} (mpsagent_testing/cluster/layout.py)"
         )
-    return GOMOD / version.rsplit(".", 1)[0]
+    return GOMOD / folder_name(version)
 
 
 def _recipe(module: Path) -> str:
@@ -128,16 +135,51 @@ def _go() -> str:
     return go
 
 
-def _run_go(argv: list[str], cwd: Path, **extra_env: str) -> None:
-    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly -buildvcs=false", **extra_env}
+def _run_go(argv: list[str], cwd: Path, **extra_env: str) -> str:
+    """What the go command printed on its standard output; BuildError with the tail of both when it failed."""
+    # GOTOOLCHAIN auto (unless the environment says otherwise): a Go older than the release's fetches the one its
+    # go.mod names through the proxy, whatever `go env -w` set (1.38 names Go 1.27).
+    env = {
+        "GOTOOLCHAIN": "auto",
+        **os.environ,
+        "CGO_ENABLED": "0",
+        "GOFLAGS": "-mod=readonly -buildvcs=false",
+        **extra_env,
+    }
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     if done.returncode != 0:
-        raise BuildError(f"{' '.join(argv[:3])} ... failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        said = "".join(line for line in (done.stdout + done.stderr).splitlines(True) if not line.startswith(_PROGRESS))
+        raise BuildError(f"{' '.join(argv[:3])} ... failed:\n{said[-4000:]}")
+    return done.stdout
+
+
+def ensure_wrapper_module(version: str = KUBERNETES_VERSION, *, log: bool = True) -> Path:
+    """The folder of `version`'s wrapper module, made first where it is missing or requires another patch (a release
+    or patch just added to KUBERNETES_VERSIONS): its go.mod from the release's own (fetched through the module
+    proxy), then `go mod tidy`. Made aside and moved into place whole, so that a failure leaves nothing half-made."""
+    module = wrapper_module(version)
+    if required_release(module) == version:
+        return module
+    shown = module.relative_to(GOMOD.parents[2])
+    if log:
+        print(f"e2e-cluster: making {shown}/ for {version} from its go.mod", file=sys.stderr)
+    go = _go()
+    with tempfile.TemporaryDirectory(dir=GOMOD, prefix=f".{module.name}.", ignore_cleanup_errors=True) as made:
+        fetched = json.loads(_run_go([go, "mod", "download", "-json", f"k8s.io/kubernetes@{version}"], Path(made)))
+        (Path(made) / "go.mod").write_text(wrapper_go_mod(version, Path(fetched["GoMod"]).read_text()))
+        shutil.copy(next(GOMOD.glob("v1.*/tools.go")), Path(made) / "tools.go")  # the same in every release
+        _run_go([go, "mod", "tidy"], Path(made), GOFLAGS="")
+        Path(made).chmod(0o755)  # a temporary folder is its owner's alone
+        shutil.rmtree(module, ignore_errors=True)
+        Path(made).rename(module)
+    if log:
+        print(f"e2e-cluster: made {shown}/: commit it with the table", file=sys.stderr)
+    return module
 
 
 def ensure_binaries(log: bool = True) -> dict[str, float]:
     """Build what is missing or stale; the seconds each build took (empty when everything was current)."""
-    module = wrapper_module()
+    module = ensure_wrapper_module(log=log)
     took: dict[str, float] = {}
     recipe = _recipe(module)
     stale = [name for name in COMMANDS if not _current(name, recipe)]

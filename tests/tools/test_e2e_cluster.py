@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mpsagent_testing.cluster import build, layout
+from mpsagent_testing.cluster.wrapper_module import wrapper_go_mod
 from mpsagent_testing.repo import ROOT
 
 
@@ -94,3 +95,123 @@ def test_debian_s_backported_go_is_found_past_an_older_go_on_path(
     assert candidates == [on_path, "/usr/local/go/bin/go", debian_123, debian_119]
     assert build.find_go([on_path, debian_123, debian_119]) == debian_123
     assert build.find_go([on_path, debian_119]) is None
+
+
+RELEASE_GO_MOD = """module k8s.io/kubernetes
+
+go 1.27.0
+
+godebug default=go1.27
+
+require k8s.io/api v0.0.0
+
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/code-generator => ./staging/src/k8s.io/code-generator
+\tk8s.io/kubelet => ./staging/src/k8s.io/kubelet
+\tk8s.io/sample-apiserver => ./staging/src/k8s.io/sample-apiserver
+\tgithub.com/elsewhere/thing => github.com/elsewhere/thing v1.2.3
+)
+"""
+"""What matters of a release's own go.mod: its Go version and which modules it replaces with its staging tree."""
+
+FAKE_GO = """#!{python}
+import json, os, pathlib, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_GO_CALLS"], "a") as calls:
+    calls.write(" ".join(args) + "\\n")
+if args[:3] == ["mod", "download", "-json"]:
+    print(json.dumps({{"Path": "k8s.io/kubernetes", "GoMod": os.environ["FAKE_GO_RELEASE_MOD"]}}))
+elif args == ["mod", "tidy"]:
+    if os.environ.get("FAKE_GO_TIDY_FAILS"):
+        sys.exit("go: downloading k8s.io/api v0.38.0\\ngo: sigs.k8s.io/gone@v1.0.0: 403 Forbidden")
+    required = pathlib.Path("go.mod").read_text().split("require k8s.io/kubernetes ")[1].split()[0]
+    pathlib.Path("go.sum").write_text(f"k8s.io/kubernetes {{required}} h1:fake=\\n")
+else:
+    sys.exit(f"fake go: unexpected {{args}}")
+"""
+
+
+@pytest.fixture
+def gomod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the wrapper modules' folder the build reads, and a go command that fetches a release's go.mod
+    (RELEASE_GO_MOD) and tidies, recording its calls."""
+    folder = tmp_path / "repo" / "cluster" / "gomod"
+    (folder / "v1.37").mkdir(parents=True)
+    for name in ("go.mod", "go.sum", "tools.go"):
+        (folder / "v1.37" / name).write_bytes((build.GOMOD / "v1.37" / name).read_bytes())
+    go = tmp_path / "go"
+    go.write_text(FAKE_GO.format(python=sys.executable))
+    go.chmod(0o755)
+    (tmp_path / "release.mod").write_text(RELEASE_GO_MOD)
+    monkeypatch.setenv("FAKE_GO_CALLS", str(tmp_path / "calls"))
+    monkeypatch.setenv("FAKE_GO_RELEASE_MOD", str(tmp_path / "release.mod"))
+    monkeypatch.setattr(build, "GOMOD", folder)
+    monkeypatch.setattr(build, "_go", lambda: str(go))
+    return folder
+
+
+def go_calls(gomod: Path) -> list[str]:
+    calls = gomod.parents[2] / "calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_a_release_added_to_the_table_gets_its_wrapper_module_made_from_its_own_go_mod(
+    gomod: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "KUBERNETES_VERSIONS", ("v1.38.0", *layout.KUBERNETES_VERSIONS))
+    made = build.ensure_wrapper_module("v1.38.0", log=False)
+    assert made == gomod / "v1.38"
+    go_mod = (made / "go.mod").read_text()
+    assert "\ngo 1.27.0\n" in go_mod  # the Go the release names
+    assert re.findall(r"^require k8s\.io/kubernetes (\S+)$", go_mod, re.MULTILINE) == ["v1.38.0"]
+    # Its staging modules at their release of the same patch; the generators and samples no command imports, and
+    # what it replaces with other modules, left out.
+    assert re.findall(r"^\t(\S+) => (\S+) (\S+)$", go_mod, re.MULTILINE) == [
+        ("k8s.io/api", "k8s.io/api", "v0.38.0"),
+        ("k8s.io/kubelet", "k8s.io/kubelet", "v0.38.0"),
+    ]
+    assert (made / "go.sum").read_text() == "k8s.io/kubernetes v1.38.0 h1:fake=\n"  # go mod tidy ran there
+    assert (made / "tools.go").read_bytes() == (gomod / "v1.37" / "tools.go").read_bytes()
+    assert go_calls(gomod) == ["mod download -json k8s.io/kubernetes@v1.38.0", "mod tidy"]
+    assert sorted(p.name for p in gomod.iterdir()) == ["v1.37", "v1.38"]  # nothing made aside is left
+
+    assert build.ensure_wrapper_module("v1.38.0", log=False) == made  # made once: the next build asks go nothing
+    assert len(go_calls(gomod)) == 2
+
+
+def test_a_new_patch_of_a_listed_release_remakes_its_wrapper_module_and_a_failure_leaves_the_old_one(
+    gomod: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "KUBERNETES_VERSIONS", ("v1.37.3",))
+    before = {name: (gomod / "v1.37" / name).read_bytes() for name in ("go.mod", "go.sum", "tools.go")}
+    monkeypatch.setenv("FAKE_GO_TIDY_FAILS", "1")
+    with pytest.raises(build.BuildError) as failed:
+        build.ensure_wrapper_module("v1.37.3", log=False)
+    assert "sigs.k8s.io/gone@v1.0.0: 403 Forbidden" in str(failed.value)
+    assert "go: downloading" not in str(failed.value)  # go's progress left out of the tail
+    assert {name: (gomod / "v1.37" / name).read_bytes() for name in before} == before
+    assert [p.name for p in gomod.iterdir()] == ["v1.37"]
+
+    monkeypatch.delenv("FAKE_GO_TIDY_FAILS")
+    build.ensure_wrapper_module("v1.37.3", log=False)
+    assert build.wrapper_module("v1.37.3") == gomod / "v1.37"
+    assert "require k8s.io/kubernetes v1.37.3\n" in (gomod / "v1.37" / "go.mod").read_text()
+    assert (gomod / "v1.37" / "go.sum").read_text() == "k8s.io/kubernetes v1.37.3 h1:fake=\n"
+
+
+@pytest.mark.parametrize("version", layout.KUBERNETES_VERSIONS)
+def test_each_committed_wrapper_module_is_what_its_release_s_go_mod_makes(version: str) -> None:
+    """The committed go.mod, its indirect requirements aside (go mod tidy writes those), is what `wrapper_go_mod`
+    makes from a release's go.mod that replaces those staging modules, a generator and a sample."""
+    committed = (build.wrapper_module(version) / "go.mod").read_text()
+    staging = re.findall(r"^\t(k8s\.io/\S+) => ", committed, re.MULTILINE)
+    go = re.findall(r"^go (\S+)$", committed, re.MULTILINE)[0]
+    replaced = [*staging, "k8s.io/code-generator", "k8s.io/sample-controller"]
+    release_go_mod = (
+        f"module k8s.io/kubernetes\n\ngo {go}\n\nreplace (\n"
+        + "".join(f"\t{name} => ./staging/src/{name}\n" for name in replaced)
+        + ")\n"
+    )
+    without_indirect = re.sub(r"\nrequire \(\n.*?\n\)\n", "", committed, flags=re.DOTALL)
+    assert wrapper_go_mod(version, release_go_mod) == without_indirect
