@@ -166,7 +166,11 @@ def ensure_wrapper_module(version: str = KUBERNETES_VERSION, *, log: bool = True
     go = _go()
     with tempfile.TemporaryDirectory(dir=GOMOD, prefix=f".{module.name}.", ignore_cleanup_errors=True) as made:
         fetched = json.loads(_run_go([go, "mod", "download", "-json", f"k8s.io/kubernetes@{version}"], Path(made)))
-        (Path(made) / "go.mod").write_text(wrapper_go_mod(version, Path(fetched["GoMod"]).read_text()))
+        try:
+            go_mod = wrapper_go_mod(version, Path(fetched["GoMod"]).read_text())
+        except ValueError as exc:  # a release in the table that is no Kubernetes 1.x, or a go.mod not its kind
+            raise BuildError(f"{exc} (KUBERNETES_VERSIONS, mpsagent_testing/cluster/layout.py)") from None
+        (Path(made) / "go.mod").write_text(go_mod)
         shutil.copy(next(GOMOD.glob("v1.*/tools.go")), Path(made) / "tools.go")  # the same in every release
         _run_go([go, "mod", "tidy"], Path(made), GOFLAGS="")
         Path(made).chmod(0o755)  # a temporary folder is its owner's alone

@@ -55,7 +55,8 @@ def wrapper_go_mod(version: str, kubernetes_go_mod: str) -> str:
     modules = staging_modules(kubernetes_go_mod)
     if go is None or not modules:
         raise ValueError(f"k8s.io/kubernetes {version}'s go.mod names no Go version or no staging module")
-    replaced = "".join(f"\t{name} => {name} {staging_release(version)}\n" for name in modules)
+    release = staging_release(version)
+    replaced = "".join(f"\t{name} => {name} {release}\n" for name in modules)
     return (
         f"{HEADER}module {MODULE_PATH}\n\ngo {go.group(1)}\n\nrequire k8s.io/kubernetes {version}\n\n"
         f"replace (\n{replaced})\n"

@@ -215,3 +215,16 @@ def test_each_committed_wrapper_module_is_what_its_release_s_go_mod_makes(versio
     )
     without_indirect = re.sub(r"\nrequire \(\n.*?\n\)\n", "", committed, flags=re.DOTALL)
     assert wrapper_go_mod(version, release_go_mod) == without_indirect
+
+
+def test_a_release_in_the_table_that_is_no_kubernetes_1_x_is_refused_naming_the_table(
+    gomod: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "KUBERNETES_VERSIONS", ("v2.0.0",))
+    with pytest.raises(build.BuildError) as refused:
+        build.ensure_wrapper_module("v2.0.0", log=False)
+    assert str(refused.value) == (
+        "v2.0.0 is not a Kubernetes 1.x release (v1.<minor>.<patch>) "
+        "(KUBERNETES_VERSIONS, mpsagent_testing/cluster/layout.py)"
+    )
+    assert [p.name for p in gomod.iterdir()] == ["v1.37"]
